@@ -1,0 +1,230 @@
+"""Settings of tiermem: the :class:`Config` dataclass and its ``TIERMEM_*`` variables.
+
+Every setting is declared once, as a dataclass field whose metadata holds its
+environment variable, its parser and its documentation. ``Config.from_env``,
+the validation of keyword arguments and the README's table
+(:func:`env_table_markdown`) are all derived from those declarations.
+
+Precedence: keyword argument > environment variable > default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Union
+
+from .errors import ConfigError
+
+__all__ = ["Config", "env_table_markdown", "parse_size", "parse_bool"]
+
+_log = logging.getLogger("tiermem")
+
+POLICY_NAMES = ("keep", "cpu", "nvme", "recompute", "auto")
+ENGINE_NAMES = ("auto", "cpp", "python")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
+    "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_TRUE = ("1", "true", "on", "yes")
+_FALSE = ("0", "false", "off", "no")
+
+
+def parse_size(text: str, *, name: str) -> int:
+    """Parse ``4096``, ``512MiB``, ``16GB`` (decimal kB/MB/GB, binary KiB/MiB/GiB) to bytes.
+
+    Raises :class:`ConfigError` naming ``name`` and the value when it is not a size.
+    """
+    m = _SIZE_RE.match(str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _SIZE_UNITS:
+        raise ConfigError(
+            f"tiermem: {name}={text!r} is not a size; use bytes or a suffix, "
+            "e.g. 4096, 512MiB, 16GB")
+    return int(float(m.group(1)) * _SIZE_UNITS[unit])
+
+
+def parse_bool(text: str, *, name: str) -> bool:
+    """Parse ``1/0/true/false/on/off/yes/no`` (any case)."""
+    low = str(text).strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ConfigError(
+        f"tiermem: {name}={text!r} is not a boolean; use one of 1/0/true/false/on/off/yes/no")
+
+
+def _choice(choices: tuple[str, ...]) -> Callable[[str, str], str]:
+    def parse(text: str, name: str) -> str:
+        low = str(text).strip().lower()
+        if low not in choices:
+            raise ConfigError(
+                f"tiermem: {name}={text!r} is not valid; choose one of {', '.join(choices)}")
+        return low
+    return parse
+
+
+def _size(text: str, name: str) -> int:
+    return parse_size(text, name=name)
+
+
+def _bool(text: str, name: str) -> bool:
+    return parse_bool(text, name=name)
+
+
+def _int(text: str, name: str) -> int:
+    try:
+        return int(str(text).strip())
+    except ValueError:
+        raise ConfigError(f"tiermem: {name}={text!r} is not an integer") from None
+
+
+def _path(text: str, name: str) -> str:
+    text = str(text)
+    if not text.strip():
+        raise ConfigError(f"tiermem: {name}={text!r} is an empty path")
+    return os.path.abspath(os.path.expanduser(text))
+
+
+def _setting(env: str, parse: Callable[[str, str], Any], doc: str, default: Any = None,
+             default_doc: Optional[str] = None, minimum: Optional[int] = None) -> Any:
+    meta = {"env": env, "parse": parse, "doc": doc, "min": minimum,
+            "default_doc": default_doc if default_doc is not None else repr(default)}
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Every setting of tiermem. Field ``x`` is read from ``TIERMEM_X``.
+
+    Build one with :meth:`from_env` (environment + keyword overrides); the
+    constructor itself validates nothing beyond what :meth:`from_env` does, so
+    prefer ``Config.from_env(**kwargs)``. ``None`` on a budget means "derive a
+    default at run time" (see the README).
+    """
+
+    policy: Union[str, Callable, None] = _setting(
+        "TIERMEM_POLICY", _choice(POLICY_NAMES),
+        "Tier policy: keep, cpu, nvme, recompute, auto (argument: also a callable "
+        "`(TensorInfo) -> Tier`). Unset: cpu for CUDA tensors; on the CPU nvme if "
+        "an NVMe dir is set, else keep.", default_doc="unset")
+    nvme_dir: Optional[str] = _setting(
+        "TIERMEM_NVME_DIR", _path, "Directory for the NVMe tier's files.", default_doc="unset")
+    min_offload_bytes: int = _setting(
+        "TIERMEM_MIN_OFFLOAD_BYTES", _size,
+        "Saved tensors smaller than this stay where they are (a transfer this small "
+        "costs more in launch latency than it saves).", default=64 * 1024,
+        default_doc="64KiB", minimum=0)
+    cpu_budget: Optional[int] = _setting(
+        "TIERMEM_CPU_BUDGET", _size,
+        "Most host bytes the cpu tier holds; when full, tensors stay on the device "
+        "(one warning). Unset: half the RAM available at start, divided by "
+        "LOCAL_WORLD_SIZE.", default_doc="auto", minimum=0)
+    nvme_budget: Optional[int] = _setting(
+        "TIERMEM_NVME_BUDGET", _size, "Most bytes the nvme tier keeps on disk.",
+        default_doc="auto", minimum=0)
+    gpu_budget: Optional[int] = _setting(
+        "TIERMEM_GPU_BUDGET", _size,
+        "Device bytes of saved activations the auto planner aims for.",
+        default_doc="auto", minimum=0)
+    prefetch_bytes: int = _setting(
+        "TIERMEM_PREFETCH_BYTES", _size,
+        "Most bytes brought back ahead of need in backward (restored but not yet "
+        "used).", default=256 * 1024**2, default_doc="256MiB", minimum=0)
+    engine: str = _setting(
+        "TIERMEM_ENGINE", _choice(ENGINE_NAMES),
+        "NVMe I/O engine: auto (C++, else Python with a warning), cpp, python.",
+        default="auto", default_doc="auto")
+    io_threads: int = _setting(
+        "TIERMEM_IO_THREADS", _int, "Worker threads of the I/O engine.", default=4,
+        default_doc="4", minimum=1)
+    verify: bool = _setting(
+        "TIERMEM_VERIFY", _bool, "Checksum each NVMe tensor and check it on read.",
+        default=False, default_doc="0")
+    disable: bool = _setting(
+        "TIERMEM_DISABLE", _bool, "Turn every Offloader into a no-op.",
+        default=False, default_doc="0")
+    log: str = _setting(
+        "TIERMEM_LOG", _choice(LOG_LEVELS), "Log level of the `tiermem` logger.",
+        default="warning", default_doc="warning")
+
+    @classmethod
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None, **overrides: Any) -> "Config":
+        """Read ``TIERMEM_*`` from ``environ`` (default ``os.environ``), then apply
+        keyword ``overrides`` (field names). ``None`` overrides are ignored, so
+        ``Offloader(policy=None)`` means "not given".
+
+        Raises :class:`ConfigError` for unknown names and bad values.
+        """
+        environ = os.environ if environ is None else environ
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - set(known))
+        if unknown:
+            raise ConfigError(
+                f"tiermem: unknown setting(s) {', '.join(unknown)}; valid: {', '.join(known)}")
+        values: dict[str, Any] = {}
+        for name, f in known.items():
+            env = f.metadata["env"]
+            if overrides.get(name) is not None:
+                values[name] = _from_argument(f, overrides[name])
+            elif environ.get(env, "").strip() != "":
+                values[name] = _check_min(f, f.metadata["parse"](environ[env], env), env)
+        cfg = cls(**values)
+        _configure_logging(cfg.log)
+        return cfg
+
+    def replace(self, **changes: Any) -> "Config":
+        """A copy with ``changes`` validated like keyword arguments."""
+        checked = {}
+        for name, value in changes.items():
+            fields = {f.name: f for f in dataclasses.fields(self)}
+            if name not in fields:
+                raise ConfigError(f"tiermem: unknown setting {name}; valid: {', '.join(fields)}")
+            checked[name] = None if value is None else _from_argument(fields[name], value)
+        return dataclasses.replace(self, **checked)
+
+
+def _from_argument(f: dataclasses.Field, value: Any) -> Any:
+    """Validate a keyword argument. Strings go through the variable's parser (so
+    ``cpu_budget="8GiB"`` works); the message names the argument, not the variable."""
+    name = f.name
+    if name == "policy" and callable(value):
+        return value
+    if isinstance(value, bool) and f.metadata["parse"] is _bool:
+        return value
+    if isinstance(value, str):
+        return _check_min(f, f.metadata["parse"](value, name), name)
+    if f.metadata["parse"] in (_size, _int) and isinstance(value, int) and not isinstance(value, bool):
+        return _check_min(f, value, name)
+    if name == "nvme_dir" and isinstance(value, os.PathLike):
+        return _path(os.fspath(value), name)
+    raise ConfigError(f"tiermem: {name}={value!r} has the wrong type ({type(value).__name__})")
+
+
+def _check_min(f: dataclasses.Field, value: Any, name: str) -> Any:
+    minimum = f.metadata["min"]
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"tiermem: {name}={value!r} must be at least {minimum}")
+    return value
+
+
+def _configure_logging(level: str) -> None:
+    _log.setLevel(getattr(logging, level.upper()))
+
+
+def env_table_markdown() -> str:
+    """The README's table of ``TIERMEM_*`` variables, generated from :class:`Config`."""
+    rows = ["| variable | argument | default | meaning |", "| --- | --- | --- | --- |"]
+    for f in dataclasses.fields(Config):
+        m = f.metadata
+        rows.append(f"| `{m['env']}` | `{f.name}` | {m['default_doc']} | {m['doc']} |")
+    return "\n".join(rows)

@@ -1,0 +1,167 @@
+"""Asynchronous copies between a tensor's device and host buffers.
+
+Two engines with one interface, ``copy_out(src, dst) -> Job`` and
+``copy_in(src, dst) -> Job``:
+
+- :class:`CudaCopier`: one device-to-host and one host-to-device side stream
+  per device; copies wait on the compute stream with an event, never on the
+  host. ``Job.done()`` is ``event.query()``; a consumer orders itself after
+  the copy with ``Job.order_before_use()`` (``current_stream.wait_event``).
+- :class:`ThreadCopier`: for CPU tensors (and CPU-only machines), two worker
+  threads (out, in) run ``dst.copy_(src)`` in FIFO order; torch releases the
+  GIL inside the copy. ``Job.order_before_use()`` blocks until the copy is done.
+  This runs the same wait/free ordering as CUDA in CI.
+
+# NOTE [Stream lifetime]
+# 1. Copy out: the D2H stream waits for the compute stream (event recorded at
+#    pack), so it reads the tensor after its producer wrote it. The source
+#    tensor is held by its handle until the forward thread sees the copy's
+#    event complete (``Job.done()``), and only then dropped; the caching
+#    allocator may then hand the block to the compute stream at once, since no
+#    work of another stream still reads it. Hence no ``record_stream`` on the
+#    source.
+# 2. Copy in: the destination is allocated while the *compute* stream is
+#    current, so the block belongs to the compute stream's pool and is freed
+#    there after its consumer; the H2D stream first waits on the compute stream
+#    (the block may be a just-freed one that queued kernels still read), then
+#    copies; the consumer waits on the copy's event before use.
+# 3. Pinned buffers: a buffer goes back to the pool together with the job that
+#    last used it; the pool hands it out again only once that job is done
+#    (``HostPool.acquire``), so a new D2H copy can never overwrite bytes an H2D
+#    copy is still reading, nor the reverse.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable, Optional
+
+import torch
+
+__all__ = ["Job", "ThreadCopier", "CudaCopier", "copier_for"]
+
+
+class Job:
+    """A copy in flight."""
+
+    def done(self) -> bool:
+        raise NotImplementedError
+
+    def order_before_use(self) -> None:
+        """Make the current consumer (host thread or current CUDA stream) see the copy."""
+        raise NotImplementedError
+
+    def wait_host(self) -> None:
+        """Block the host until the copy is complete."""
+        raise NotImplementedError
+
+
+class _ThreadJob(Job):
+    __slots__ = ("_event", "error")
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.error: Optional[BaseException] = None
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait_host(self) -> None:
+        self._event.wait()
+        if self.error is not None:
+            raise self.error
+
+    order_before_use = wait_host
+
+
+class _Worker:
+    """One daemon thread running copy jobs in FIFO order."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], None]) -> _ThreadJob:
+        job = _ThreadJob()
+        self._queue.put((fn, job))
+        return job
+
+    def _run(self) -> None:
+        while True:
+            fn, job = self._queue.get()
+            try:
+                fn()
+            except BaseException as e:  # handed to the waiter, never lost
+                job.error = e
+            job._event.set()
+            del fn, job
+
+
+class ThreadCopier:
+    """Copies on two process-wide worker threads (see module docstring)."""
+
+    _lock = threading.Lock()
+    _workers: Optional[tuple] = None
+
+    def __init__(self) -> None:
+        with ThreadCopier._lock:
+            if ThreadCopier._workers is None:
+                ThreadCopier._workers = (_Worker("tiermem-copy-out"), _Worker("tiermem-copy-in"))
+        self._out, self._in = ThreadCopier._workers
+
+    def copy_out(self, src: torch.Tensor, dst: torch.Tensor) -> Job:
+        return self._out.submit(lambda: dst.copy_(src))
+
+    def copy_in(self, src: torch.Tensor, dst: torch.Tensor) -> Job:
+        return self._in.submit(lambda: dst.copy_(src))
+
+
+class _CudaJob(Job):
+    __slots__ = ("event", "device")
+
+    def __init__(self, event, device: torch.device) -> None:
+        self.event = event
+        self.device = device
+
+    def done(self) -> bool:
+        return self.event.query()
+
+    def order_before_use(self) -> None:
+        torch.cuda.current_stream(self.device).wait_event(self.event)
+
+    def wait_host(self) -> None:
+        self.event.synchronize()
+
+
+class CudaCopier:
+    """Copies on two side streams of one CUDA device. See NOTE [Stream lifetime]."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._d2h = torch.cuda.Stream(device)
+        self._h2d = torch.cuda.Stream(device)
+
+    def _copy(self, stream, src: torch.Tensor, dst: torch.Tensor) -> Job:
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return _CudaJob(event, self.device)
+
+    def copy_out(self, src: torch.Tensor, dst: torch.Tensor) -> Job:
+        return self._copy(self._d2h, src, dst)
+
+    def copy_in(self, src: torch.Tensor, dst: torch.Tensor) -> Job:
+        return self._copy(self._h2d, src, dst)
+
+
+def copier_for(device: torch.device, cache: dict):
+    """The copier for tensors on ``device`` (cached in ``cache``)."""
+    key = (device.type, device.index)
+    c = cache.get(key)
+    if c is None:
+        c = cache[key] = CudaCopier(device) if device.type == "cuda" else ThreadCopier()
+    return c

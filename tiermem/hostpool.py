@@ -1,0 +1,119 @@
+"""Pool of reusable host buffers under a byte budget.
+
+Activations repeat their sizes every step, so buffers are kept in free lists by
+size class and handed out again in the next step: after the first step the cpu
+tier allocates nothing.
+
+- Pinned buffers (for CUDA tensors) come from ``torch.empty(pin_memory=True)``,
+  i.e. torch's caching host allocator, which rounds every request up to a power
+  of two. Our size classes use the same rounding, so the bytes we count against
+  the budget are the bytes really pinned (up to 2x the tensor; activation sizes
+  are mostly powers of two times small factors).
+- Pageable buffers (CPU tensors, CPU-only machines) use exact sizes.
+
+A returned buffer carries the :class:`~tiermem.copier.Job` that last used it;
+it is handed out again only once that job is done. See NOTE [Stream lifetime].
+
+The pool is thread-safe: buffers come back from whichever thread autograd frees
+a handle on.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import torch
+
+__all__ = ["HostPool"]
+
+_MIN_PINNED_CLASS_BYTES = 4096
+
+
+def _pinned_class(nbytes: int) -> int:
+    n = max(nbytes, _MIN_PINNED_CLASS_BYTES)
+    return 1 << (n - 1).bit_length()
+
+
+class HostPool:
+    """Host buffers (flat ``uint8`` tensors) by size class, within ``budget_bytes``.
+
+    ``held_bytes`` (in use + free) never exceeds the budget: ``acquire`` first
+    frees idle buffers of other classes, then returns ``None`` if the request
+    still does not fit.
+    """
+
+    def __init__(self, budget_bytes: int, pinned: bool) -> None:
+        self.budget_bytes = budget_bytes
+        self.pinned = pinned
+        self._lock = threading.Lock()
+        self._free: dict[int, list] = {}     # class -> [(buffer, job or None)]
+        self.in_use_bytes = 0
+        self.free_bytes = 0
+        self.allocations = 0                  # buffers ever allocated (reuse check)
+
+    @property
+    def held_bytes(self) -> int:
+        return self.in_use_bytes + self.free_bytes
+
+    def class_bytes(self, nbytes: int) -> int:
+        return _pinned_class(nbytes) if self.pinned else nbytes
+
+    def acquire(self, nbytes: int) -> Optional[torch.Tensor]:
+        """A buffer of at least ``nbytes`` (its length is the class size), or
+        ``None`` when the budget has no room."""
+        cls = self.class_bytes(nbytes)
+        with self._lock:
+            buf = self._take_ready(cls)
+            if buf is not None:
+                self.free_bytes -= cls
+                self.in_use_bytes += cls
+                return buf
+            if self.held_bytes + cls > self.budget_bytes:
+                self._trim(self.held_bytes + cls - self.budget_bytes)
+                if self.held_bytes + cls > self.budget_bytes:
+                    return None
+            self.in_use_bytes += cls
+            self.allocations += 1
+        try:
+            return torch.empty(cls, dtype=torch.uint8, pin_memory=self.pinned)
+        except BaseException:
+            with self._lock:
+                self.in_use_bytes -= cls
+            raise
+
+    def release(self, buf: torch.Tensor, job=None) -> None:
+        """Give ``buf`` back; it is reused once ``job`` (if any) is done."""
+        cls = buf.numel()
+        with self._lock:
+            self.in_use_bytes -= cls
+            self.free_bytes += cls
+            self._free.setdefault(cls, []).append((buf, job))
+
+    def clear(self) -> None:
+        """Drop every idle buffer (in-use ones are unaffected)."""
+        with self._lock:
+            self._trim(self.free_bytes)
+
+    def _take_ready(self, cls: int) -> Optional[torch.Tensor]:
+        entries = self._free.get(cls)
+        if not entries:
+            return None
+        for i, (buf, job) in enumerate(entries):
+            if job is None or job.done():
+                del entries[i]
+                return buf
+        return None
+
+    def _trim(self, want_bytes: int) -> None:
+        """Free idle buffers until ``want_bytes`` are gone or none is idle and ready."""
+        for cls in sorted(self._free, reverse=True):
+            entries = self._free[cls]
+            keep = []
+            for buf, job in entries:
+                if want_bytes > 0 and (job is None or job.done()):
+                    want_bytes -= cls
+                    self.free_bytes -= cls
+                else:
+                    keep.append((buf, job))
+            self._free[cls] = keep

@@ -1,0 +1,363 @@
+"""The hook manager: :class:`Offloader`, :func:`offload`, :func:`no_offload`.
+
+Data flows one way: pack -> policy -> tier.put -> handle; unpack -> handle ->
+tier.get -> tensor; autograd dropping a handle -> buffers back to the pools.
+
+# NOTE [Pack order of checks]
+# The pack hook runs for every saved tensor, so its checks are ordered from
+# cheapest to dearest and stop at the first that decides: small tensors, then
+# parameters/buffers, then a fixed "keep" policy, then unmovable tensors, then the
+# dedup lookup, and only then the policy (a callable policy gets a TensorInfo;
+# a named one needs none). Kept tensors are never deduplicated: keeping a
+# tensor twice costs nothing.
+#
+# NOTE [Dedup]
+# A tensor saved by several ops in one step is stored once. The key is
+# (storage pointer, offset, sizes, strides, dtype, version); since a freed
+# storage's address can be reused by a new tensor of the same shape, each entry
+# also holds a weak reference to the storage and is only a hit while that
+# storage is alive.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from typing import Any, Optional
+
+import psutil
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from .config import Config
+from .errors import ConfigError, TierMemError
+from .policy import Tier, TensorInfo, as_tier, resolve_policy
+from .prefetch import Prefetcher
+from .telemetry import StepStats
+from .tiers.host import HostStore
+from .tiers.keep import Kept, KeepStore, check_version
+from .tracker import ModuleStack, current_module
+
+__all__ = ["Offloader", "OffloadContext", "offload", "no_offload", "default_cpu_budget_bytes"]
+
+_log = logging.getLogger("tiermem")
+
+#: Where a tensor goes when its tier is full, in order.
+_FALLBACK = {Tier.CPU: (Tier.KEEP,), Tier.NVME: (Tier.CPU, Tier.KEEP),
+             Tier.RECOMPUTE: (Tier.KEEP,), Tier.KEEP: ()}
+
+
+def default_cpu_budget_bytes() -> int:
+    """Half the RAM available now, shared among the node's ranks.
+
+    Half, because the rest of the process (data loading, optimizer state on the
+    host, pinned staging of other libraries, page cache) needs room too and an
+    out-of-memory kill loses the run; divided by ``LOCAL_WORLD_SIZE`` (set by
+    torchrun) because every rank on the node starts its own Offloader.
+    """
+    try:
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        ranks = 1
+    return psutil.virtual_memory().available // 2 // ranks
+
+
+def _is_param(t: torch.Tensor, param_storages: set) -> bool:
+    """Parameters, buffers and user leaves that require grad (never moved).
+
+    nn.Linear saves ``weight.t()``, a *view* of a Parameter, so the storage is
+    what counts, not the Python type.
+    """
+    if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
+        return True
+    if t.is_leaf and t.requires_grad:
+        return True
+    base = t._base if t._base is not None else t
+    if base.is_leaf and base.requires_grad:
+        return True
+    return bool(param_storages) and t.untyped_storage().data_ptr() in param_storages
+
+
+def _movable(t: torch.Tensor) -> bool:
+    return (type(t) is torch.Tensor and t.layout == torch.strided
+            and t.device.type in ("cpu", "cuda"))
+
+
+class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
+    """One step of an :class:`Offloader`: the forward pass under ``with``, and the
+    backward that consumes its saved tensors. ``stats`` holds what it did."""
+
+    def __init__(self, offloader: "Offloader") -> None:
+        self._off = offloader
+        self.stats = StepStats()
+        self.prefetcher = Prefetcher(offloader.config.prefetch_bytes)
+        self._index = 0
+        self._dedup: dict = {}
+        self._param_storages: set = set()
+        self._seen_roots: set = set()
+        self._modules = ModuleStack(on_root=self._on_root)
+        super().__init__(self._pack, self._unpack)
+
+    # -- module tracking --------------------------------------------------
+    def _on_root(self, module: torch.nn.Module) -> None:
+        if id(module) in self._seen_roots:
+            return
+        self._seen_roots.add(id(module))
+        for p in module.parameters():
+            self._param_storages.add(p.untyped_storage().data_ptr())
+        for b in module.buffers():
+            self._param_storages.add(b.untyped_storage().data_ptr())
+
+    # -- hooks ------------------------------------------------------------
+    def _pack(self, t: torch.Tensor) -> Any:
+        off = self._off
+        stats = self.stats
+        off._poll()
+        nbytes = t.numel() * t.element_size()
+        if nbytes < off._min_bytes or nbytes == 0:
+            stats.small_count += 1
+            stats.record(Tier.KEEP, nbytes)
+            return Kept(t, "")
+        if _is_param(t, self._param_storages):
+            stats.param_count += 1
+            return Kept(t, "")
+        fixed = off._fixed
+        if fixed is Tier.KEEP:
+            stats.record(Tier.KEEP, nbytes)
+            return Kept(t, "")
+        if not _movable(t):
+            stats.unsupported_count += 1
+            stats.record(Tier.KEEP, nbytes)
+            return Kept(t, current_module())
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.size()),
+               t.stride(), t.dtype, t._version)
+        hit = self._dedup.get(key)
+        if hit is not None:
+            storage_ref, handle_ref = hit
+            handle = handle_ref()
+            if handle is not None and not storage_ref.expired():
+                stats.dedup_hits += 1
+                return handle
+        module = current_module()
+        index = self._index
+        self._index += 1
+        if fixed is None:
+            info = TensorInfo(t.shape, t.dtype, t.device, nbytes, module, None, index, False)
+            tier = as_tier(off._policy_fn(info), source="the policy")
+        else:
+            tier = fixed
+        handle = off._put(tier, t, self, module, nbytes)
+        if type(handle) is not Kept:
+            self._dedup[key] = (StorageWeakRef(t.untyped_storage()), weakref.ref(handle))
+        return handle
+
+    @staticmethod
+    def _unpack(handle: Any) -> torch.Tensor:
+        if type(handle) is Kept:
+            check_version(handle.tensor, handle.version, handle.module)
+            return handle.tensor
+        return handle.store.get(handle)
+
+    # -- context ----------------------------------------------------------
+    def __enter__(self) -> "OffloadContext":
+        self._modules.__enter__()
+        try:
+            super().__enter__()
+        except BaseException:
+            self._modules.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            super().__exit__(exc_type, exc, tb)
+        finally:
+            self._modules.__exit__(exc_type, exc, tb)
+            self._dedup.clear()
+            self._param_storages.clear()
+            self._seen_roots.clear()
+            self._off._exit(self, failed=exc_type is not None)
+
+
+class _NoOpContext:
+    """What ``with`` gives when tiermem is disabled (``TIERMEM_DISABLE=1``)."""
+
+    def __init__(self) -> None:
+        self.stats = StepStats()
+
+    def __enter__(self) -> "_NoOpContext":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+class Offloader:
+    """Decides, per saved activation of the wrapped forward pass, where it lives.
+
+    ``Offloader(policy=..., **settings)``: every field of :class:`~tiermem.Config`
+    is a keyword argument; arguments override ``TIERMEM_*`` variables, which
+    override defaults. Enter it around each forward pass (``with off:``); it is
+    cheap to enter and keeps its buffer pools across steps. ``stats`` is the last
+    step's :class:`~tiermem.StepStats`. One Offloader is active in one thread at
+    a time; use one per thread. ``close()`` frees its pools.
+
+    Raises :class:`ConfigError` for bad settings and :class:`TierMemError` at
+    unpack when a saved tensor was modified in place (as autograd would).
+    """
+
+    def __init__(self, policy: Any = None, **settings: Any) -> None:
+        self.config = Config.from_env(policy=policy, **settings)
+        cfg = self.config
+        self.stats = StepStats()
+        self._lock = threading.Lock()
+        self._active_thread: Optional[int] = None
+        self._warned: set = set()
+        if cfg.disable:
+            return
+        self._fixed, self._policy_fn = resolve_policy(cfg.policy, nvme_dir=cfg.nvme_dir)
+        self._min_bytes = cfg.min_offload_bytes
+        budget = cfg.cpu_budget if cfg.cpu_budget is not None else default_cpu_budget_bytes()
+        self.cpu_budget_bytes = budget
+        self._stores = {Tier.KEEP: KeepStore(), Tier.CPU: HostStore(budget)}
+        self._movers = [s for s in self._stores.values() if s.tier is not Tier.KEEP]
+        if self._fixed is not None and self._fixed not in self._stores:
+            raise ConfigError(
+                f"tiermem: policy={self._fixed.value!r} needs the {self._fixed.value} tier, "
+                "which this version does not provide yet; available: "
+                f"{', '.join(t.value for t in self._stores)}")
+
+    # -- context protocol ---------------------------------------------------
+    def __enter__(self):
+        if self.config.disable:
+            ctx = _NoOpContext()
+            self.stats = ctx.stats
+            return ctx
+        me = threading.get_ident()
+        with self._lock:
+            if self._active_thread is not None:
+                where = "this thread" if self._active_thread == me else "another thread"
+                raise TierMemError(
+                    f"tiermem: this Offloader is already active in {where}; nest a "
+                    "different Offloader (or no_offload()), and use one Offloader per thread")
+            self._active_thread = me
+        ctx = OffloadContext(self)
+        self.stats = ctx.stats
+        self._ctx = ctx
+        try:
+            return ctx.__enter__()
+        except BaseException:
+            self._active_thread = None
+            raise
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._ctx.__exit__(exc_type, exc, tb)
+
+    def _exit(self, ctx: OffloadContext, failed: bool) -> None:
+        self._ctx = None
+        if failed:
+            # The forward pass is abandoned: finish copies now so that the
+            # partial graph's handles free their buffers when it is dropped.
+            for store in self._movers:
+                store.drain()
+        else:
+            self._poll()
+        with self._lock:
+            self._active_thread = None
+
+    # -- internals used by OffloadContext ------------------------------------
+    def _poll(self) -> None:
+        for store in self._movers:
+            store.poll()
+
+    def _put(self, tier: Tier, t: torch.Tensor, ctx: OffloadContext, module: str,
+             nbytes: int):
+        stats = ctx.stats
+        for candidate in (tier,) + _FALLBACK[tier]:
+            store = self._stores.get(candidate)
+            if store is None:
+                if candidate is tier:
+                    raise TierMemError(
+                        f"tiermem: the policy chose tier {tier.value!r}, which this version "
+                        f"does not provide; available: {', '.join(t.value for t in self._stores)}")
+                continue
+            if candidate is Tier.KEEP:
+                handle = Kept(t, module)
+            else:
+                handle = store.put(t, ctx, module)
+                if handle is None:
+                    stats.budget_fallbacks += 1
+                    self._warn_full(candidate)
+                    continue
+            stats.record(candidate, nbytes)
+            return handle
+        raise TierMemError("tiermem: no tier accepted a tensor; this is a bug")
+
+    def _warn_full(self, tier: Tier) -> None:
+        if tier in self._warned:
+            return
+        self._warned.add(tier)
+        if tier is Tier.CPU:
+            _log.warning(
+                "tiermem: the cpu tier is full (budget %d bytes, TIERMEM_CPU_BUDGET); "
+                "further tensors stay on their device. Counted in stats.budget_fallbacks; "
+                "this warning is shown once.", self.cpu_budget_bytes)
+        else:
+            _log.warning("tiermem: the %s tier is full; tensors go to the next tier "
+                         "(shown once).", tier.value)
+
+    # -- inspection / lifetime ------------------------------------------------
+    @property
+    def host_bytes_in_use(self) -> int:
+        """Host bytes held by saved tensors still alive (0 when their graphs are freed)."""
+        if self.config.disable:
+            return 0
+        return self._stores[Tier.CPU].in_use_bytes
+
+    def close(self) -> None:
+        """Wait for copies in flight and free the pooled buffers."""
+        if self.config.disable:
+            return
+        for store in self._movers:
+            store.close()
+
+    def __repr__(self) -> str:
+        policy = self.config.policy if self.config.policy is not None else "default"
+        return f"Offloader(policy={policy!r}, disabled={self.config.disable})"
+
+
+_tls = threading.local()
+_CACHE_SIZE = 8
+
+
+def offload(policy: Any = None, **settings: Any) -> Offloader:
+    """One-shot form: ``with tiermem.offload(policy="cpu"): loss = model(x)``.
+
+    Returns an Offloader cached per thread and per resulting :class:`Config`, so
+    repeated calls with the same settings reuse the same pools.
+    """
+    cfg = Config.from_env(policy=policy, **settings)
+    cache = getattr(_tls, "cache", None)
+    if cache is None:
+        cache = _tls.cache = {}
+    off = cache.get(cfg)
+    if off is None:
+        if len(cache) >= _CACHE_SIZE:
+            oldest = next(iter(cache))
+            cache.pop(oldest).close()
+        off = cache[cfg] = Offloader(**{f: getattr(cfg, f) for f in cfg.__dataclass_fields__})
+    return off
+
+
+class no_offload(torch.autograd.graph.saved_tensors_hooks):
+    """A region whose saved tensors stay where autograd puts them.
+
+    Nested inside an Offloader it wins (the innermost hooks apply). Tensors are
+    kept as plain autograd would keep them, with autograd's in-place check
+    preserved (see NOTE [In-place check]).
+    """
+
+    def __init__(self) -> None:
+        super().__init__(lambda t: Kept(t, ""), OffloadContext._unpack)

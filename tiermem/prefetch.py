@@ -1,0 +1,70 @@
+"""Backward-order prefetch within a byte budget.
+
+Backward consumes saved tensors in roughly the reverse of their packing order.
+Each unpack of a moved tensor advances a cursor backwards through the packing
+order and starts restores ahead of need until ``budget_bytes`` are restored but
+not yet consumed. A restore is "consumed" when its handle's ``get`` takes it,
+and given back if the handle dies first.
+
+If an unpack goes *up* in packing order (a second backward with
+``retain_graph=True``, or one node unpacking its tensors in packing order), or
+lands at or below the cursor, the cursor restarts just below it: prefetch
+follows whatever backward does. Handles already on their way, or already
+consumed in this pass, are skipped cheaply.
+
+A *pass* is one backward over the step's graph. Each handle records the pass
+that last consumed it (``handle.gen``); a handle consumed twice in one pass
+means a new pass began (``retain_graph=True``) or one tensor feeds several
+nodes, and starts a new pass: everything becomes eligible again.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+__all__ = ["Prefetcher"]
+
+
+class Prefetcher:
+    """Prefetch state of one step. Handles must provide ``order_pos``,
+    ``nbytes`` and ``store.prefetch(handle) -> bool`` (``True`` if a restore was
+    started)."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self.inflight_bytes = 0
+        self._order: list = []
+        self._cursor = -1
+        self._last_pos = -1
+        self.gen = 0
+        self.lock = threading.RLock()  # RLock: a handle may die (and call consumed) under it
+
+    def add(self, handle) -> None:
+        """Register a handle in packing order (forward thread)."""
+        handle.order_pos = len(self._order)
+        self._order.append(weakref.ref(handle))
+
+    def begin_get(self, handle) -> None:
+        """Called (under ``lock``) when ``handle`` is about to be consumed."""
+        if handle.gen == self.gen:
+            self.gen += 1
+        handle.gen = self.gen
+
+    def advance(self, handle) -> None:
+        """Called (under ``lock``) when ``handle`` is unpacked: top the window up."""
+        pos = handle.order_pos
+        if pos > self._last_pos or pos <= self._cursor:
+            self._cursor = pos - 1
+        self._last_pos = pos
+        order = self._order
+        while self._cursor >= 0 and self.inflight_bytes < self.budget_bytes:
+            h = order[self._cursor]()
+            self._cursor -= 1
+            if h is not None and h.store.prefetch(h):
+                self.inflight_bytes += h.nbytes
+
+    def consumed(self, nbytes: int) -> None:
+        """A prefetched restore was taken by ``get`` or dropped with its handle."""
+        with self.lock:
+            self.inflight_bytes -= nbytes

@@ -1,0 +1,88 @@
+"""Per-step statistics of an Offloader (:class:`StepStats`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .policy import Tier
+
+__all__ = ["StepStats", "format_bytes"]
+
+
+def format_bytes(n: float) -> str:
+    """``1536 -> '1.5 KiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _per_tier() -> dict:
+    return {t.value: 0 for t in Tier}
+
+
+@dataclass
+class StepStats:
+    """What one step (one ``with offloader:`` and its backward) did.
+
+    Forward fields are final when the context exits; backward fields
+    (``stall_seconds``, ``prefetched_bytes``, prefetch hits/misses) grow while
+    backward runs.
+
+    - ``bytes_by_tier`` / ``count_by_tier``: saved activations by the tier that
+      holds them (tier string -> bytes / count); parameters are not included.
+    - ``dedup_hits``: saves of a tensor already stored in this step (stored once).
+    - ``param_count``: saves of parameters/buffers (never moved).
+    - ``small_count``: tensors kept because they were under ``min_offload_bytes``.
+    - ``budget_fallbacks``: tensors kept on the device because a tier was full.
+    - ``unsupported_count``: tensors kept because no tier can move them (sparse,
+      tensor subclasses, devices other than cpu/cuda).
+    - ``stall_seconds``: host time that unpack waited for a tensor to come back.
+    - ``prefetched_bytes``, ``prefetch_hits``, ``prefetch_misses``: backward
+      restores started ahead of need, and unpacks that found / did not find
+      their tensor already on its way.
+    - ``peak_host_bytes``: most host bytes held by the cpu tier during the step.
+    """
+
+    bytes_by_tier: dict = field(default_factory=_per_tier)
+    count_by_tier: dict = field(default_factory=_per_tier)
+    dedup_hits: int = 0
+    param_count: int = 0
+    small_count: int = 0
+    budget_fallbacks: int = 0
+    unsupported_count: int = 0
+    stall_seconds: float = 0.0
+    prefetched_bytes: int = 0
+    prefetch_hits: int = 0
+    prefetch_misses: int = 0
+    peak_host_bytes: int = 0
+
+    def record(self, tier: Tier, nbytes: int) -> None:
+        self.bytes_by_tier[tier.value] += nbytes
+        self.count_by_tier[tier.value] += 1
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """Bytes of saved activations not kept on their device."""
+        return sum(b for t, b in self.bytes_by_tier.items() if t != Tier.KEEP.value)
+
+    def as_dict(self) -> dict:
+        """A JSON-ready copy."""
+        return {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()}
+
+    def __str__(self) -> str:
+        tiers = ", ".join(
+            f"{t} {self.count_by_tier[t]} ({format_bytes(self.bytes_by_tier[t])})"
+            for t in self.bytes_by_tier if self.count_by_tier[t])
+        restores = self.prefetch_hits + self.prefetch_misses
+        parts = [
+            f"tiermem step: {tiers or 'nothing saved'}",
+            f"dedup {self.dedup_hits}",
+            f"prefetched {format_bytes(self.prefetched_bytes)} ({self.prefetch_hits}/{restores} on time)",
+            f"stall {self.stall_seconds * 1e3:.2f} ms",
+            f"host peak {format_bytes(self.peak_host_bytes)}",
+        ]
+        if self.budget_fallbacks:
+            parts.append(f"budget fallbacks {self.budget_fallbacks}")
+        return " | ".join(parts)

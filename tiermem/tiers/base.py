@@ -1,0 +1,101 @@
+"""What every tier implements, and how a tensor's bytes are laid out when moved.
+
+A tier is a :class:`TierStore`: ``put`` takes a saved tensor and returns a
+handle (or ``None`` when the tier is full, so the caller falls back), ``get``
+returns a tensor equal to the saved one. Handles are owned by autograd; when
+autograd drops one, the tier gets its buffers back (``release``). Adding a tier
+(NVMe, recompute) means adding a store; the hook manager does not change.
+
+# NOTE [Layout of a moved tensor]
+# A saved tensor may be a view with any strides, including stride 0 (expand)
+# and overlapping or gapped views. We move the *span* of storage it touches,
+# ``[storage_offset, storage_offset + 1 + sum((size_i - 1) * stride_i))``, and
+# restore with ``as_strided(size, stride)`` on the copy: sizes and strides are
+# exactly the original ones (only the storage offset becomes 0), so every
+# kernel in backward sees the same layout and gradients stay bit-identical.
+# When the span is much larger than the tensor (a column of a big matrix), we
+# move a dense copy instead (``compact``): same values and sizes, contiguous
+# strides. Contiguous tensors take the span path with span == numel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..policy import Tier
+
+#: A gapped view is moved as a dense copy when its span exceeds this many
+#: times its element count. See NOTE [Layout of a moved tensor].
+COMPACT_SPAN_RATIO = 2
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How to rebuild a tensor from a flat buffer of ``numel`` elements."""
+
+    size: torch.Size
+    stride: tuple
+    dtype: torch.dtype
+    device: torch.device
+    numel: int          # elements in the flat buffer
+    compact: bool       # True: buffer is a dense copy; False: buffer is the span
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @staticmethod
+    def of(t: torch.Tensor) -> "Layout":
+        size, stride = t.size(), t.stride()
+        numel = t.numel()
+        if t.is_contiguous() or numel == 0:
+            return Layout(size, stride, t.dtype, t.device, numel, False)
+        span = 1 + sum((n - 1) * s for n, s in zip(size, stride))
+        compact = span > COMPACT_SPAN_RATIO * numel
+        return Layout(size, stride, t.dtype, t.device, numel if compact else span, compact)
+
+    def source(self, t: torch.Tensor) -> torch.Tensor:
+        """The tensor to copy out: the span as a flat view, or ``t`` itself when compact."""
+        if self.compact:
+            return t
+        return t.as_strided((self.numel,), (1,), t.storage_offset())
+
+    def dest_view(self, flat: torch.Tensor) -> torch.Tensor:
+        """View of a flat buffer that ``source(t)`` is copied into."""
+        return flat.view(self.size) if self.compact else flat
+
+    def rebuild(self, flat: torch.Tensor) -> torch.Tensor:
+        """The tensor equal to the saved one, as a view of ``flat``."""
+        if self.compact:
+            return flat.view(self.size)
+        return flat.as_strided(self.size, self.stride, 0)
+
+
+class TierStore:
+    """Interface of a tier. Subclasses set ``tier`` and implement the methods.
+
+    Contract: ``get(put(t))`` equals ``t`` in values, size, dtype and device (and
+    strides, see NOTE [Layout of a moved tensor]); ``get`` may be called several
+    times on one handle (``retain_graph=True``); ``put`` returning ``None`` means
+    "full, try the next tier" and must leave nothing allocated.
+    """
+
+    tier: Tier
+
+    def put(self, t: torch.Tensor, step) -> Optional[object]:
+        raise NotImplementedError
+
+    def get(self, handle) -> torch.Tensor:
+        raise NotImplementedError
+
+    def poll(self) -> None:
+        """Housekeeping on the forward thread at each pack (finish landed copies)."""
+
+    def drain(self) -> None:
+        """Wait for every copy in flight (error paths and ``close``)."""
+
+    def close(self) -> None:
+        """Release pooled buffers. The store must not hold live handles' data."""

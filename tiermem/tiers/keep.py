@@ -1,0 +1,61 @@
+"""The ``keep`` tier: the tensor stays where it is, as autograd would keep it."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import TierMemError
+from ..policy import Tier
+from .base import TierStore
+
+__all__ = ["KeepStore", "Kept", "check_version"]
+
+
+class Kept:
+    """Handle of a kept tensor.
+
+    Holds ``t.detach()``, never ``t`` itself: a saved *output* holds its grad_fn,
+    which holds this handle, and that cycle runs through C++ autograd nodes that
+    Python's collector cannot see (measured: identity hooks leak every saved
+    output). ``detach`` shares storage and version counter, so the in-place
+    check below still sees writes made through ``t``.
+    """
+
+    __slots__ = ("tensor", "version", "module")
+
+    def __init__(self, t: torch.Tensor, module: str) -> None:
+        self.tensor = t.detach()
+        self.version = t._version
+        self.module = module
+
+
+def check_version(t: torch.Tensor, saved_version: int, module: str) -> None:
+    """Raise as autograd would if ``t`` was modified in place since it was saved.
+
+    # NOTE [In-place check]
+    # With any saved-tensor hooks active, autograd skips its own version check
+    # (identity hooks + ``y = x.exp(); y.add_(1)`` give a silently wrong
+    # gradient). Every tier therefore records ``t._version`` at pack: the keep
+    # tier compares it at unpack (here); copying tiers compare it when their copy
+    # has landed (see NOTE [Copy landed] in host.py).
+    """
+    if t._version != saved_version:
+        where = f" in module {module}" if module else ""
+        raise TierMemError(
+            f"tiermem: a tensor saved for backward (shape {list(t.shape)}, {t.dtype}{where}) "
+            f"was modified by an in-place operation after it was saved (version "
+            f"{saved_version} -> {t._version}); autograd would raise here too. Clone it "
+            "before modifying it, or do the in-place operation out of place.")
+
+
+class KeepStore(TierStore):
+    """Keeps the tensor; checks at unpack that it was not modified in place."""
+
+    tier = Tier.KEEP
+
+    def put(self, t: torch.Tensor, step=None, module: str = "") -> Kept:
+        return Kept(t, module)
+
+    def get(self, handle: Kept) -> torch.Tensor:
+        check_version(handle.tensor, handle.version, handle.module)
+        return handle.tensor
