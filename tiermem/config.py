@@ -177,7 +177,8 @@ class Config:
             if overrides.get(name) is not None:
                 values[name] = _from_argument(f, overrides[name])
             elif environ.get(env, "").strip() != "":
-                values[name] = _check_min(f, f.metadata["parse"](environ[env], env), env)
+                text = environ[env]
+                values[name] = _check_min(f, f.metadata["parse"](text, env), env, shown=text)
         cfg = cls(**values)
         _configure_logging(cfg.log)
         return cfg
@@ -202,7 +203,7 @@ def _from_argument(f: dataclasses.Field, value: Any) -> Any:
     if isinstance(value, bool) and f.metadata["parse"] is _bool:
         return value
     if isinstance(value, str):
-        return _check_min(f, f.metadata["parse"](value, name), name)
+        return _check_min(f, f.metadata["parse"](value, name), name, shown=value)
     if f.metadata["parse"] in (_size, _int) and isinstance(value, int) and not isinstance(value, bool):
         return _check_min(f, value, name)
     if name == "nvme_dir" and isinstance(value, os.PathLike):
@@ -210,10 +211,11 @@ def _from_argument(f: dataclasses.Field, value: Any) -> Any:
     raise ConfigError(f"tiermem: {name}={value!r} has the wrong type ({type(value).__name__})")
 
 
-def _check_min(f: dataclasses.Field, value: Any, name: str) -> Any:
+def _check_min(f: dataclasses.Field, value: Any, name: str, shown: Any = None) -> Any:
     minimum = f.metadata["min"]
     if minimum is not None and value < minimum:
-        raise ConfigError(f"tiermem: {name}={value!r} must be at least {minimum}")
+        shown = value if shown is None else shown
+        raise ConfigError(f"tiermem: {name}={shown!r} must be at least {minimum}")
     return value
 
 

@@ -36,18 +36,18 @@ def _pinned_class(nbytes: int) -> int:
 
 
 class HostPool:
-    """Host buffers (flat ``uint8`` tensors) by size class, within ``budget_bytes``.
+    """Host buffers (flat ``uint8`` tensors), pinned or pageable, by size class,
+    all within one ``budget_bytes``.
 
     ``held_bytes`` (in use + free) never exceeds the budget: ``acquire`` first
     frees idle buffers of other classes, then returns ``None`` if the request
     still does not fit.
     """
 
-    def __init__(self, budget_bytes: int, pinned: bool) -> None:
+    def __init__(self, budget_bytes: int) -> None:
         self.budget_bytes = budget_bytes
-        self.pinned = pinned
         self._lock = threading.Lock()
-        self._free: dict[int, list] = {}     # class -> [(buffer, job or None)]
+        self._free: dict[tuple, list] = {}   # (pinned, class) -> [(buffer, job or None)]
         self.in_use_bytes = 0
         self.free_bytes = 0
         self.allocations = 0                  # buffers ever allocated (reuse check)
@@ -56,15 +56,16 @@ class HostPool:
     def held_bytes(self) -> int:
         return self.in_use_bytes + self.free_bytes
 
-    def class_bytes(self, nbytes: int) -> int:
-        return _pinned_class(nbytes) if self.pinned else nbytes
+    @staticmethod
+    def class_bytes(nbytes: int, pinned: bool) -> int:
+        return _pinned_class(nbytes) if pinned else nbytes
 
-    def acquire(self, nbytes: int) -> Optional[torch.Tensor]:
+    def acquire(self, nbytes: int, pinned: bool) -> Optional[torch.Tensor]:
         """A buffer of at least ``nbytes`` (its length is the class size), or
         ``None`` when the budget has no room."""
-        cls = self.class_bytes(nbytes)
+        cls = self.class_bytes(nbytes, pinned)
         with self._lock:
-            buf = self._take_ready(cls)
+            buf = self._take_ready((pinned, cls))
             if buf is not None:
                 self.free_bytes -= cls
                 self.in_use_bytes += cls
@@ -76,7 +77,7 @@ class HostPool:
             self.in_use_bytes += cls
             self.allocations += 1
         try:
-            return torch.empty(cls, dtype=torch.uint8, pin_memory=self.pinned)
+            return torch.empty(cls, dtype=torch.uint8, pin_memory=pinned)
         except BaseException:
             with self._lock:
                 self.in_use_bytes -= cls
@@ -88,15 +89,15 @@ class HostPool:
         with self._lock:
             self.in_use_bytes -= cls
             self.free_bytes += cls
-            self._free.setdefault(cls, []).append((buf, job))
+            self._free.setdefault((buf.is_pinned(), cls), []).append((buf, job))
 
     def clear(self) -> None:
         """Drop every idle buffer (in-use ones are unaffected)."""
         with self._lock:
             self._trim(self.free_bytes)
 
-    def _take_ready(self, cls: int) -> Optional[torch.Tensor]:
-        entries = self._free.get(cls)
+    def _take_ready(self, key: tuple) -> Optional[torch.Tensor]:
+        entries = self._free.get(key)
         if not entries:
             return None
         for i, (buf, job) in enumerate(entries):
@@ -107,8 +108,9 @@ class HostPool:
 
     def _trim(self, want_bytes: int) -> None:
         """Free idle buffers until ``want_bytes`` are gone or none is idle and ready."""
-        for cls in sorted(self._free, reverse=True):
-            entries = self._free[cls]
+        for key in sorted(self._free, key=lambda k: k[1], reverse=True):
+            cls = key[1]
+            entries = self._free[key]
             keep = []
             for buf, job in entries:
                 if want_bytes > 0 and (job is None or job.done()):
@@ -116,4 +118,4 @@ class HostPool:
                     self.free_bytes -= cls
                 else:
                     keep.append((buf, job))
-            self._free[cls] = keep
+            self._free[key] = keep

@@ -215,6 +215,7 @@ class Offloader:
         self._lock = threading.Lock()
         self._active_thread: Optional[int] = None
         self._warned: set = set()
+        self._ctx: Optional[OffloadContext] = None
         if cfg.disable:
             return
         self._fixed, self._policy_fn = resolve_policy(cfg.policy, nvme_dir=cfg.nvme_dir)
@@ -253,7 +254,8 @@ class Offloader:
             raise
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self._ctx.__exit__(exc_type, exc, tb)
+        if not self.config.disable:
+            self._ctx.__exit__(exc_type, exc, tb)
 
     def _exit(self, ctx: OffloadContext, failed: bool) -> None:
         self._ctx = None

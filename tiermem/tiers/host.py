@@ -62,8 +62,7 @@ class HostStore(TierStore):
     tier = Tier.CPU
 
     def __init__(self, budget_bytes: int) -> None:
-        self._pools = {True: HostPool(budget_bytes, pinned=True),
-                       False: HostPool(budget_bytes, pinned=False)}
+        self.pool = HostPool(budget_bytes)
         self._copiers: dict = {}
         self._pending: "collections.deque[HostHandle]" = collections.deque()
         self._lock = threading.RLock()
@@ -72,12 +71,12 @@ class HostStore(TierStore):
     @property
     def in_use_bytes(self) -> int:
         """Host bytes held by live handles."""
-        return sum(p.in_use_bytes for p in self._pools.values())
+        return self.pool.in_use_bytes
 
     @property
     def held_bytes(self) -> int:
         """Host bytes held, in use or pooled (what the budget bounds)."""
-        return sum(p.held_bytes for p in self._pools.values())
+        return self.pool.held_bytes
 
     @staticmethod
     def can_store(t: torch.Tensor) -> bool:
@@ -87,8 +86,7 @@ class HostStore(TierStore):
     def put(self, t: torch.Tensor, step, module: str = "") -> Optional[HostHandle]:
         layout = Layout.of(t)
         nbytes = layout.nbytes
-        pool = self._pools[t.is_cuda]
-        buf = pool.acquire(nbytes)
+        buf = self.pool.acquire(nbytes, pinned=t.is_cuda)
         if buf is None:
             return None
         host_view = buf[:nbytes].view(layout.dtype)
@@ -197,9 +195,8 @@ class HostStore(TierStore):
         if h.restore is not None:  # prefetched, never consumed
             h.step.prefetcher.consumed(h.nbytes)
             h.restore = None
-        self._pools[h.layout.device.type == "cuda"].release(h.host, h.last_job)
+        self.pool.release(h.host, h.last_job)
 
     def close(self) -> None:
         self.drain()
-        for pool in self._pools.values():
-            pool.clear()
+        self.pool.clear()

@@ -1,0 +1,196 @@
+"""Config: every TIERMEM_* variable parsed, bad values named, precedence, docs table."""
+
+import dataclasses
+import pathlib
+import re
+
+import pytest
+import torch
+
+import tiermem
+from tiermem import Config, ConfigError
+from tiermem.config import parse_bool, parse_size
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for name in list(__import__("os").environ):
+        if name.startswith("TIERMEM_"):
+            monkeypatch.delenv(name)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("4096", 4096), ("0", 0), ("512MiB", 512 * 2**20), ("16GB", 16 * 10**9),
+    ("1k", 1000), ("2KiB", 2048), ("1.5GiB", int(1.5 * 2**30)), (" 64 kib ", 64 * 1024),
+    ("3b", 3),
+])
+def test_parse_size_accepts_bytes_and_suffixes(text, expected):
+    assert parse_size(text, name="X") == expected
+
+
+@pytest.mark.parametrize("text", ["abc", "", "12XB", "-5", "1e9", "MiB"])
+def test_parse_size_rejects_garbage_naming_the_setting(text):
+    with pytest.raises(ConfigError, match=re.escape(f"X={text!r}")):
+        parse_size(text, name="X")
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("1", True), ("true", True), ("ON", True), ("yes", True),
+    ("0", False), ("False", False), ("off", False), ("no", False),
+])
+def test_parse_bool(text, expected):
+    assert parse_bool(text, name="X") is expected
+
+
+def test_parse_bool_rejects_other_words():
+    with pytest.raises(ConfigError, match="TIERMEM_VERIFY='maybe'"):
+        parse_bool("maybe", name="TIERMEM_VERIFY")
+
+
+# One good value per variable and the field value it must give.
+GOOD = {
+    "TIERMEM_POLICY": ("CPU", "policy", "cpu"),
+    "TIERMEM_NVME_DIR": ("/tmp/tm-nvme", "nvme_dir", "/tmp/tm-nvme"),
+    "TIERMEM_MIN_OFFLOAD_BYTES": ("1MiB", "min_offload_bytes", 2**20),
+    "TIERMEM_CPU_BUDGET": ("8GiB", "cpu_budget", 8 * 2**30),
+    "TIERMEM_NVME_BUDGET": ("100GB", "nvme_budget", 100 * 10**9),
+    "TIERMEM_GPU_BUDGET": ("20GiB", "gpu_budget", 20 * 2**30),
+    "TIERMEM_PREFETCH_BYTES": ("64MiB", "prefetch_bytes", 64 * 2**20),
+    "TIERMEM_ENGINE": ("python", "engine", "python"),
+    "TIERMEM_IO_THREADS": ("8", "io_threads", 8),
+    "TIERMEM_VERIFY": ("yes", "verify", True),
+    "TIERMEM_DISABLE": ("1", "disable", True),
+    "TIERMEM_LOG": ("DEBUG", "log", "debug"),
+}
+
+BAD = {
+    "TIERMEM_POLICY": "fast",
+    "TIERMEM_MIN_OFFLOAD_BYTES": "abc",
+    "TIERMEM_CPU_BUDGET": "lots",
+    "TIERMEM_NVME_BUDGET": "-1",
+    "TIERMEM_GPU_BUDGET": "1XB",
+    "TIERMEM_PREFETCH_BYTES": "many",
+    "TIERMEM_ENGINE": "rust",
+    "TIERMEM_IO_THREADS": "0",
+    "TIERMEM_VERIFY": "perhaps",
+    "TIERMEM_DISABLE": "2",
+    "TIERMEM_LOG": "loud",
+}
+
+
+def test_every_field_has_a_variable_and_test_values():
+    envs = {f.metadata["env"] for f in dataclasses.fields(Config)}
+    # TIERMEM_NVME_DIR takes any path; the NVMe tier checks the directory itself.
+    assert envs == set(GOOD) == set(BAD) | {"TIERMEM_NVME_DIR"}
+
+
+@pytest.mark.parametrize("env", sorted(GOOD))
+def test_each_variable_is_read(env):
+    text, field, expected = GOOD[env]
+    assert getattr(Config.from_env({env: text}), field) == expected
+
+
+@pytest.mark.parametrize("env", sorted(BAD))
+def test_each_bad_value_names_variable_and_value(env):
+    with pytest.raises(ConfigError) as err:
+        Config.from_env({env: BAD[env]})
+    assert f"{env}={BAD[env]!r}" in str(err.value)
+    assert str(err.value).startswith("tiermem:")
+
+
+def test_unknown_policy_lists_the_valid_ones():
+    with pytest.raises(ConfigError) as err:
+        Config.from_env({"TIERMEM_POLICY": "fast"})
+    for name in ("keep", "cpu", "nvme", "recompute", "auto"):
+        assert name in str(err.value)
+
+
+def test_defaults_without_environment():
+    cfg = Config.from_env({})
+    assert cfg.policy is None and cfg.nvme_dir is None and cfg.cpu_budget is None
+    assert cfg.min_offload_bytes == 64 * 1024
+    assert cfg.prefetch_bytes == 256 * 2**20
+    assert cfg.engine == "auto" and cfg.disable is False
+
+
+def test_empty_variable_counts_as_unset():
+    assert Config.from_env({"TIERMEM_MIN_OFFLOAD_BYTES": ""}).min_offload_bytes == 64 * 1024
+
+
+def test_argument_beats_environment_beats_default():
+    env = {"TIERMEM_MIN_OFFLOAD_BYTES": "1KiB", "TIERMEM_POLICY": "keep"}
+    cfg = Config.from_env(env, min_offload_bytes=7)
+    assert cfg.min_offload_bytes == 7          # argument
+    assert cfg.policy == "keep"                # environment
+    assert cfg.prefetch_bytes == 256 * 2**20   # default
+
+
+def test_arguments_accept_size_strings_and_name_the_argument():
+    assert Config.from_env({}, cpu_budget="2GiB").cpu_budget == 2 * 2**30
+    with pytest.raises(ConfigError, match="cpu_budget='x'"):
+        Config.from_env({}, cpu_budget="x")
+    with pytest.raises(ConfigError, match="min_offload_bytes=-1"):
+        Config.from_env({}, min_offload_bytes=-1)
+    with pytest.raises(ConfigError, match="prefetch_bytes=1.5"):
+        Config.from_env({}, prefetch_bytes=1.5)
+
+
+def test_unknown_argument_is_rejected_with_valid_names():
+    with pytest.raises(ConfigError, match="min_offload_byte") as err:
+        tiermem.Offloader(min_offload_byte=5)
+    assert "min_offload_bytes" in str(err.value)
+
+
+def test_offloader_reads_environment(monkeypatch):
+    monkeypatch.setenv("TIERMEM_MIN_OFFLOAD_BYTES", "abc")
+    with pytest.raises(ConfigError, match="TIERMEM_MIN_OFFLOAD_BYTES='abc'"):
+        tiermem.Offloader()
+
+
+def test_offloader_argument_overrides_bad_environment(monkeypatch):
+    monkeypatch.setenv("TIERMEM_POLICY", "fast")
+    assert tiermem.Offloader(policy="keep").config.policy == "keep"
+
+
+def test_callable_policy_is_accepted_as_argument():
+    fn = lambda info: "keep"  # noqa: E731
+    assert Config.from_env({}, policy=fn).policy is fn
+
+
+def test_policy_argument_name_is_checked():
+    with pytest.raises(ConfigError, match="policy='fast'"):
+        tiermem.Offloader(policy="fast")
+
+
+@pytest.mark.parametrize("policy", ["auto", "nvme", "recompute"])
+def test_policies_of_later_tiers_fail_clearly_at_construction(policy):
+    with pytest.raises(ConfigError, match=policy):
+        tiermem.Offloader(policy=policy)
+
+
+def test_disable_variable_makes_offloader_a_no_op(monkeypatch):
+    monkeypatch.setenv("TIERMEM_DISABLE", "1")
+    off = tiermem.Offloader(policy="cpu", min_offload_bytes=0)
+    x = torch.randn(64, 64, requires_grad=True)
+    with off as ctx:
+        y = x.exp()
+        y.add_(1)   # without hooks autograd itself raises for this: proof no hooks ran
+        loss = y.sum()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as err:
+        loss.backward()
+    assert not isinstance(err.value, tiermem.TierMemError)
+    assert sum(ctx.stats.count_by_tier.values()) == 0 and off.stats is ctx.stats
+
+
+def test_env_table_lists_every_variable():
+    table = tiermem.env_table_markdown()
+    for f in dataclasses.fields(Config):
+        assert f"`{f.metadata['env']}`" in table and f"`{f.name}`" in table
+
+
+def test_readme_env_table_is_generated_from_config():
+    readme = (ROOT / "README.md").read_text()
+    assert tiermem.env_table_markdown() in readme, (
+        "README's TIERMEM_* table is stale: paste the output of `python -m tiermem env-table`")

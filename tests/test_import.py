@@ -1,0 +1,27 @@
+"""`import tiermem` is lean: it must not initialise CUDA (checked in a fresh process)."""
+
+import subprocess
+import sys
+
+import tiermem
+
+
+def test_import_does_not_initialise_cuda():
+    code = ("import torch, tiermem; "
+            "import tiermem.offloader, tiermem.tiers.host, tiermem.copier; "
+            "tiermem.Offloader(policy='cpu'); "
+            "print(torch.cuda.is_initialized())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_public_names_are_exported():
+    for name in tiermem.__all__:
+        assert hasattr(tiermem, name), name
+    for name in ("Offloader", "offload", "no_offload", "Tier", "TensorInfo", "Config",
+                 "ConfigError", "TierMemError", "StepStats"):
+        assert name in tiermem.__all__
+    assert issubclass(tiermem.ConfigError, ValueError)
+    assert issubclass(tiermem.TierMemError, RuntimeError)
+    assert [t.value for t in tiermem.Tier] == ["keep", "cpu", "nvme", "recompute"]
