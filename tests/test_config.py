@@ -194,3 +194,14 @@ def test_readme_env_table_is_generated_from_config():
     readme = (ROOT / "README.md").read_text()
     assert tiermem.env_table_markdown() in readme, (
         "README's TIERMEM_* table is stale: paste the output of `python -m tiermem env-table`")
+
+
+def test_log_level_is_set_only_when_asked():
+    import logging
+    logger = logging.getLogger("tiermem")
+    logger.setLevel(logging.ERROR)
+    Config.from_env({})
+    assert logger.level == logging.ERROR      # left to the user's setup
+    Config.from_env({"TIERMEM_LOG": "debug"})
+    assert logger.level == logging.DEBUG
+    logger.setLevel(logging.NOTSET)

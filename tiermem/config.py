@@ -154,7 +154,8 @@ class Config:
         "TIERMEM_DISABLE", _bool, "Turn every Offloader into a no-op.",
         default=False, default_doc="0")
     log: str = _setting(
-        "TIERMEM_LOG", _choice(LOG_LEVELS), "Log level of the `tiermem` logger.",
+        "TIERMEM_LOG", _choice(LOG_LEVELS),
+        "Log level of the `tiermem` logger (unset: left to your logging setup).",
         default="warning", default_doc="warning")
 
     @classmethod
@@ -180,7 +181,8 @@ class Config:
                 text = environ[env]
                 values[name] = _check_min(f, f.metadata["parse"](text, env), env, shown=text)
         cfg = cls(**values)
-        _configure_logging(cfg.log)
+        if "log" in values:  # only when asked: never override the user's own logging setup
+            _configure_logging(cfg.log)
         return cfg
 
     def replace(self, **changes: Any) -> "Config":

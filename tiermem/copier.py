@@ -1,7 +1,8 @@
 """Asynchronous copies between a tensor's device and host buffers.
 
 Two engines with one interface, ``copy_out(src, dst) -> Job`` and
-``copy_in(src, dst) -> Job``:
+``restore(host, numel, dtype) -> (tensor, Job)`` (allocate on the device and
+copy in):
 
 - :class:`CudaCopier`: one device-to-host and one host-to-device side stream
   per device; copies wait on the compute stream with an event, never on the
@@ -24,7 +25,11 @@ Two engines with one interface, ``copy_out(src, dst) -> Job`` and
 #    current, so the block belongs to the compute stream's pool and is freed
 #    there after its consumer; the H2D stream first waits on the compute stream
 #    (the block may be a just-freed one that queued kernels still read), then
-#    copies; the consumer waits on the copy's event before use.
+#    copies; the consumer waits on the copy's event before use. If it is used
+#    on another stream than the one it was allocated on, ``record_stream``
+#    tells the allocator. A restore dropped unconsumed (its handle died) is
+#    ``record_stream``-ed on the H2D stream first, so that its block is not
+#    reused while the copy may still be writing it.
 # 3. Pinned buffers: a buffer goes back to the pool together with the job that
 #    last used it; the pool hands it out again only once that job is done
 #    (``HostPool.acquire``), so a new D2H copy can never overwrite bytes an H2D
@@ -48,9 +53,13 @@ class Job:
     def done(self) -> bool:
         raise NotImplementedError
 
-    def order_before_use(self) -> None:
-        """Make the current consumer (host thread or current CUDA stream) see the copy."""
+    def order_before_use(self, tensor=None) -> None:
+        """Make the current consumer (host thread or current CUDA stream) see the
+        copy into ``tensor`` (the restored tensor, if any)."""
         raise NotImplementedError
+
+    def abandon(self, tensor) -> None:
+        """``tensor`` (the destination) is dropped without being used."""
 
     def wait_host(self) -> None:
         """Block the host until the copy is complete."""
@@ -72,7 +81,11 @@ class _ThreadJob(Job):
         if self.error is not None:
             raise self.error
 
-    order_before_use = wait_host
+    def order_before_use(self, tensor=None) -> None:
+        self.wait_host()
+
+    def abandon(self, tensor) -> None:
+        """Nothing to do: the job's closure keeps ``tensor`` alive until it ran."""
 
 
 class _Worker:
@@ -114,22 +127,31 @@ class ThreadCopier:
     def copy_out(self, src: torch.Tensor, dst: torch.Tensor) -> Job:
         return self._out.submit(lambda: dst.copy_(src))
 
-    def copy_in(self, src: torch.Tensor, dst: torch.Tensor) -> Job:
-        return self._in.submit(lambda: dst.copy_(src))
+    def restore(self, src: torch.Tensor, numel: int, dtype: torch.dtype):
+        dst = torch.empty(numel, dtype=dtype)
+        return dst, self._in.submit(lambda: dst.copy_(src))
 
 
 class _CudaJob(Job):
-    __slots__ = ("event", "device")
+    __slots__ = ("event", "device", "stream", "side")
 
-    def __init__(self, event, device: torch.device) -> None:
+    def __init__(self, event, device: torch.device, stream, side) -> None:
         self.event = event
         self.device = device
+        self.stream = stream      # the stream the destination was allocated on
+        self.side = side          # the side stream that copies
 
     def done(self) -> bool:
         return self.event.query()
 
-    def order_before_use(self) -> None:
-        torch.cuda.current_stream(self.device).wait_event(self.event)
+    def order_before_use(self, tensor=None) -> None:
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(self.event)
+        if tensor is not None and current != self.stream:
+            tensor.record_stream(current)
+
+    def abandon(self, tensor) -> None:
+        tensor.record_stream(self.side)
 
     def wait_host(self) -> None:
         self.event.synchronize()
@@ -144,18 +166,21 @@ class CudaCopier:
         self._h2d = torch.cuda.Stream(device)
 
     def _copy(self, stream, src: torch.Tensor, dst: torch.Tensor) -> Job:
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        compute = torch.cuda.current_stream(self.device)
+        stream.wait_stream(compute)
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
-        return _CudaJob(event, self.device)
+        return _CudaJob(event, self.device, compute, stream)
 
     def copy_out(self, src: torch.Tensor, dst: torch.Tensor) -> Job:
         return self._copy(self._d2h, src, dst)
 
-    def copy_in(self, src: torch.Tensor, dst: torch.Tensor) -> Job:
-        return self._copy(self._h2d, src, dst)
+    def restore(self, src: torch.Tensor, numel: int, dtype: torch.dtype):
+        # Allocated while the compute stream is current: see NOTE [Stream lifetime] 2.
+        dst = torch.empty(numel, dtype=dtype, device=self.device)
+        return dst, self._copy(self._h2d, src, dst)
 
 
 def copier_for(device: torch.device, cache: dict):

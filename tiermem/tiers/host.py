@@ -142,8 +142,8 @@ class HostStore(TierStore):
     # -- backward -----------------------------------------------------------
     def _start_restore(self, h: HostHandle):
         layout = h.layout
-        dev = torch.empty(layout.numel, dtype=layout.dtype, device=layout.device)
-        job = copier_for(layout.device, self._copiers).copy_in(h.host_view, dev)
+        dev, job = copier_for(layout.device, self._copiers).restore(
+            h.host_view, layout.numel, layout.dtype)
         h.last_job = job
         return dev, job
 
@@ -186,13 +186,15 @@ class HostStore(TierStore):
             h.restore = None
             prefetcher.advance(h)
         t0 = time.perf_counter()
-        job.order_before_use()
+        job.order_before_use(dev)
         step.stats.stall_seconds += time.perf_counter() - t0
         return h.layout.rebuild(dev)
 
     # -- release --------------------------------------------------------------
     def _release(self, h: HostHandle) -> None:
         if h.restore is not None:  # prefetched, never consumed
+            dev, job = h.restore
+            job.abandon(dev)
             h.step.prefetcher.consumed(h.nbytes)
             h.restore = None
         self.pool.release(h.host, h.last_job)
