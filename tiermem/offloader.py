@@ -43,6 +43,7 @@ from .tracker import ModuleStack, current_module
 __all__ = ["Offloader", "OffloadContext", "offload", "no_offload", "default_cpu_budget_bytes"]
 
 _log = logging.getLogger("tiermem")
+_KEEP = Tier.KEEP.value
 
 #: Where a tensor goes when its tier is full, in order.
 _FALLBACK = {Tier.CPU: (Tier.KEEP,), Tier.NVME: (Tier.CPU, Tier.KEEP),
@@ -67,15 +68,16 @@ def default_cpu_budget_bytes() -> int:
 def _is_param(t: torch.Tensor, param_storages: set) -> bool:
     """Parameters, buffers and user leaves that require grad (never moved).
 
-    nn.Linear saves ``weight.t()``, a *view* of a Parameter, so the storage is
-    what counts, not the Python type.
+    nn.Linear saves ``weight.t()``, a *view* of a Parameter, so the base and the
+    storage count, not the Python type of ``t``. ``issubclass`` on the type,
+    because ``isinstance(t, Parameter)`` goes through a slow metaclass hook.
     """
-    if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
+    base = t._base
+    if base is None:
+        base = t
+    if base.requires_grad and base.is_leaf:
         return True
-    if t.is_leaf and t.requires_grad:
-        return True
-    base = t._base if t._base is not None else t
-    if base.is_leaf and base.requires_grad:
+    if issubclass(type(base), torch.nn.Parameter):  # frozen parameters
         return True
     return bool(param_storages) and t.untyped_storage().data_ptr() in param_storages
 
@@ -114,22 +116,23 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
     def _pack(self, t: torch.Tensor) -> Any:
         off = self._off
         stats = self.stats
-        off._poll()
+        for poll in off._pollers:
+            poll()
         nbytes = t.numel() * t.element_size()
         if nbytes < off._min_bytes or nbytes == 0:
             stats.small_count += 1
-            stats.record(Tier.KEEP, nbytes)
+            stats.record(_KEEP, nbytes)
             return Kept(t, "")
         if _is_param(t, self._param_storages):
             stats.param_count += 1
             return Kept(t, "")
         fixed = off._fixed
         if fixed is Tier.KEEP:
-            stats.record(Tier.KEEP, nbytes)
+            stats.record(_KEEP, nbytes)
             return Kept(t, "")
         if not _movable(t):
             stats.unsupported_count += 1
-            stats.record(Tier.KEEP, nbytes)
+            stats.record(_KEEP, nbytes)
             return Kept(t, current_module())
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.size()),
                t.stride(), t.dtype, t._version)
@@ -224,6 +227,7 @@ class Offloader:
         self.cpu_budget_bytes = budget
         self._stores = {Tier.KEEP: KeepStore(), Tier.CPU: HostStore(budget)}
         self._movers = [s for s in self._stores.values() if s.tier is not Tier.KEEP]
+        self._pollers = [s.poll for s in self._movers]
         if self._fixed is not None and self._fixed not in self._stores:
             raise ConfigError(
                 f"tiermem: policy={self._fixed.value!r} needs the {self._fixed.value} tier, "
@@ -293,7 +297,7 @@ class Offloader:
                     stats.budget_fallbacks += 1
                     self._warn_full(candidate)
                     continue
-            stats.record(candidate, nbytes)
+            stats.record(candidate.value, nbytes)
             return handle
         raise TierMemError("tiermem: no tier accepted a tensor; this is a bug")
 

@@ -58,9 +58,10 @@ class StepStats:
     prefetch_misses: int = 0
     peak_host_bytes: int = 0
 
-    def record(self, tier: Tier, nbytes: int) -> None:
-        self.bytes_by_tier[tier.value] += nbytes
-        self.count_by_tier[tier.value] += 1
+    def record(self, tier: str, nbytes: int) -> None:
+        """Count one tensor of ``nbytes`` held by ``tier`` (a tier string)."""
+        self.bytes_by_tier[tier] += nbytes
+        self.count_by_tier[tier] += 1
 
     @property
     def offloaded_bytes(self) -> int:
