@@ -1,8 +1,8 @@
 """Asynchronous copies between a tensor's device and host buffers.
 
 Two engines with one interface, ``copy_out(src, dst) -> Job`` and
-``restore(host, numel, dtype) -> (tensor, Job)`` (allocate on the device and
-copy in):
+``restore(host, pad, dtype) -> (tensor, Job)`` (allocate ``pad`` + the host
+buffer's elements on the device and copy in after the pad):
 
 - :class:`CudaCopier`: one device-to-host and one host-to-device side stream
   per device; copies wait on the compute stream with an event, never on the
@@ -29,7 +29,9 @@ copy in):
 #    on another stream than the one it was allocated on, ``record_stream``
 #    tells the allocator. A restore dropped unconsumed (its handle died) is
 #    ``record_stream``-ed on the H2D stream first, so that its block is not
-#    reused while the copy may still be writing it.
+#    reused while the copy may still be writing it. Likewise a source whose
+#    handle died before its copy out landed is ``record_stream``-ed on the D2H
+#    stream (the pending list holds handles weakly).
 # 3. Pinned buffers: a buffer goes back to the pool together with the job that
 #    last used it; the pool hands it out again only once that job is done
 #    (``HostPool.acquire``), so a new D2H copy can never overwrite bytes an H2D
@@ -59,7 +61,8 @@ class Job:
         raise NotImplementedError
 
     def abandon(self, tensor) -> None:
-        """``tensor`` (the destination) is dropped without being used."""
+        """``tensor`` (source or destination of this copy) is dropped while the
+        copy may still run."""
 
     def wait_host(self) -> None:
         """Block the host until the copy is complete."""
@@ -127,9 +130,9 @@ class ThreadCopier:
     def copy_out(self, src: torch.Tensor, dst: torch.Tensor) -> Job:
         return self._out.submit(lambda: dst.copy_(src))
 
-    def restore(self, src: torch.Tensor, numel: int, dtype: torch.dtype):
-        dst = torch.empty(numel, dtype=dtype)
-        return dst, self._in.submit(lambda: dst.copy_(src))
+    def restore(self, src: torch.Tensor, pad: int, dtype: torch.dtype):
+        dst = torch.empty(pad + src.numel(), dtype=dtype)
+        return dst, self._in.submit(lambda: dst[pad:].copy_(src))
 
 
 class _CudaJob(Job):
@@ -177,10 +180,10 @@ class CudaCopier:
     def copy_out(self, src: torch.Tensor, dst: torch.Tensor) -> Job:
         return self._copy(self._d2h, src, dst)
 
-    def restore(self, src: torch.Tensor, numel: int, dtype: torch.dtype):
+    def restore(self, src: torch.Tensor, pad: int, dtype: torch.dtype):
         # Allocated while the compute stream is current: see NOTE [Stream lifetime] 2.
-        dst = torch.empty(numel, dtype=dtype, device=self.device)
-        return dst, self._copy(self._h2d, src, dst)
+        dst = torch.empty(pad + src.numel(), dtype=dtype, device=self.device)
+        return dst, self._copy(self._h2d, src, dst[pad:])
 
 
 def copier_for(device: torch.device, cache: dict):

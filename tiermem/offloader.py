@@ -79,12 +79,12 @@ def _is_param(t: torch.Tensor, param_storages: set) -> bool:
         return True
     if issubclass(type(base), torch.nn.Parameter):  # frozen parameters
         return True
-    return bool(param_storages) and t.untyped_storage().data_ptr() in param_storages
+    return (bool(param_storages) and type(t) is torch.Tensor
+            and t.untyped_storage().data_ptr() in param_storages)
 
 
 def _movable(t: torch.Tensor) -> bool:
-    return (type(t) is torch.Tensor and t.layout == torch.strided
-            and t.device.type in ("cpu", "cuda"))
+    return type(t) is torch.Tensor and t.device.type in ("cpu", "cuda")
 
 
 class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
@@ -107,10 +107,10 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         if id(module) in self._seen_roots:
             return
         self._seen_roots.add(id(module))
-        for p in module.parameters():
-            self._param_storages.add(p.untyped_storage().data_ptr())
-        for b in module.buffers():
-            self._param_storages.add(b.untyped_storage().data_ptr())
+        for tensors in (module.parameters(), module.buffers()):
+            for p in tensors:
+                if p.layout == torch.strided:   # sparse ones have no storage
+                    self._param_storages.add(p.untyped_storage().data_ptr())
 
     # -- hooks ------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> Any:
@@ -121,6 +121,10 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         nbytes = t.numel() * t.element_size()
         if nbytes < off._min_bytes or nbytes == 0:
             stats.small_count += 1
+            stats.record(_KEEP, nbytes)
+            return Kept(t, "")
+        if t.layout != torch.strided:
+            stats.unsupported_count += 1
             stats.record(_KEEP, nbytes)
             return Kept(t, "")
         if _is_param(t, self._param_storages):

@@ -11,8 +11,10 @@ autograd drops one, the tier gets its buffers back (``release``). Adding a tier
 # and overlapping or gapped views. We move the *span* of storage it touches,
 # ``[storage_offset, storage_offset + 1 + sum((size_i - 1) * stride_i))``, and
 # restore with ``as_strided(size, stride)`` on the copy: sizes and strides are
-# exactly the original ones (only the storage offset becomes 0), so every
-# kernel in backward sees the same layout and gradients stay bit-identical.
+# exactly the original ones, and the storage offset keeps its value modulo 64
+# bytes (``pad``), so every kernel in backward sees the same layout and the
+# same pointer alignment (vectorized paths, hence reduction orders, depend on
+# it) and gradients stay bit-identical.
 # When the span is much larger than the tensor (a column of a big matrix), we
 # move a dense copy instead (``compact``): same values and sizes, contiguous
 # strides. Contiguous tensors take the span path with span == numel.
@@ -31,6 +33,9 @@ from ..policy import Tier
 #: times its element count. See NOTE [Layout of a moved tensor].
 COMPACT_SPAN_RATIO = 2
 
+#: Restored tensors keep the original data pointer's alignment modulo this.
+_ALIGN_BYTES = 64
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -40,8 +45,9 @@ class Layout:
     stride: tuple
     dtype: torch.dtype
     device: torch.device
-    numel: int          # elements in the flat buffer
-    compact: bool       # True: buffer is a dense copy; False: buffer is the span
+    numel: int          # elements moved (the span, or the dense copy)
+    compact: bool       # True: a dense copy; False: the span
+    pad: int = 0        # elements before the data on restore (alignment, see NOTE)
 
     @property
     def nbytes(self) -> int:
@@ -51,11 +57,14 @@ class Layout:
     def of(t: torch.Tensor) -> "Layout":
         size, stride = t.size(), t.stride()
         numel = t.numel()
+        offset = t.storage_offset()
+        pad = offset % max(1, _ALIGN_BYTES // t.element_size()) if offset else 0
         if t.is_contiguous() or numel == 0:
-            return Layout(size, stride, t.dtype, t.device, numel, False)
+            return Layout(size, stride, t.dtype, t.device, numel, False, pad)
         span = 1 + sum((n - 1) * s for n, s in zip(size, stride))
-        compact = span > COMPACT_SPAN_RATIO * numel
-        return Layout(size, stride, t.dtype, t.device, numel if compact else span, compact)
+        if span > COMPACT_SPAN_RATIO * numel:
+            return Layout(size, stride, t.dtype, t.device, numel, True, 0)
+        return Layout(size, stride, t.dtype, t.device, span, False, pad)
 
     def source(self, t: torch.Tensor) -> torch.Tensor:
         """The tensor to copy out: the span as a flat view, or ``t`` itself when compact."""
@@ -68,10 +77,11 @@ class Layout:
         return flat.view(self.size) if self.compact else flat
 
     def rebuild(self, flat: torch.Tensor) -> torch.Tensor:
-        """The tensor equal to the saved one, as a view of ``flat``."""
+        """The tensor equal to the saved one, as a view of ``flat`` (``pad + numel``
+        elements, the data after the pad)."""
         if self.compact:
             return flat.view(self.size)
-        return flat.as_strided(self.size, self.stride, 0)
+        return flat.as_strided(self.size, self.stride, self.pad)
 
 
 class TierStore:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+import weakref
 from typing import Optional
 
 import torch
@@ -64,7 +65,9 @@ class HostStore(TierStore):
     def __init__(self, budget_bytes: int) -> None:
         self.pool = HostPool(budget_bytes)
         self._copiers: dict = {}
-        self._pending: "collections.deque[HostHandle]" = collections.deque()
+        # (weakref to handle, copy-out job), in submission order. Weak: a handle
+        # whose graph is dropped before its copy lands frees its buffer at once.
+        self._pending: collections.deque = collections.deque()
         self._lock = threading.RLock()
 
     # -- accounting -------------------------------------------------------
@@ -99,10 +102,10 @@ class HostStore(TierStore):
         h.gen = -1
         h.tainted = False
         h.step = step
-        h.last_job = copier.copy_out(layout.source(src), layout.dest_view(host_view))
+        job = h.last_job = copier.copy_out(layout.source(src), layout.dest_view(host_view))
         h.store = self
         with self._lock:
-            self._pending.append(h)
+            self._pending.append((weakref.ref(h), job))
         step.prefetcher.add(h)
         stats = step.stats
         in_use = self.in_use_bytes
@@ -116,34 +119,38 @@ class HostStore(TierStore):
             return
         with self._lock:
             pending = self._pending
-            while pending and pending[0].last_job.done():
-                self._landed(pending.popleft())
+            while pending and pending[0][1].done():
+                self._landed(pending.popleft()[0])
 
     @staticmethod
-    def _landed(h: HostHandle) -> None:
+    def _landed(ref) -> None:
+        h = ref()
+        if h is None or h.src is None:   # died (see _release) or already landed
+            return
         if h.src._version != h.version:
             h.tainted = True
         h.src = None
 
+    def _land_first(self) -> None:
+        ref, job = self._pending.popleft()
+        job.wait_host()
+        self._landed(ref)
+
     def drain(self) -> None:
         with self._lock:
             while self._pending:
-                h = self._pending.popleft()
-                h.last_job.wait_host()
-                self._landed(h)
+                self._land_first()
 
     def _wait_landed(self, h: HostHandle) -> None:
         with self._lock:
             while h.src is not None:
-                first = self._pending.popleft()
-                first.last_job.wait_host()
-                self._landed(first)
+                self._land_first()
 
     # -- backward -----------------------------------------------------------
     def _start_restore(self, h: HostHandle):
         layout = h.layout
         dev, job = copier_for(layout.device, self._copiers).restore(
-            h.host_view, layout.numel, layout.dtype)
+            h.host_view, layout.pad, layout.dtype)
         h.last_job = job
         return dev, job
 
@@ -164,8 +171,10 @@ class HostStore(TierStore):
         with prefetcher.lock:
             self.poll()
             if h.src is not None:
-                if h.src._version == h.version:
+                if h.src._version == h.version and not h.layout.compact:
                     # Copy not landed yet: the original is still here and unchanged.
+                    # (A compact copy has other strides: wait for it, so that
+                    # backward sees the same layout whatever the timing.)
                     prefetcher.advance(h)
                     return h.src
                 self._wait_landed(h)
@@ -192,6 +201,9 @@ class HostStore(TierStore):
 
     # -- release --------------------------------------------------------------
     def _release(self, h: HostHandle) -> None:
+        if h.src is not None:      # died before its copy out landed (last_job is that copy)
+            h.last_job.abandon(h.src)
+            h.src = None
         if h.restore is not None:  # prefetched, never consumed
             dev, job = h.restore
             job.abandon(dev)
