@@ -881,3 +881,14 @@ def test_tensor_info_module_names_and_index():
             "Block.ln2", "Block.mlp.0", "Block.mlp.1", "Block.mlp.2"} <= set(modules)
     assert all(m == "" or m == "Block" or m.startswith("Block.") for m in modules)
     assert not any(i.is_param for i in recorded)
+
+
+@pytest.mark.parametrize("min_bytes", [0, 64 * 1024])
+def test_small_parameters_are_counted_as_parameters_not_activations(min_bytes):
+    lin = nn.Linear(4, 4)
+    x = torch.randn(4, 4, requires_grad=True)
+    off = tiermem.Offloader(policy="cpu", min_offload_bytes=min_bytes)
+    with off:
+        lin(x * 2).sum().backward()
+    assert off.stats.param_count == 1                      # weight.t()
+    assert sum(off.stats.count_by_tier.values()) == 1      # x * 2 only

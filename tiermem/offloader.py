@@ -5,8 +5,9 @@ tier.get -> tensor; autograd dropping a handle -> buffers back to the pools.
 
 # NOTE [Pack order of checks]
 # The pack hook runs for every saved tensor, so its checks are ordered from
-# cheapest to dearest and stop at the first that decides: small tensors, then
-# parameters/buffers, then a fixed "keep" policy, then unmovable tensors, then the
+# cheapest to dearest and stop at the first that decides: non-strided tensors,
+# parameters/buffers (before size, so that stats never count a parameter as an
+# activation), small tensors, a fixed "keep" policy, unmovable tensors, then the
 # dedup lookup, and only then the policy (a callable policy gets a TensorInfo;
 # a named one needs none). Kept tensors are never deduplicated: keeping a
 # tensor twice costs nothing.
@@ -119,16 +120,16 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         for poll in off._pollers:
             poll()
         nbytes = t.numel() * t.element_size()
-        if nbytes < off._min_bytes or nbytes == 0:
-            stats.small_count += 1
-            stats.record(_KEEP, nbytes)
-            return Kept(t, "")
         if t.layout != torch.strided:
             stats.unsupported_count += 1
             stats.record(_KEEP, nbytes)
             return Kept(t, "")
         if _is_param(t, self._param_storages):
             stats.param_count += 1
+            return Kept(t, "")
+        if nbytes < off._min_bytes or nbytes == 0:
+            stats.small_count += 1
+            stats.record(_KEEP, nbytes)
             return Kept(t, "")
         fixed = off._fixed
         if fixed is Tier.KEEP:

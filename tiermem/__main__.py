@@ -1,0 +1,80 @@
+"""Command line: ``python -m tiermem <command>`` (also installed as ``tiermem``).
+
+Commands:
+
+- ``demo``: train a small GPT a few steps with tiermem and check that the
+  gradients are bit-identical to plain autograd (exit 1 if not).
+- ``env-table``: print the Markdown table of ``TIERMEM_*`` variables.
+
+Adding a command: write ``_add_<name>(subparsers)`` that creates its parser
+and sets ``handler`` (a function ``(args) -> exit status``), and list it in
+``_COMMANDS``. Heavy work (building models, benchmarks, compiling) belongs in
+the handler, not in ``_add_<name>``, which runs for every command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Callable, Optional, Sequence
+
+__all__ = ["main", "build_parser"]
+
+
+def _add_demo(sub) -> None:
+    from . import demo
+
+    p = sub.add_parser(
+        "demo", help="train a tiny GPT with tiermem and check gradients bit-for-bit",
+        description=demo.__doc__.split("\n\n")[0].strip(),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    demo.add_arguments(p)
+
+    def handler(args: argparse.Namespace) -> int:
+        return demo.run(args)
+    p.set_defaults(handler=handler)
+
+
+def _add_env_table(sub) -> None:
+    p = sub.add_parser("env-table", help="print the table of TIERMEM_* variables (Markdown)")
+
+    def handler(args: argparse.Namespace) -> int:
+        from .config import env_table_markdown
+        print(env_table_markdown())
+        return 0
+    p.set_defaults(handler=handler)
+
+
+#: Registered commands, in the order ``--help`` lists them. Future: doctor, bench, build.
+_COMMANDS: Sequence[Callable] = (_add_demo, _add_env_table)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m tiermem",
+        description="tiermem: per-tensor activation offloading for PyTorch training.")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log the tiermem logger at INFO level")
+    sub = parser.add_subparsers(dest="command", metavar="<command>")
+    sub.required = True
+    for add in _COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``), run the command, return its exit status."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.verbose:
+        logging.getLogger("tiermem").setLevel(logging.INFO)
+    try:
+        return int(args.handler(args) or 0)
+    except BrokenPipeError:  # e.g. `python -m tiermem env-table | head`
+        sys.stdout = None  # nothing more can be written; keep interpreter exit quiet
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
