@@ -1,0 +1,207 @@
+"""Shared logic of the tiers that move a tensor away and bring it back (cpu, nvme).
+
+A moving store implements three steps; this base class does the rest (the
+landing check, in-place safety, prefetch, release):
+
+- ``_store_out(src, layout, t) -> (slot, job)`` or ``None`` when full: start
+  moving the tensor's bytes out; ``slot`` is the store's record of where they
+  go (host buffer, disk extent), ``job`` a :class:`~tiermem.copier.Job`;
+- ``_start_restore(handle) -> (tensor, job)``: allocate on the device and
+  start bringing the bytes back (``handle.layout.pad`` elements first);
+- ``_free(handle)``: give the slot back once ``handle.last_job`` is done.
+
+Forward (``put``): start moving out and return at once. The forward thread
+checks finished jobs at every pack (``poll``) and then drops the source:
+device memory is freed when the copy lands, not at backward.
+
+Backward (``get``): the restore was usually started ahead of need by the
+:class:`~tiermem.prefetch.Prefetcher`; ``get`` orders the consumer after it
+and returns the rebuilt tensor.
+
+# NOTE [Copy landed]
+# A copied tensor must hold its pack-time values, never a torn mix of before
+# and after an in-place write that raced the copy. PyTorch bumps a tensor's
+# version on the host *after* issuing an in-place kernel (CPU: after running
+# it). The forward thread, between two ops, checks ``job.done()`` and then the
+# version: if the copy is complete and the version is unchanged, no in-place
+# op was issued before the check, so none ran before the copy ended and the
+# copy is clean; the source is dropped, and later in-place writes cannot
+# affect the copy. If the version changed, the copy may be torn: the handle is
+# marked and its unpack raises, as autograd would without hooks (see NOTE
+# [In-place check] in keep.py). The check must run on the thread that issues
+# the forward ops, never on the copy worker: a worker cannot tell a finished
+# in-place kernel from one still running.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import weakref
+from typing import Optional
+
+import torch
+
+from ..errors import TierMemError
+from .base import Layout, TierStore
+
+__all__ = ["MovingStore", "MovedHandle"]
+
+
+class MovedHandle:
+    """A saved tensor moved away by a :class:`MovingStore`. Owned by autograd;
+    when autograd drops it, the store gets its slot back."""
+
+    __slots__ = ("store", "step", "layout", "nbytes", "slot", "version", "module", "src",
+                 "last_job", "restore", "gen", "tainted", "order_pos", "__weakref__")
+
+    def __del__(self) -> None:
+        store = getattr(self, "store", None)
+        if store is not None:
+            store._release(self)
+
+
+class MovingStore(TierStore):
+    """Base of the cpu and nvme tiers; see the module docstring."""
+
+    def __init__(self) -> None:
+        # (weakref to handle, move-out job), in submission order. Weak: a handle
+        # whose graph is dropped before its copy lands frees its slot at once.
+        self._pending: collections.deque = collections.deque()
+        self._lock = threading.RLock()
+
+    # -- subclass steps -------------------------------------------------------
+    def _store_out(self, src: torch.Tensor, layout: Layout, t: torch.Tensor):
+        raise NotImplementedError
+
+    def _start_restore(self, h: MovedHandle):
+        raise NotImplementedError
+
+    def _free(self, h: MovedHandle) -> None:
+        raise NotImplementedError
+
+    def _note_put(self, stats) -> None:
+        """Update per-step stats after a put (e.g. peak bytes held)."""
+
+    # -- forward ------------------------------------------------------------
+    def put(self, t: torch.Tensor, step, module: str = "") -> Optional[MovedHandle]:
+        layout = Layout.of(t)
+        src = t.detach()
+        out = self._store_out(src, layout, t)
+        if out is None:
+            return None
+        h = MovedHandle()
+        h.slot, job = out
+        h.layout, h.nbytes = layout, layout.nbytes
+        h.version, h.module, h.src = t._version, module, src
+        h.restore = None
+        h.gen = -1
+        h.tainted = False
+        h.step = step
+        h.last_job = job
+        h.store = self
+        with self._lock:
+            self._pending.append((weakref.ref(h), job))
+        step.prefetcher.add(h)
+        self._note_put(step.stats)
+        return h
+
+    def poll(self) -> None:
+        """Finish every move that has landed, in order. See NOTE [Copy landed]."""
+        if not self._pending:
+            return
+        with self._lock:
+            pending = self._pending
+            while pending and pending[0][1].done():
+                self._landed(pending.popleft()[0])
+
+    @staticmethod
+    def _landed(ref) -> None:
+        h = ref()
+        if h is None or h.src is None:   # died (see _release) or already landed
+            return
+        if h.src._version != h.version:
+            h.tainted = True
+        h.src = None
+
+    def _land_first(self) -> None:
+        ref, job = self._pending.popleft()
+        try:
+            job.wait_host()
+        finally:
+            self._landed(ref)
+
+    def drain(self) -> None:
+        with self._lock:
+            while self._pending:
+                self._land_first()
+
+    def _wait_landed(self, h: MovedHandle) -> None:
+        with self._lock:
+            while h.src is not None:
+                self._land_first()
+
+    # -- backward -----------------------------------------------------------
+    def prefetch(self, h: MovedHandle) -> bool:
+        """Start restoring ``h`` unless it is on its way, still on the device, or
+        already consumed in this backward pass (see Prefetcher.gen)."""
+        if h.src is not None or h.tainted or h.restore is not None:
+            return False
+        if h.gen == h.step.prefetcher.gen:
+            return False
+        h.restore = self._restore(h)
+        h.step.stats.prefetched_bytes += h.nbytes
+        return True
+
+    def _restore(self, h: MovedHandle):
+        dev, job = self._start_restore(h)
+        h.last_job = job
+        return dev, job
+
+    def get(self, h: MovedHandle) -> torch.Tensor:
+        step = h.step
+        prefetcher = step.prefetcher
+        with prefetcher.lock:
+            self.poll()
+            if h.src is not None:
+                if h.src._version == h.version and not h.layout.compact:
+                    # Not landed yet: the original is still here and unchanged.
+                    # (A compact copy has other strides: wait for it, so that
+                    # backward sees the same layout whatever the timing.)
+                    prefetcher.advance(h)
+                    return h.src
+                self._wait_landed(h)
+            if h.tainted:
+                raise TierMemError(
+                    f"tiermem: a tensor saved for backward (shape {list(h.layout.size)}, "
+                    f"{h.layout.dtype}{' in module ' + h.module if h.module else ''}) was "
+                    "modified by an in-place operation while tiermem was moving it to the "
+                    f"{self.tier.value} tier; autograd would raise here too. Clone it "
+                    "before modifying it.")
+            prefetcher.begin_get(h)
+            if h.restore is None:
+                step.stats.prefetch_misses += 1
+                h.restore = self._restore(h)
+            else:
+                step.stats.prefetch_hits += 1
+                prefetcher.consumed(h.nbytes)
+            dev, job = h.restore
+            h.restore = None
+            prefetcher.advance(h)
+        t0 = time.perf_counter()
+        job.order_before_use(dev)
+        step.stats.stall_seconds += time.perf_counter() - t0
+        return h.layout.rebuild(dev)
+
+    # -- release --------------------------------------------------------------
+    def _release(self, h: MovedHandle) -> None:
+        if h.src is not None:      # died before its move out landed (last_job is that move)
+            h.last_job.abandon(h.src)
+            h.src = None
+        if h.restore is not None:  # prefetched, never consumed
+            dev, job = h.restore
+            job.abandon(dev)
+            h.step.prefetcher.consumed(h.nbytes)
+            h.restore = None
+        self._free(h)
