@@ -99,7 +99,7 @@ def _slow_stream(monkeypatch, which):
     original = copier.CudaCopier._copy
 
     def slowed(self, stream, src, dst):
-        if stream is (self._d2h if which == "out" else self._h2d):
+        if stream is (self.d2h if which == "out" else self.h2d):
             with torch.cuda.stream(stream):
                 torch.cuda._sleep(SLEEP_CYCLES)
         return original(self, stream, src, dst)

@@ -65,8 +65,12 @@ class Job:
         copy may still run."""
 
     def wait_host(self) -> None:
-        """Block the host until the copy is complete."""
+        """Block the host until the copy is complete (re-raises its error)."""
         raise NotImplementedError
+
+    def failed(self):
+        """The exception the finished job raised, else ``None``."""
+        return None
 
 
 class _ThreadJob(Job):
@@ -86,6 +90,9 @@ class _ThreadJob(Job):
 
     def order_before_use(self, tensor=None) -> None:
         self.wait_host()
+
+    def failed(self):
+        return self.error if self._event.is_set() else None
 
     def abandon(self, tensor) -> None:
         """Nothing to do: the job's closure keeps ``tensor`` alive until it ran."""
@@ -165,8 +172,8 @@ class CudaCopier:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._d2h = torch.cuda.Stream(device)
-        self._h2d = torch.cuda.Stream(device)
+        self.d2h = torch.cuda.Stream(device)
+        self.h2d = torch.cuda.Stream(device)
 
     def _copy(self, stream, src: torch.Tensor, dst: torch.Tensor) -> Job:
         compute = torch.cuda.current_stream(self.device)
@@ -178,12 +185,12 @@ class CudaCopier:
         return _CudaJob(event, self.device, compute, stream)
 
     def copy_out(self, src: torch.Tensor, dst: torch.Tensor) -> Job:
-        return self._copy(self._d2h, src, dst)
+        return self._copy(self.d2h, src, dst)
 
     def restore(self, src: torch.Tensor, pad: int, dtype: torch.dtype):
         # Allocated while the compute stream is current: see NOTE [Stream lifetime] 2.
         dst = torch.empty(pad + src.numel(), dtype=dtype, device=self.device)
-        return dst, self._copy(self._h2d, src, dst[pad:])
+        return dst, self._copy(self.h2d, src, dst[pad:])
 
 
 def copier_for(device: torch.device, cache: dict):

@@ -35,7 +35,9 @@ class StepStats:
     - ``dedup_hits``: saves of a tensor already stored in this step (stored once).
     - ``param_count``: saves of parameters/buffers (never moved).
     - ``small_count``: tensors kept because they were under ``min_offload_bytes``.
-    - ``budget_fallbacks``: tensors kept on the device because a tier was full.
+    - ``budget_fallbacks``: tensors that did not go to the tier the policy chose
+      because it was full (they went to the next tier with room), or whose move
+      failed (they stayed on their device).
     - ``unsupported_count``: tensors kept because no tier can move them (sparse,
       tensor subclasses, devices other than cpu/cuda).
     - ``stall_seconds``: host time that unpack waited for a tensor to come back.
@@ -43,6 +45,7 @@ class StepStats:
       restores started ahead of need, and unpacks that found / did not find
       their tensor already on its way.
     - ``peak_host_bytes``: most host bytes held by the cpu tier during the step.
+    - ``peak_disk_bytes``: most bytes of the nvme tier's file in use during the step.
     """
 
     bytes_by_tier: dict = field(default_factory=_per_tier)
@@ -57,6 +60,7 @@ class StepStats:
     prefetch_hits: int = 0
     prefetch_misses: int = 0
     peak_host_bytes: int = 0
+    peak_disk_bytes: int = 0
 
     def record(self, tier: str, nbytes: int) -> None:
         """Count one tensor of ``nbytes`` held by ``tier`` (a tier string)."""
@@ -84,6 +88,8 @@ class StepStats:
             f"stall {self.stall_seconds * 1e3:.2f} ms",
             f"host peak {format_bytes(self.peak_host_bytes)}",
         ]
+        if self.peak_disk_bytes:
+            parts.append(f"disk peak {format_bytes(self.peak_disk_bytes)}")
         if self.budget_fallbacks:
             parts.append(f"budget fallbacks {self.budget_fallbacks}")
         return " | ".join(parts)

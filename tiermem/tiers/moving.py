@@ -36,6 +36,7 @@ and returns the rebuilt tensor.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 import weakref
@@ -45,6 +46,9 @@ import torch
 
 from ..errors import TierMemError
 from .base import Layout, TierStore
+from .keep import check_version
+
+_log = logging.getLogger("tiermem")
 
 __all__ = ["MovingStore", "MovedHandle"]
 
@@ -54,7 +58,8 @@ class MovedHandle:
     when autograd drops it, the store gets its slot back."""
 
     __slots__ = ("store", "step", "layout", "nbytes", "slot", "version", "module", "src",
-                 "last_job", "restore", "gen", "tainted", "order_pos", "__weakref__")
+                 "last_job", "restore", "gen", "tainted", "failed", "order_pos",
+                 "__weakref__")
 
     def __del__(self) -> None:
         store = getattr(self, "store", None)
@@ -70,6 +75,7 @@ class MovingStore(TierStore):
         # whose graph is dropped before its copy lands frees its slot at once.
         self._pending: collections.deque = collections.deque()
         self._lock = threading.RLock()
+        self._warned_failure = False
 
     # -- subclass steps -------------------------------------------------------
     def _store_out(self, src: torch.Tensor, layout: Layout, t: torch.Tensor):
@@ -97,7 +103,7 @@ class MovingStore(TierStore):
         h.version, h.module, h.src = t._version, module, src
         h.restore = None
         h.gen = -1
-        h.tainted = False
+        h.tainted = h.failed = False
         h.step = step
         h.last_job = job
         h.store = self
@@ -114,23 +120,37 @@ class MovingStore(TierStore):
         with self._lock:
             pending = self._pending
             while pending and pending[0][1].done():
-                self._landed(pending.popleft()[0])
+                self._landed(*pending.popleft())
 
-    @staticmethod
-    def _landed(ref) -> None:
+    def _landed(self, ref, job) -> None:
         h = ref()
         if h is None or h.src is None:   # died (see _release) or already landed
+            return
+        error = job.failed()
+        if error is not None:
+            # The move failed (e.g. EIO): the source is still here, so the
+            # tensor simply stays on its device, as if kept.
+            h.failed = True
+            self._on_failure(h, error)
             return
         if h.src._version != h.version:
             h.tainted = True
         h.src = None
 
+    def _on_failure(self, h: MovedHandle, error: BaseException) -> None:
+        h.step.stats.budget_fallbacks += 1
+        if not self._warned_failure:
+            self._warned_failure = True
+            _log.warning("%s; the tensor stays on its device (counted in "
+                         "stats.budget_fallbacks; shown once)", error)
+
     def _land_first(self) -> None:
         ref, job = self._pending.popleft()
         try:
             job.wait_host()
-        finally:
-            self._landed(ref)
+        except Exception:
+            pass   # reported through job.failed() in _landed
+        self._landed(ref, job)
 
     def drain(self) -> None:
         with self._lock:
@@ -147,7 +167,7 @@ class MovingStore(TierStore):
         """Start restoring ``h`` unless it is on its way, still on the device, or
         already consumed in this backward pass (see Prefetcher.gen)."""
         if h.src is not None or h.tainted or h.restore is not None:
-            return False
+            return False   # (a failed move keeps its src: never prefetched)
         if h.gen == h.step.prefetcher.gen:
             return False
         h.restore = self._restore(h)
@@ -164,6 +184,9 @@ class MovingStore(TierStore):
         prefetcher = step.prefetcher
         with prefetcher.lock:
             self.poll()
+            if h.failed:
+                check_version(h.src, h.version, h.module)
+                return h.src
             if h.src is not None:
                 if h.src._version == h.version and not h.layout.compact:
                     # Not landed yet: the original is still here and unchanged.

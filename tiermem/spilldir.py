@@ -1,0 +1,131 @@
+"""The NVMe tier's directories: checking ``TIERMEM_NVME_DIR``, one private
+directory per process, removal at close and at exit, and removal of the
+directories of processes that were killed.
+
+A private directory is named ``tiermem-<pid>-<start>-<random>`` where
+``<start>`` is the owner's process start time (ms since the epoch, from
+psutil): a directory is stale when no process with that pid exists, or one
+does but started at another time (the pid was reused). Stale directories are
+removed at the next start; directories of live processes are left alone.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import secrets
+import shutil
+import stat
+import threading
+from typing import Optional
+
+import psutil
+
+from .errors import ConfigError
+
+__all__ = ["check_nvme_dir", "PrivateDir", "remove_stale_dirs"]
+
+_log = logging.getLogger("tiermem")
+_PREFIX = "tiermem-"
+
+
+def _start_ms(pid: int) -> Optional[int]:
+    try:
+        return int(psutil.Process(pid).create_time() * 1000)
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+
+
+def check_nvme_dir(path: str, setting: str = "TIERMEM_NVME_DIR") -> str:
+    """Create ``path`` like ``mkdir -p`` and check that it is a writable
+    directory on a writable filesystem; :class:`ConfigError` names the setting,
+    the value and what is wrong."""
+    where = f"tiermem: {setting}={path!r}"
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{where} is a file, not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{where} cannot be created: {e.strerror}") from None
+    try:
+        if os.statvfs(path).f_flag & os.ST_RDONLY:
+            raise ConfigError(f"{where} is on a read-only filesystem")
+    except OSError as e:
+        raise ConfigError(f"{where} cannot be inspected: {e.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"{where} is not writable by this user")
+    return path
+
+
+def _parse(name: str):
+    """``tiermem-<pid>-<start>-<random>`` -> (pid, start) or None."""
+    parts = name.split("-")
+    if len(parts) != 4 or parts[0] != "tiermem":
+        return None
+    try:
+        return int(parts[1]), int(parts[2])
+    except ValueError:
+        return None
+
+
+def remove_stale_dirs(root: str) -> list:
+    """Remove the private directories under ``root`` whose owner process is
+    gone; return their paths. Only real directories owned by this user are
+    touched (never through a symlink)."""
+    removed = []
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return removed
+    for entry in entries:
+        owner = _parse(entry.name)
+        if owner is None:
+            continue
+        pid, start = owner
+        if pid == os.getpid() or _start_ms(pid) is not None and abs(_start_ms(pid) - start) < 1000:
+            continue  # alive (allow for clock rounding of the start time)
+        try:
+            st = os.lstat(entry.path)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(entry.path)
+        _log.info("tiermem: removed %s, left by process %d which is gone", entry.path, pid)
+    return removed
+
+
+class PrivateDir:
+    """A directory only this process uses (mode 0700, created exclusively).
+
+    Removed with everything in it by :meth:`remove`, which also runs at
+    interpreter exit.
+    """
+
+    _lock = threading.Lock()
+
+    def __init__(self, root: str) -> None:
+        pid = os.getpid()
+        start = _start_ms(pid) or 0
+        name = f"{_PREFIX}{pid}-{start}-{secrets.token_hex(4)}"
+        self.path = os.path.join(root, name)
+        os.mkdir(self.path, 0o700)        # fails if anything exists there
+        st = os.lstat(self.path)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            raise ConfigError(f"tiermem: {self.path} is not a private directory; this is a bug")
+        self._removed = False
+        atexit.register(self.remove)
+
+    def file(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def remove(self) -> None:
+        """Delete the directory and its files (idempotent)."""
+        with PrivateDir._lock:
+            if self._removed:
+                return
+            self._removed = True
+        shutil.rmtree(self.path, ignore_errors=True)
+        atexit.unregister(self.remove)

@@ -1,0 +1,328 @@
+"""The ``nvme`` tier: saved tensors written to an arena file, read back ahead of need.
+
+Data path:
+
+- CPU tensors: the engine writes straight from the tensor's memory (its
+  future holds the tensor), and reads straight into the restored tensor.
+- CUDA tensors: device -> pooled pinned staging buffer on the D2H side stream
+  (:class:`~tiermem.copier.CudaCopier`), then a chain thread waits for that
+  copy's event and writes; the staging buffer returns to its pool when the
+  write has landed. Backward reverses it: a chain thread reads into staging,
+  then issues the H2D copy into a tensor allocated on the compute stream and
+  records an event the consumer's stream waits on. The forward thread and the
+  compute stream never wait for the disk.
+
+Landing, in-place safety, prefetch and release are :class:`~.moving.MovingStore`'s.
+An extent is given back to the arena only once the last I/O on it is done
+(``_deferred``), so a new write can never race a read still in flight.
+
+With ``verify``, a CRC32 of each tensor's bytes is taken before the write and
+checked after the read; a mismatch (or a short read: the file was changed
+underneath) raises :class:`~tiermem.TierMemError` naming the tensor and file.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import weakref
+import zlib
+from typing import Optional
+
+import torch
+
+from ..arena import Arena
+from ..copier import Job, copier_for
+from ..errors import TierMemError
+from ..hostpool import HostPool
+from ..policy import Tier
+from ..spilldir import PrivateDir, remove_stale_dirs
+from .base import Layout
+from .moving import MovedHandle, MovingStore
+
+__all__ = ["NvmeStore"]
+
+_log = logging.getLogger("tiermem")
+
+
+def _describe(layout: Layout) -> str:
+    return f"tensor of shape {list(layout.size)} ({layout.dtype})"
+
+
+def _crc(t: torch.Tensor) -> int:
+    return zlib.crc32(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+
+
+class _FutureJob(Job):
+    """An engine future as a :class:`Job` (CPU tensors)."""
+
+    __slots__ = ("fut", "what")
+
+    def __init__(self, fut, what: str) -> None:
+        self.fut = fut
+        self.what = what
+
+    def done(self) -> bool:
+        return self.fut.done()
+
+    def wait_host(self) -> None:
+        try:
+            self.fut.wait()
+        except OSError as e:
+            raise TierMemError(f"tiermem: {self.what} failed: {e}") from e
+
+    def order_before_use(self, tensor=None) -> None:
+        self.wait_host()
+
+    def failed(self):
+        if not self.fut.done():
+            return None
+        try:
+            self.wait_host()
+        except TierMemError as e:
+            return e
+        return None
+
+    def abandon(self, tensor) -> None:
+        """Nothing: the engine's future holds the buffer until the I/O is done."""
+
+
+class _ChainJob(Job):
+    """Work on a chain thread, maybe followed by a CUDA copy (``event``)."""
+
+    __slots__ = ("cf", "event", "device", "stream", "side")
+
+    def __init__(self, cf, device=None, stream=None, side=None) -> None:
+        self.cf = cf            # concurrent.futures.Future; result: event or None
+        self.device = device
+        self.stream = stream    # stream the destination was allocated on
+        self.side = side        # side stream of the CUDA copy
+
+    def done(self) -> bool:
+        if not self.cf.done():
+            return False
+        if self.cf.exception() is not None:
+            return True
+        event = self.cf.result()
+        return event is None or event.query()
+
+    def wait_host(self) -> None:
+        event = self.cf.result()   # re-raises the chain's error
+        if event is not None:
+            event.synchronize()
+
+    def failed(self):
+        return self.cf.exception() if self.cf.done() else None
+
+    def order_before_use(self, tensor=None) -> None:
+        event = self.cf.result()
+        if event is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(event)
+            if tensor is not None and current != self.stream:
+                tensor.record_stream(current)
+
+    def abandon(self, tensor) -> None:
+        if self.side is not None:
+            tensor.record_stream(self.side)
+
+
+class NvmeStore(MovingStore):
+    """Disk tier within ``budget_bytes`` of one arena file in a private directory.
+
+    ``slot`` of a handle: ``(offset, [crc])``; the crc (``None`` without
+    ``verify``) is filled in by the write's chain thread.
+    """
+
+    tier = Tier.NVME
+
+    def __init__(self, root: str, engine, budget_bytes: int, staging_bytes: int,
+                 verify: bool, io_threads: int) -> None:
+        super().__init__()
+        remove_stale_dirs(root)
+        self._dir = PrivateDir(root)
+        self._finalizer = weakref.finalize(self, self._dir.remove)
+        self.path = self._dir.file("arena-0.bin")
+        self.engine = engine
+        self._file = engine.open(self.path, 0)
+        self.arena = Arena(self._file.resize, budget_bytes, align=4096)
+        self.verify = verify
+        self._staging = HostPool(staging_bytes)
+        self._copiers: dict = {}
+        self._chain = concurrent.futures.ThreadPoolExecutor(
+            max_workers=io_threads, thread_name_prefix="tiermem-nvme")
+        self._deferred: list = []   # (job, offset, nbytes): extents freed after their I/O
+        self._deferred_lock = threading.Lock()
+        self.closed = False
+
+    # -- accounting -------------------------------------------------------------
+    @property
+    def used_bytes(self) -> int:
+        return self.arena.used_bytes
+
+    def _note_put(self, stats) -> None:
+        used = self.arena.used_bytes
+        if used > stats.peak_disk_bytes:
+            stats.peak_disk_bytes = used
+
+    # -- move out -----------------------------------------------------------------
+    def _store_out(self, src: torch.Tensor, layout: Layout, t: torch.Tensor):
+        nbytes = layout.nbytes
+        staging = None
+        if t.is_cuda:
+            staging = self._staging.acquire(nbytes, pinned=True)
+            if staging is None:
+                return None
+        offset = self.arena.alloc(nbytes)
+        if offset is None:
+            if staging is not None:
+                self._staging.release(staging)
+            return None
+        what = f"writing a {_describe(layout)} to {self.path} at offset {offset}"
+        if staging is None:
+            data = layout.source(src) if not layout.compact else src.contiguous()
+            data = data.reshape(-1)
+            if not self.verify:
+                return (offset, [None]), _FutureJob(self._file.write(data, offset), what)
+            crc = [None]
+
+            def write_cpu():
+                crc[0] = _crc(data)
+                self._file.write(data, offset).wait()
+            return (offset, crc), _ChainJob(self._chain.submit(self._wrap(write_cpu, what)))
+        view = staging[:nbytes].view(layout.dtype)
+        d2h = copier_for(t.device, self._copiers).copy_out(layout.source(src),
+                                                            layout.dest_view(view))
+        crc = [None]
+
+        def write_cuda():
+            d2h.wait_host()
+            if self.verify:
+                crc[0] = _crc(view)
+            self._file.write(view, offset).wait()
+            self._staging.release(staging)
+        job = _ChainJob(self._chain.submit(self._wrap(write_cuda, what)), side=d2h.side)
+        return (offset, crc), job
+
+    @staticmethod
+    def _wrap(fn, what: str):
+        def run():
+            try:
+                fn()
+            except OSError as e:
+                raise TierMemError(f"tiermem: {what} failed: {e}") from e
+            return None
+        return run
+
+    # -- restore ------------------------------------------------------------------
+    def _start_restore(self, h: MovedHandle):
+        if self.closed:
+            raise TierMemError(
+                f"tiermem: the Offloader holding a saved {_describe(h.layout)} on NVMe was "
+                "closed before backward used it; close() only after backward")
+        layout = h.layout
+        offset, expected = h.slot[0], h.slot[1][0]
+        what = f"reading a {_describe(layout)} from {self.path} at offset {offset}"
+        if layout.device.type != "cuda":
+            dev = torch.empty(layout.pad + layout.numel, dtype=layout.dtype)
+            dest = dev[layout.pad:]
+            if expected is None:
+                return dev, _FutureJob(self._file.read(dest, offset), what)
+
+            def read_cpu():
+                self._file.read(dest, offset).wait()
+                self._check(dest, expected, what)
+            return dev, _ChainJob(self._chain.submit(self._wrap(read_cpu, what)))
+        return self._start_restore_cuda(h, offset, expected, what)
+
+    def _start_restore_cuda(self, h, offset, expected, what):
+        layout = h.layout
+        device = layout.device
+        copier = copier_for(device, self._copiers)
+        compute = torch.cuda.current_stream(device)
+        # Allocated on the compute stream: see NOTE [Stream lifetime] 2 in copier.py.
+        dev = torch.empty(layout.pad + layout.numel, dtype=layout.dtype, device=device)
+        allocated = torch.cuda.Event()
+        allocated.record(compute)
+        staging = self._staging.acquire(layout.nbytes, pinned=True)
+        if staging is None:  # transient: outside the pool and its budget
+            staging = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=True)
+            pooled = False
+        else:
+            pooled = True
+        view = staging[:layout.nbytes].view(layout.dtype)
+        side = copier.h2d
+
+        def read_cuda():
+            self._file.read(view, offset).wait()
+            self._check(view, expected, what)
+            with torch.cuda.device(device), torch.cuda.stream(side):
+                side.wait_event(allocated)
+                dev[layout.pad:].copy_(view, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(side)
+            dev.record_stream(side)
+            if pooled:
+                self._staging.release(staging, _EventJob(done))
+            return done
+        job = _ChainJob(self._chain.submit(self._wrap(read_cuda, what)), device=device,
+                        stream=compute, side=side)
+        return dev, job
+
+    def _check(self, data: torch.Tensor, expected: Optional[int], what: str) -> None:
+        if expected is not None and _crc(data) != expected:
+            raise TierMemError(
+                f"tiermem: checksum mismatch {what} (TIERMEM_VERIFY): the file was changed "
+                "underneath tiermem or the disk returned bad data")
+
+    # -- release --------------------------------------------------------------------
+    def _free(self, h: MovedHandle) -> None:
+        entry = (h.last_job, h.slot[0], h.nbytes)
+        with self._deferred_lock:
+            self._deferred.append(entry)
+        self._free_finished()
+
+    def _free_finished(self) -> None:
+        with self._deferred_lock:
+            if not self._deferred:
+                return
+            keep = []
+            for job, offset, nbytes in self._deferred:
+                if job.done():
+                    self.arena.free(offset, nbytes)
+                else:
+                    keep.append((job, offset, nbytes))
+            self._deferred = keep
+
+    def poll(self) -> None:
+        super().poll()
+        if self._deferred:
+            self._free_finished()
+
+    def close(self) -> None:
+        """Wait for I/O in flight, close the file and remove the directory."""
+        if self.closed:
+            return
+        try:
+            self.drain()
+        finally:
+            self.closed = True
+            self._chain.shutdown(wait=True)
+            self._file.close()
+            self._finalizer()
+            self._staging.clear()
+
+
+class _EventJob(Job):
+    __slots__ = ("event",)
+
+    def __init__(self, event) -> None:
+        self.event = event
+
+    def done(self) -> bool:
+        return self.event.query()
+
+    def wait_host(self) -> None:
+        self.event.synchronize()
+
