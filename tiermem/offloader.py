@@ -51,6 +51,26 @@ _FALLBACK = {Tier.CPU: (Tier.KEEP,), Tier.NVME: (Tier.CPU, Tier.KEEP),
              Tier.RECOMPUTE: (Tier.KEEP,), Tier.KEEP: ()}
 
 
+def default_nvme_budget_bytes(path: str) -> int:
+    """80% of the free space of ``path`` now: checkpoints and logs often share
+    the disk, and ENOSPC is caught anyway (the arena then stops growing)."""
+    return int(psutil.disk_usage(path).free * 0.8)
+
+
+def _make_nvme_store(cfg: Config):
+    from .io import get_engine
+    from .spilldir import check_nvme_dir
+    from .tiers.nvme import NvmeStore
+    root = check_nvme_dir(cfg.nvme_dir)
+    budget = (cfg.nvme_budget if cfg.nvme_budget is not None
+              else default_nvme_budget_bytes(root))
+    engine = get_engine(cfg.engine, cfg.io_threads)
+    # Pinned staging for CUDA tensors' writes and reads in flight; when it is
+    # full, further tensors go to the next tier rather than waiting.
+    staging = max(cfg.prefetch_bytes, 256 << 20)
+    return NvmeStore(root, engine, budget, staging, cfg.verify, cfg.io_threads)
+
+
 def default_cpu_budget_bytes() -> int:
     """Half the RAM available now, shared among the node's ranks.
 
@@ -231,6 +251,11 @@ class Offloader:
         budget = cfg.cpu_budget if cfg.cpu_budget is not None else default_cpu_budget_bytes()
         self.cpu_budget_bytes = budget
         self._stores = {Tier.KEEP: KeepStore(), Tier.CPU: HostStore(budget)}
+        if self._fixed is Tier.NVME and not cfg.nvme_dir:
+            raise ConfigError(
+                "tiermem: policy='nvme' needs a directory: set TIERMEM_NVME_DIR or pass nvme_dir")
+        if cfg.nvme_dir and self._fixed in (None, Tier.NVME):
+            self._stores[Tier.NVME] = _make_nvme_store(cfg)
         self._movers = [s for s in self._stores.values() if s.tier is not Tier.KEEP]
         self._pollers = [s.poll for s in self._movers]
         if self._fixed is not None and self._fixed not in self._stores:
@@ -327,8 +352,16 @@ class Offloader:
             return 0
         return self._stores[Tier.CPU].in_use_bytes
 
+    @property
+    def disk_bytes_in_use(self) -> int:
+        """Bytes of the nvme tier's file held by saved tensors still alive."""
+        store = None if self.config.disable else self._stores.get(Tier.NVME)
+        return 0 if store is None else store.used_bytes
+
     def close(self) -> None:
-        """Wait for copies in flight and free the pooled buffers."""
+        """Wait for moves in flight, free the pooled buffers and remove the NVMe
+        directory. Call it after the last backward: tensors still saved on NVMe
+        cannot be restored afterwards (their backward raises TierMemError)."""
         if self.config.disable:
             return
         for store in self._movers:

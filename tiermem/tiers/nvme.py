@@ -55,34 +55,44 @@ def _crc(t: torch.Tensor) -> int:
 
 
 class _FutureJob(Job):
-    """An engine future as a :class:`Job` (CPU tensors)."""
+    """An engine future as a :class:`Job` (CPU tensors). Once done, it lets go of
+    the future, and with it of the buffer the future holds (a landed write
+    must free the saved tensor's memory)."""
 
-    __slots__ = ("fut", "what")
+    __slots__ = ("fut", "what", "error")
 
     def __init__(self, fut, what: str) -> None:
         self.fut = fut
         self.what = what
+        self.error = None
 
     def done(self) -> bool:
-        return self.fut.done()
+        if self.fut is None:
+            return True
+        if not self.fut.done():
+            return False
+        self._finish()
+        return True
+
+    def _finish(self) -> None:
+        fut, self.fut = self.fut, None
+        try:
+            fut.wait()
+        except OSError as e:
+            self.error = TierMemError(f"tiermem: {self.what} failed: {e}")
+            self.error.__cause__ = e
 
     def wait_host(self) -> None:
-        try:
-            self.fut.wait()
-        except OSError as e:
-            raise TierMemError(f"tiermem: {self.what} failed: {e}") from e
+        if self.fut is not None:
+            self._finish()
+        if self.error is not None:
+            raise self.error
 
     def order_before_use(self, tensor=None) -> None:
         self.wait_host()
 
     def failed(self):
-        if not self.fut.done():
-            return None
-        try:
-            self.wait_host()
-        except TierMemError as e:
-            return e
-        return None
+        return self.error if self.done() else None
 
     def abandon(self, tensor) -> None:
         """Nothing: the engine's future holds the buffer until the I/O is done."""

@@ -1,0 +1,299 @@
+"""The nvme tier on the CPU: exact gradients, disk full, killed processes,
+no files left, a bounded arena, bad directories, checksums."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import gc
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+import tiermem
+from models import MODEL_NAMES, assert_same_tensors, make_case, reference_steps, train_steps
+
+pytestmark = pytest.mark.usefixtures("clean_env")
+
+ENGINES = ["python", "cpp"]
+
+
+@pytest.fixture
+def nvme_dir(tmp_path):
+    return str(tmp_path / "spill")
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request):
+    if request.param == "cpp":
+        from tiermem.io import engine_info
+        info = engine_info()
+        if info["engine"] != "cpp":
+            pytest.skip(f"C++ engine unavailable: {info['reason']}")
+    return request.param
+
+
+def _off(nvme_dir, policy="nvme", **kw):
+    kw.setdefault("min_offload_bytes", 0)
+    kw.setdefault("engine", "python")
+    return tiermem.Offloader(policy=policy, nvme_dir=nvme_dir, **kw)
+
+
+def _mixed(info: tiermem.TensorInfo):
+    return ("keep", "cpu", "nvme")[info.index % 3]
+
+
+def _compare(records, ref, name):
+    for step, ((loss, grads, params), (rloss, rgrads, rparams)) in enumerate(zip(records, ref)):
+        assert torch.equal(loss, rloss), f"{name} step {step}"
+        assert_same_tensors(grads, rgrads, f"{name} step {step} grads")
+        assert_same_tensors(params, rparams, f"{name} step {step} params")
+
+
+@pytest.mark.parametrize("model_name", MODEL_NAMES)
+def test_nvme_gradients_bit_identical(model_name, nvme_dir):
+    ref = reference_steps(model_name, 3)
+    off = _off(nvme_dir)
+    _compare(train_steps(make_case(model_name), lambda: off, 3), ref, model_name)
+    assert off.stats.count_by_tier["nvme"] > 0
+    off.close()
+
+
+@pytest.mark.parametrize("verify", [False, True], ids=["plain", "verify"])
+def test_nvme_gradients_bit_identical_per_engine(engine, verify, nvme_dir):
+    ref = reference_steps("block", 3)
+    off = _off(nvme_dir, engine=engine, verify=verify)
+    _compare(train_steps(make_case("block"), lambda: off, 3), ref, f"block/{engine}")
+    assert off.stats.count_by_tier["nvme"] > 0
+    off.close()
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "block", "embed_gather"])
+def test_mixed_keep_cpu_nvme_policy_bit_identical(model_name, nvme_dir):
+    ref = reference_steps(model_name, 3)
+    off = _off(nvme_dir, policy=_mixed)
+    _compare(train_steps(make_case(model_name), lambda: off, 3), ref, model_name)
+    counts = off.stats.count_by_tier
+    assert counts["nvme"] > 0 and counts["cpu"] > 0 and counts["keep"] > 0
+    off.close()
+
+
+def test_default_policy_on_cpu_with_nvme_dir_is_nvme(nvme_dir):
+    off = tiermem.Offloader(nvme_dir=nvme_dir, min_offload_bytes=0, engine="python")
+    x = torch.randn(256, 256, requires_grad=True)
+    with off:
+        (x * 2).sin().sum().backward()
+    assert off.stats.count_by_tier["nvme"] == 1
+    off.close()
+
+
+def test_saved_tensor_memory_is_freed_once_written(nvme_dir):
+    off = _off(nvme_dir)
+    x = torch.randn(1 << 18, requires_grad=True)
+    with off:
+        y = x * 2
+        ref = StorageWeakRef(y.untyped_storage())
+        z = y.sin()
+        del y
+    off._stores[tiermem.Tier.NVME].drain()
+    off._poll()
+    gc.collect()
+    assert ref.expired(), "the saved tensor is still alive after its write landed"
+    z.sum().backward()
+    assert torch.equal(x.grad, (x.detach() * 2).cos() * 2)
+    off.close()
+
+
+def test_no_files_left_after_close_and_arena_stable_over_50_steps(nvme_dir):
+    case = make_case("block")
+    off = _off(nvme_dir)
+    opt = torch.optim.SGD(case.model.parameters(), lr=1e-3)
+    store = off._stores[tiermem.Tier.NVME]
+    sizes = []
+    for _ in range(50):
+        with off:
+            loss = case.loss_fn(case.model(*case.inputs))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sizes.append((store.arena.size_bytes, os.path.getsize(store.path)))
+    assert sizes[1] == sizes[-1], f"arena grew: {sizes[1]} -> {sizes[-1]}"
+    assert len(os.listdir(nvme_dir)) == 1
+    off.close()
+    assert os.listdir(nvme_dir) == []
+
+
+def test_tiny_nvme_budget_falls_back_to_cpu_exactly(nvme_dir, caplog):
+    ref = reference_steps("mlp", 3)
+    off = _off(nvme_dir, nvme_budget=4096 * 4)
+    with caplog.at_level(logging.WARNING, logger="tiermem"):
+        _compare(train_steps(make_case("mlp"), lambda: off, 3), ref, "mlp")
+    s = off.stats
+    assert s.budget_fallbacks > 0 and s.count_by_tier["cpu"] > 0 and s.count_by_tier["nvme"] > 0
+    assert off._stores[tiermem.Tier.NVME].arena.size_bytes <= 4096 * 4
+    assert len([r for r in caplog.records if "nvme tier is full" in r.getMessage()]) == 1
+    off.close()
+
+
+def test_disk_full_on_a_small_tmpfs_falls_back(tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32k", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        ref = reference_steps("block", 2)
+        off = _off(str(mnt), nvme_budget="1GiB")
+        _compare(train_steps(make_case("block"), lambda: off, 2), ref, "block")
+        s = off.stats
+        assert s.budget_fallbacks > 0 and s.count_by_tier["cpu"] > 0
+        assert off._stores[tiermem.Tier.NVME].arena.disk_full
+        off.close()
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+_CHILD = textwrap.dedent("""
+    import sys, time, torch, tiermem
+    off = tiermem.Offloader(policy="nvme", nvme_dir=sys.argv[1], min_offload_bytes=0,
+                            engine="python")
+    x = torch.randn(1 << 16, requires_grad=True)
+    with off:
+        y = (x * 2).sin()
+    print("ready", flush=True)
+    time.sleep(60)
+""")
+
+
+def _spawn(nvme_dir):
+    p = subprocess.Popen([sys.executable, "-c", _CHILD, nvme_dir], stdout=subprocess.PIPE,
+                         text=True)
+    assert p.stdout.readline().strip() == "ready"
+    return p
+
+
+def test_directory_of_a_killed_process_is_removed_at_next_start(nvme_dir):
+    dead = _spawn(nvme_dir)
+    alive = _spawn(nvme_dir)
+    try:
+        dirs = set(os.listdir(nvme_dir))
+        assert len(dirs) == 2
+        dead.send_signal(signal.SIGKILL)
+        dead.wait()
+        dead_dir = [d for d in dirs if d.startswith(f"tiermem-{dead.pid}-")]
+        assert dead_dir and os.path.isdir(os.path.join(nvme_dir, dead_dir[0]))
+        off = _off(nvme_dir)
+        left = set(os.listdir(nvme_dir))
+        assert dead_dir[0] not in left
+        assert any(d.startswith(f"tiermem-{alive.pid}-") for d in left)
+        off.close()
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+def test_directory_removed_at_interpreter_exit(nvme_dir):
+    code = _CHILD.replace('print("ready", flush=True)\n    time.sleep(60)', "")
+    subprocess.run([sys.executable, "-c", code, nvme_dir], check=True)
+    assert os.listdir(nvme_dir) == []
+
+
+def test_private_directory_is_0700(nvme_dir):
+    off = _off(nvme_dir)
+    (d,) = os.listdir(nvme_dir)
+    assert os.stat(os.path.join(nvme_dir, d)).st_mode & 0o777 == 0o700
+    off.close()
+
+
+def test_nvme_dir_that_is_a_file_is_a_config_error(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(tiermem.ConfigError, match=f"TIERMEM_NVME_DIR='{f}' is a file"):
+        _off(str(f))
+
+
+def test_missing_nvme_dir_is_created(tmp_path):
+    d = tmp_path / "a" / "b"
+    off = _off(str(d))
+    assert d.is_dir()
+    off.close()
+
+
+def test_read_only_nvme_dir_is_a_config_error(tmp_path):
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {r.stderr.strip()}")
+    try:
+        with pytest.raises(tiermem.ConfigError, match="read-only"):
+            _off(str(mnt))
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_policy_nvme_without_dir_is_a_config_error():
+    with pytest.raises(tiermem.ConfigError, match="TIERMEM_NVME_DIR"):
+        tiermem.Offloader(policy="nvme")
+
+
+def _saved_to_disk(nvme_dir, verify):
+    off = _off(nvme_dir, verify=verify)
+    x = torch.randn(1 << 16, requires_grad=True)
+    with off:
+        z = (x * 2).sin()
+    store = off._stores[tiermem.Tier.NVME]
+    store.drain()
+    off._poll()
+    return off, store, z
+
+
+def test_verify_detects_a_file_changed_underneath(nvme_dir):
+    off, store, z = _saved_to_disk(nvme_dir, verify=True)
+    with open(store.path, "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff" * 64)
+    with pytest.raises(tiermem.TierMemError, match="checksum") as err:
+        z.sum().backward()
+    assert store.path in str(err.value)
+    off.close()
+
+
+def test_short_read_names_the_file(nvme_dir):
+    off, store, z = _saved_to_disk(nvme_dir, verify=False)
+    os.truncate(store.path, 0)
+    with pytest.raises(tiermem.TierMemError) as err:
+        z.sum().backward()
+    assert store.path in str(err.value) and "reading" in str(err.value)
+    off.close()
+
+
+def test_backward_after_close_raises_clearly(nvme_dir):
+    off, store, z = _saved_to_disk(nvme_dir, verify=False)
+    off.close()
+    with pytest.raises(tiermem.TierMemError, match="closed"):
+        z.sum().backward()
+
+
+def test_exception_mid_forward_frees_disk_extents(nvme_dir):
+    off = _off(nvme_dir)
+    x = torch.randn(1 << 16, requires_grad=True)
+    with pytest.raises(RuntimeError, match="boom"):
+        with off:
+            y = (x * 2).sin()
+            raise RuntimeError("boom")
+    del y
+    gc.collect()
+    off._poll()
+    assert off.disk_bytes_in_use == 0
+    off.close()
