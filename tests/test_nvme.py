@@ -150,6 +150,7 @@ def test_disk_full_on_a_small_tmpfs_falls_back(tmp_path):
                        capture_output=True, text=True)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    off = None
     try:
         ref = reference_steps("block", 2)
         off = _off(str(mnt), nvme_budget="1GiB")
@@ -157,9 +158,10 @@ def test_disk_full_on_a_small_tmpfs_falls_back(tmp_path):
         s = off.stats
         assert s.budget_fallbacks > 0 and s.count_by_tier["cpu"] > 0
         assert off._stores[tiermem.Tier.NVME].arena.disk_full
-        off.close()
     finally:
-        subprocess.run(["umount", str(mnt)], check=False)
+        if off is not None:
+            off.close()
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 _CHILD = textwrap.dedent("""
@@ -239,7 +241,7 @@ def test_read_only_nvme_dir_is_a_config_error(tmp_path):
         with pytest.raises(tiermem.ConfigError, match="read-only"):
             _off(str(mnt))
     finally:
-        subprocess.run(["umount", str(mnt)], check=False)
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_policy_nvme_without_dir_is_a_config_error():

@@ -892,3 +892,37 @@ def test_small_parameters_are_counted_as_parameters_not_activations(min_bytes):
         lin(x * 2).sum().backward()
     assert off.stats.param_count == 1                      # weight.t()
     assert sum(off.stats.count_by_tier.values()) == 1      # x * 2 only
+
+
+def test_tensor_saved_by_two_ops_is_restored_once_per_backward():
+    torch.manual_seed(0)
+    layers = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(64, 64), nn.Tanh())])
+    x = torch.randn(32, 64)
+    ref = run_step(layers, [x], contextlib.nullcontext())
+    off = _off("cpu")
+    for _ in range(2):
+        layers.zero_grad(set_to_none=True)
+        with off:
+            loss = layers(x).square().mean()
+        off._stores[tiermem.Tier.CPU].drain()   # every tensor restored from host memory
+        loss.backward()
+        assert torch.equal(loss, ref[0])
+        assert_same_tensors({n: p.grad for n, p in layers.named_parameters()}, ref[1], "grads")
+        s = off.stats
+        assert s.dedup_hits >= 3   # each tanh output: saved by TanhBackward and the next Linear
+        assert s.prefetch_hits + s.prefetch_misses == s.count_by_tier["cpu"]
+
+
+def test_retain_graph_second_backward_restores_again_and_matches():
+    torch.manual_seed(0)
+    layers = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(64, 64), nn.Tanh())])
+    x = torch.randn(32, 64)
+    off = _off("cpu")
+    with off:
+        loss = layers(x).square().mean()
+    off._stores[tiermem.Tier.CPU].drain()
+    g1 = torch.autograd.grad(loss, list(layers.parameters()), retain_graph=True)
+    first = off.stats.prefetch_hits + off.stats.prefetch_misses
+    g2 = torch.autograd.grad(loss, list(layers.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+    assert off.stats.prefetch_hits + off.stats.prefetch_misses == 2 * first

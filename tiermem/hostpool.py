@@ -20,10 +20,13 @@ a handle on.
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Optional
 
 import torch
+
+_log = logging.getLogger("tiermem")
 
 __all__ = ["HostPool"]
 
@@ -51,6 +54,7 @@ class HostPool:
         self.in_use_bytes = 0
         self.free_bytes = 0
         self.allocations = 0                  # buffers ever allocated (reuse check)
+        self._warned_alloc = False
 
     @property
     def held_bytes(self) -> int:
@@ -78,23 +82,31 @@ class HostPool:
             self.allocations += 1
         try:
             return torch.empty(cls, dtype=torch.uint8, pin_memory=pinned)
-        except BaseException:
+        except RuntimeError as e:   # torch.OutOfMemoryError included
             with self._lock:
                 self.in_use_bytes -= cls
-            raise
+                self.allocations -= 1
+            if not self._warned_alloc:
+                self._warned_alloc = True
+                _log.warning("tiermem: could not allocate %d %s host bytes (%s); the "
+                             "tier counts as full (shown once)", cls,
+                             "pinned" if pinned else "pageable", e)
+            return None
 
-    def release(self, buf: torch.Tensor, job=None) -> None:
-        """Give ``buf`` back; it is reused once ``job`` (if any) is done."""
+    def release(self, buf: torch.Tensor, job=None, pinned: bool = False) -> None:
+        """Give ``buf`` back (``pinned`` as it was acquired); it is reused once
+        ``job`` (if any) is done."""
         cls = buf.numel()
         with self._lock:
             self.in_use_bytes -= cls
             self.free_bytes += cls
-            self._free.setdefault((buf.is_pinned(), cls), []).append((buf, job))
+            self._free.setdefault((pinned, cls), []).append((buf, job))
 
     def clear(self) -> None:
         """Drop every idle buffer (in-use ones are unaffected)."""
         with self._lock:
             self._trim(self.free_bytes)
+        _return_pinned_cache()
 
     def _take_ready(self, key: tuple) -> Optional[torch.Tensor]:
         entries = self._free.get(key)
@@ -108,6 +120,7 @@ class HostPool:
 
     def _trim(self, want_bytes: int) -> None:
         """Free idle buffers until ``want_bytes`` are gone or none is idle and ready."""
+        trimmed_pinned = False
         for key in sorted(self._free, key=lambda k: k[1], reverse=True):
             cls = key[1]
             entries = self._free[key]
@@ -116,6 +129,17 @@ class HostPool:
                 if want_bytes > 0 and (job is None or job.done()):
                     want_bytes -= cls
                     self.free_bytes -= cls
+                    trimmed_pinned |= key[0]
                 else:
                     keep.append((buf, job))
             self._free[key] = keep
+        if trimmed_pinned:
+            _return_pinned_cache()
+
+
+def _return_pinned_cache() -> None:
+    """Hand freed pinned blocks back to the OS: torch's caching host allocator
+    keeps them pinned otherwise, and the budget would no longer bound them."""
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None and torch.cuda.is_initialized():
+        empty()

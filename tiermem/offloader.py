@@ -167,6 +167,7 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
             handle = handle_ref()
             if handle is not None and not storage_ref.expired():
                 stats.dedup_hits += 1
+                handle.uses += 1
                 return handle
         module = current_module()
         index = self._index

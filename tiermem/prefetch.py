@@ -13,9 +13,14 @@ follows whatever backward does. Handles already on their way, or already
 consumed in this pass, are skipped cheaply.
 
 A *pass* is one backward over the step's graph. Each handle records the pass
-that last consumed it (``handle.gen``); a handle consumed twice in one pass
-means a new pass began (``retain_graph=True``) or one tensor feeds several
-nodes, and starts a new pass: everything becomes eligible again.
+that last consumed it (``handle.gen``) and how many of its consumers took it
+in that pass (``taken``, out of ``uses``: the saves of that tensor, dedup
+included); a handle consumed more often than it was saved starts a new pass
+(``retain_graph=True``): everything becomes eligible again.
+
+A handle whose move out has not landed yet stops the cursor: it is retried at
+the next unpack rather than skipped (skipping it would make it a miss later,
+while the window fills with tensors needed last).
 """
 
 from __future__ import annotations
@@ -28,8 +33,8 @@ __all__ = ["Prefetcher"]
 
 class Prefetcher:
     """Prefetch state of one step. Handles must provide ``order_pos``,
-    ``nbytes`` and ``store.prefetch(handle) -> bool`` (``True`` if a restore was
-    started)."""
+    ``nbytes``, ``gen``, ``taken``, ``uses`` and ``store.prefetch(handle)``
+    (``True``: restore started, ``False``: none needed, ``None``: not ready)."""
 
     def __init__(self, budget_bytes: int) -> None:
         self.budget_bytes = budget_bytes
@@ -46,10 +51,14 @@ class Prefetcher:
         self._order.append(weakref.ref(handle))
 
     def begin_get(self, handle) -> None:
-        """Called (under ``lock``) when ``handle`` is about to be consumed."""
-        if handle.gen == self.gen:
+        """Called (under ``lock``) when ``handle`` is about to be consumed: counts
+        its consumers in this pass (``taken``, out of ``uses`` saves)."""
+        if handle.gen == self.gen and handle.taken >= handle.uses:
             self.gen += 1
-        handle.gen = self.gen
+        if handle.gen != self.gen:
+            handle.gen = self.gen
+            handle.taken = 0
+        handle.taken += 1
 
     def advance(self, handle) -> None:
         """Called (under ``lock``) when ``handle`` is unpacked: top the window up."""
@@ -60,8 +69,11 @@ class Prefetcher:
         order = self._order
         while self._cursor >= 0 and self.inflight_bytes < self.budget_bytes:
             h = order[self._cursor]()
+            started = None if h is None else h.store.prefetch(h)
+            if h is not None and started is None:
+                break   # its move out has not landed yet: retry at the next unpack
             self._cursor -= 1
-            if h is not None and h.store.prefetch(h):
+            if started:
                 self.inflight_bytes += h.nbytes
 
     def consumed(self, nbytes: int) -> None:

@@ -44,6 +44,8 @@ class StepStats:
     - ``prefetched_bytes``, ``prefetch_hits``, ``prefetch_misses``: backward
       restores started ahead of need, and unpacks that found / did not find
       their tensor already on its way.
+    - ``late_restores``: restores not complete when their unpack came (on CUDA
+      an upper bound of GPU stalls: the stream may still not have reached them).
     - ``peak_host_bytes``: most host bytes held by the cpu tier during the step.
     - ``peak_disk_bytes``: most bytes of the nvme tier's file in use during the step.
     """
@@ -59,6 +61,7 @@ class StepStats:
     prefetched_bytes: int = 0
     prefetch_hits: int = 0
     prefetch_misses: int = 0
+    late_restores: int = 0
     peak_host_bytes: int = 0
     peak_disk_bytes: int = 0
 

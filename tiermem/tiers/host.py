@@ -21,7 +21,7 @@ __all__ = ["HostStore"]
 class HostStore(MovingStore):
     """Host-memory tier for CUDA and CPU tensors, within ``budget_bytes``.
 
-    ``slot`` of a handle: ``(buffer, typed view of its first nbytes)``.
+    ``slot`` of a handle: ``(buffer, typed view of its first nbytes, pinned)``.
     """
 
     tier = Tier.CPU
@@ -43,13 +43,18 @@ class HostStore(MovingStore):
 
     def _store_out(self, src: torch.Tensor, layout: Layout, t: torch.Tensor):
         nbytes = layout.nbytes
-        buf = self.pool.acquire(nbytes, pinned=t.is_cuda)
+        pinned = t.is_cuda
+        buf = self.pool.acquire(nbytes, pinned=pinned)
         if buf is None:
             return None
-        host_view = buf[:nbytes].view(layout.dtype)
-        job = copier_for(t.device, self._copiers).copy_out(layout.source(src),
-                                                            layout.dest_view(host_view))
-        return (buf, host_view), job
+        try:
+            host_view = buf[:nbytes].view(layout.dtype)
+            job = copier_for(t.device, self._copiers).copy_out(layout.source(src),
+                                                                layout.dest_view(host_view))
+        except BaseException:
+            self.pool.release(buf, None, pinned)
+            raise
+        return (buf, host_view, pinned), job
 
     def _start_restore(self, h: MovedHandle):
         layout = h.layout
@@ -57,7 +62,7 @@ class HostStore(MovingStore):
                                                                 layout.dtype)
 
     def _free(self, h: MovedHandle) -> None:
-        self.pool.release(h.slot[0], h.last_job)
+        self.pool.release(h.slot[0], h.last_job, h.slot[2])
 
     def _note_put(self, stats) -> None:
         in_use = self.pool.in_use_bytes

@@ -58,8 +58,8 @@ class MovedHandle:
     when autograd drops it, the store gets its slot back."""
 
     __slots__ = ("store", "step", "layout", "nbytes", "slot", "version", "module", "src",
-                 "last_job", "restore", "gen", "tainted", "failed", "order_pos",
-                 "__weakref__")
+                 "last_job", "restore", "gen", "taken", "uses", "cached", "tainted",
+                 "failed", "order_pos", "__weakref__")
 
     def __del__(self) -> None:
         store = getattr(self, "store", None)
@@ -101,8 +101,10 @@ class MovingStore(TierStore):
         h.slot, job = out
         h.layout, h.nbytes = layout, layout.nbytes
         h.version, h.module, h.src = t._version, module, src
-        h.restore = None
+        h.restore = h.cached = None
         h.gen = -1
+        h.taken = 0
+        h.uses = 1           # saves of this tensor in the step (dedup hits add one)
         h.tainted = h.failed = False
         h.step = step
         h.last_job = job
@@ -163,11 +165,15 @@ class MovingStore(TierStore):
                 self._land_first()
 
     # -- backward -----------------------------------------------------------
-    def prefetch(self, h: MovedHandle) -> bool:
-        """Start restoring ``h`` unless it is on its way, still on the device, or
-        already consumed in this backward pass (see Prefetcher.gen)."""
-        if h.src is not None or h.tainted or h.restore is not None:
-            return False   # (a failed move keeps its src: never prefetched)
+    def prefetch(self, h: MovedHandle) -> Optional[bool]:
+        """Start restoring ``h``: ``True`` if started; ``False`` if it needs none
+        (on its way, failed or tainted, or already consumed in this backward pass,
+        see Prefetcher.gen); ``None`` if its move out has not landed yet (the
+        prefetcher waits there rather than skipping it)."""
+        if h.failed or h.tainted or h.restore is not None or h.cached is not None:
+            return False
+        if h.src is not None:
+            return None
         if h.gen == h.step.prefetcher.gen:
             return False
         h.restore = self._restore(h)
@@ -188,12 +194,12 @@ class MovingStore(TierStore):
                 check_version(h.src, h.version, h.module)
                 return h.src
             if h.src is not None:
-                if h.src._version == h.version and not h.layout.compact:
+                if h.src._version == h.version:
                     # Not landed yet: the original is still here and unchanged.
-                    # (A compact copy has other strides: wait for it, so that
-                    # backward sees the same layout whatever the timing.)
+                    # A compact copy is dense: give a dense copy of the original,
+                    # so that backward sees the same layout whatever the timing.
                     prefetcher.advance(h)
-                    return h.src
+                    return h.src.contiguous() if h.layout.compact else h.src
                 self._wait_landed(h)
             if h.tainted:
                 raise TierMemError(
@@ -203,6 +209,11 @@ class MovingStore(TierStore):
                     f"{self.tier.value} tier; autograd would raise here too. Clone it "
                     "before modifying it.")
             prefetcher.begin_get(h)
+            if h.cached is not None:   # a tensor saved by several ops: restored once
+                out = h.cached
+                if h.taken >= h.uses:
+                    h.cached = None
+                return out
             if h.restore is None:
                 step.stats.prefetch_misses += 1
                 h.restore = self._restore(h)
@@ -212,16 +223,22 @@ class MovingStore(TierStore):
             dev, job = h.restore
             h.restore = None
             prefetcher.advance(h)
+        if not job.done():
+            step.stats.late_restores += 1
         t0 = time.perf_counter()
         job.order_before_use(dev)
         step.stats.stall_seconds += time.perf_counter() - t0
-        return h.layout.rebuild(dev)
+        out = h.layout.rebuild(dev)
+        if h.taken < h.uses:
+            h.cached = out   # kept for the other consumers of this pass
+        return out
 
     # -- release --------------------------------------------------------------
     def _release(self, h: MovedHandle) -> None:
         if h.src is not None:      # died before its move out landed (last_job is that move)
             h.last_job.abandon(h.src)
             h.src = None
+        h.cached = None
         if h.restore is not None:  # prefetched, never consumed
             dev, job = h.restore
             job.abandon(dev)

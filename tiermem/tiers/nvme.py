@@ -187,7 +187,7 @@ class NvmeStore(MovingStore):
         offset = self.arena.alloc(nbytes)
         if offset is None:
             if staging is not None:
-                self._staging.release(staging)
+                self._staging.release(staging, None, True)
             return None
         what = f"writing a {_describe(layout)} to {self.path} at offset {offset}"
         if staging is None:
@@ -207,11 +207,13 @@ class NvmeStore(MovingStore):
         crc = [None]
 
         def write_cuda():
-            d2h.wait_host()
-            if self.verify:
-                crc[0] = _crc(view)
-            self._file.write(view, offset).wait()
-            self._staging.release(staging)
+            try:
+                d2h.wait_host()
+                if self.verify:
+                    crc[0] = _crc(view)
+                self._file.write(view, offset).wait()
+            finally:
+                self._staging.release(staging, d2h, True)
         job = _ChainJob(self._chain.submit(self._wrap(write_cuda, what)), side=d2h.side)
         return (offset, crc), job
 
@@ -274,7 +276,7 @@ class NvmeStore(MovingStore):
                 done.record(side)
             dev.record_stream(side)
             if pooled:
-                self._staging.release(staging, _EventJob(done))
+                self._staging.release(staging, _EventJob(done), True)
             return done
         job = _ChainJob(self._chain.submit(self._wrap(read_cuda, what)), device=device,
                         stream=compute, side=side)
