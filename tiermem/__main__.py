@@ -4,6 +4,8 @@ Commands:
 
 - ``demo``: train a small GPT a few steps with tiermem and check that the
   gradients are bit-identical to plain autograd (exit 1 if not).
+- ``doctor``: engine, RAM, GPU, NVMe dir checks and bandwidth.
+- ``build``: prebuild the C++ I/O engine.
 - ``env-table``: print the Markdown table of ``TIERMEM_*`` variables.
 
 Adding a command: write ``_add_<name>(subparsers)`` that creates its parser
@@ -46,8 +48,26 @@ def _add_env_table(sub) -> None:
     p.set_defaults(handler=handler)
 
 
-#: Registered commands, in the order ``--help`` lists them. Future: doctor, bench, build.
-_COMMANDS: Sequence[Callable] = (_add_demo, _add_env_table)
+def _add_doctor(sub) -> None:
+    from . import doctor
+    p = sub.add_parser("doctor", help="what tiermem will use here (engine, RAM, GPU, NVMe dir "
+                       "bandwidth): the first thing to run")
+    doctor.add_arguments(p)
+    p.set_defaults(handler=doctor.run)
+
+
+def _add_build(sub) -> None:
+    p = sub.add_parser("build", help="prebuild the C++ I/O engine (otherwise built on first use)")
+
+    def handler(args: argparse.Namespace) -> int:
+        from .io.build import build
+        print(build(verbose=True))
+        return 0
+    p.set_defaults(handler=handler)
+
+
+#: Registered commands, in the order ``--help`` lists them. Future: bench.
+_COMMANDS: Sequence[Callable] = (_add_demo, _add_doctor, _add_build, _add_env_table)
 
 
 def build_parser() -> argparse.ArgumentParser:

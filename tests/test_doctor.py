@@ -1,0 +1,39 @@
+"""`python -m tiermem doctor` and `build` run and report what they promise."""
+
+import json
+import subprocess
+import sys
+
+
+def _run(*args, env_extra=None):
+    import os
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERMEM_")}
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "tiermem", *args], capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+def test_doctor_measures_the_nvme_dir(tmp_path):
+    r = _run("doctor", "--dir", str(tmp_path), "--mib", "8", "--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    nv = report["nvme"]
+    assert nv["o_direct"] in ("yes",) or nv["o_direct"].startswith("no (")
+    assert nv["bandwidth"]["bytes"] == 8 << 20
+    assert nv["bandwidth"]["write_GBps"] > 0 and nv["bandwidth"]["read_GBps"] > 0
+    assert report["engine"]["engine"] in ("cpp", "python")
+    assert list(tmp_path.iterdir()) == []      # nothing left behind
+
+
+def test_doctor_reports_a_bad_dir_and_fails(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    r = _run("doctor", "--dir", str(f), "--mib", "1")
+    assert r.returncode == 1
+    assert "is a file, not a directory" in r.stdout
+
+
+def test_doctor_without_dir_still_reports():
+    r = _run("doctor")
+    assert r.returncode == 0, r.stderr
+    assert "I/O engine:" in r.stdout and "NVMe dir: not set" in r.stdout

@@ -1,0 +1,166 @@
+"""``python -m tiermem doctor``: what tiermem will use on this machine, and how fast.
+
+Reports the settings in effect, the I/O engine and why, RAM and the default
+cpu budget, pinned memory (with a GPU), the GPU, and for the NVMe directory
+(``--dir`` or ``TIERMEM_NVME_DIR``): free space, whether O_DIRECT works, and
+write/read bandwidth measured with the engine (``--mib`` MiB in 16 MiB writes,
+then read back; the file is removed). ``--json`` prints a JSON object instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+
+import psutil
+import torch
+
+from .config import Config
+from .offloader import default_cpu_budget_bytes, default_nvme_budget_bytes
+from .telemetry import format_bytes
+
+__all__ = ["add_arguments", "run", "diagnose"]
+
+_CHUNK_BYTES = 16 << 20
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dir", default=None, help="NVMe directory to check (default: TIERMEM_NVME_DIR)")
+    p.add_argument("--mib", type=int, default=256, help="MiB to write and read back for the bandwidth")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _gpu() -> dict:
+    if not torch.cuda.is_available():
+        return {"available": False, "torch_cuda": torch.version.cuda}
+    props = torch.cuda.get_device_properties(0)
+    out = {"available": True, "torch_cuda": torch.version.cuda, "count": torch.cuda.device_count(),
+           "name": props.name, "memory_bytes": props.total_memory}
+    try:
+        t0 = time.perf_counter()
+        buf = torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True)
+        out["pinned_64MiB_alloc_ms"] = (time.perf_counter() - t0) * 1e3
+        del buf
+    except RuntimeError as e:
+        out["pinned_error"] = str(e)
+    return out
+
+
+def _o_direct(path: str) -> str:
+    probe = os.path.join(path, f".tiermem-probe-{os.getpid()}")
+    try:
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+    except OSError as e:
+        return f"no ({e.strerror})"
+    os.close(fd)
+    os.unlink(probe)
+    return "yes"
+
+
+def _bandwidth(path: str, engine_kind: str, threads: int, mib: int) -> dict:
+    from .io import aligned_empty, get_engine
+    engine = get_engine(engine_kind, threads)
+    work = tempfile.mkdtemp(prefix=".tiermem-doctor-", dir=path)
+    try:
+        f = engine.open(os.path.join(work, "bench.bin"), 0)
+        total = max(1, mib) << 20
+        f.resize(total)
+        buf = aligned_empty(_CHUNK_BYTES)
+        buf.random_(0, 256)
+        offsets = range(0, total, _CHUNK_BYTES)
+        t0 = time.perf_counter()
+        for fut in [f.write(buf, off) for off in offsets]:
+            fut.wait()
+        write_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        bufs = [aligned_empty(_CHUNK_BYTES) for _ in range(4)]
+        for i in range(0, len(offsets), 4):
+            futs = [f.read(bufs[j], off) for j, off in enumerate(offsets[i:i + 4])]
+            for fut in futs:
+                fut.wait()
+        read_s = time.perf_counter() - t0
+        direct = f.direct
+        f.close()
+        return {"engine": engine.name, "direct": direct, "bytes": total,
+                "write_GBps": total / write_s / 1e9, "read_GBps": total / read_s / 1e9}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def diagnose(nvme_dir=None, mib: int = 256) -> dict:
+    """Everything ``doctor`` reports, as a dict."""
+    cfg = Config.from_env()
+    report = {
+        "tiermem": __import__("tiermem").__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "settings": {f.name: (getattr(cfg, f.name) if not callable(getattr(cfg, f.name))
+                              else repr(getattr(cfg, f.name)))
+                     for f in dataclasses.fields(cfg)},
+        "ram_bytes": psutil.virtual_memory().total,
+        "ram_available_bytes": psutil.virtual_memory().available,
+        "default_cpu_budget_bytes": default_cpu_budget_bytes(),
+        "gpu": _gpu(),
+    }
+    from .io import engine_info
+    report["engine"] = engine_info()
+    path = nvme_dir or cfg.nvme_dir
+    if path:
+        nv = {"dir": path}
+        try:
+            from .spilldir import check_nvme_dir
+            check_nvme_dir(path, "--dir" if nvme_dir else "TIERMEM_NVME_DIR")
+            nv["free_bytes"] = psutil.disk_usage(path).free
+            nv["default_nvme_budget_bytes"] = default_nvme_budget_bytes(path)
+            nv["o_direct"] = _o_direct(path)
+            nv["bandwidth"] = _bandwidth(path, cfg.engine, cfg.io_threads, mib)
+        except Exception as e:  # reported, not raised: doctor must always finish
+            nv["error"] = f"{type(e).__name__}: {e}"
+        report["nvme"] = nv
+    return report
+
+
+def _print(r: dict) -> None:
+    print(f"tiermem {r['tiermem']} | torch {r['torch']} | Python {r['python']}")
+    set_ = {k: v for k, v in r["settings"].items() if v is not None}
+    print("settings in effect: " + ", ".join(f"{k}={v}" for k, v in set_.items()))
+    e = r["engine"]
+    print(f"I/O engine: {e['engine']} ({e['reason'].splitlines()[0]})")
+    print(f"RAM: {format_bytes(r['ram_bytes'])} total, {format_bytes(r['ram_available_bytes'])} "
+          f"available; default cpu budget {format_bytes(r['default_cpu_budget_bytes'])}")
+    g = r["gpu"]
+    if g["available"]:
+        line = f"GPU: {g['count']} x {g['name']}, {format_bytes(g['memory_bytes'])}"
+        if "pinned_64MiB_alloc_ms" in g:
+            line += f"; pinning 64 MiB took {g['pinned_64MiB_alloc_ms']:.1f} ms"
+        print(line + (f"; pinned memory FAILED: {g['pinned_error']}" if "pinned_error" in g else ""))
+    else:
+        print(f"GPU: none (torch built with CUDA {g['torch_cuda']})")
+    nv = r.get("nvme")
+    if nv is None:
+        print("NVMe dir: not set (TIERMEM_NVME_DIR or --dir)")
+        return
+    if "error" in nv:
+        print(f"NVMe dir {nv['dir']}: {nv['error']}")
+        return
+    b = nv["bandwidth"]
+    print(f"NVMe dir {nv['dir']}: {format_bytes(nv['free_bytes'])} free, default budget "
+          f"{format_bytes(nv['default_nvme_budget_bytes'])}, O_DIRECT {nv['o_direct']}")
+    print(f"  {b['engine']} engine ({'direct' if b['direct'] else 'buffered'}), "
+          f"{format_bytes(b['bytes'])}: write {b['write_GBps']:.2f} GB/s, "
+          f"read {b['read_GBps']:.2f} GB/s (read may come from the page cache when buffered)")
+
+
+def run(args: argparse.Namespace) -> int:
+    report = diagnose(args.dir, args.mib)
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        _print(report)
+    return 1 if "error" in report.get("nvme", {}) else 0
