@@ -31,6 +31,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import psutil
@@ -40,7 +41,8 @@ import tiermem
 from common import emit, machine, pick_device, summarize, sync
 from tiermem.models import GPTConfig, TinyGPT
 
-CONFIGS = ("plain", "keep", "cpu")
+CONFIGS = ("plain", "keep", "cpu", "nvme")
+DEFAULT_CONFIGS = ("plain", "keep", "cpu")
 
 
 def _model_cfg(args) -> GPTConfig:
@@ -51,12 +53,14 @@ def _model_cfg(args) -> GPTConfig:
 class _Runner:
     """One configuration: a model, its optimizer and (maybe) an Offloader."""
 
-    def __init__(self, config: str, model: TinyGPT, min_offload_bytes) -> None:
+    def __init__(self, config: str, model: TinyGPT, min_offload_bytes, nvme_dir=None) -> None:
         self.config = config
         self.model = model
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        extra = {"nvme_dir": nvme_dir} if config == "nvme" else {}
         self.off = (None if config == "plain"
-                    else tiermem.Offloader(policy=config, min_offload_bytes=min_offload_bytes))
+                    else tiermem.Offloader(policy=config, min_offload_bytes=min_offload_bytes,
+                                           **extra))
 
     def step(self, x, y, seed: int) -> torch.Tensor:
         self.opt.zero_grad(set_to_none=True)
@@ -78,6 +82,7 @@ class _Runner:
                 "count_by_tier": {k: v for k, v in s.count_by_tier.items() if v},
                 "dedup_hits": s.dedup_hits, "param_count": s.param_count,
                 "small_count": s.small_count, "peak_host_bytes": s.peak_host_bytes,
+                "peak_disk_bytes": s.peak_disk_bytes, "late_restores": s.late_restores,
                 "stall_seconds": s.stall_seconds, "prefetch_hits": s.prefetch_hits,
                 "prefetch_misses": s.prefetch_misses}
 
@@ -94,7 +99,8 @@ def _batches(args, device, n: int):
 def _build(args, device, configs):
     torch.manual_seed(args.seed)
     base = TinyGPT(_model_cfg(args)).to(device)
-    return [_Runner(c, copy.deepcopy(base), args.min_offload_bytes) for c in configs]
+    return [_Runner(c, copy.deepcopy(base), args.min_offload_bytes, args.nvme_dir)
+            for c in configs]
 
 
 def time_steps(args, device) -> dict:
@@ -227,6 +233,7 @@ def _forward_args(args) -> list:
         out += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     if args.min_offload_bytes is not None:
         out += ["--min-offload-bytes", str(args.min_offload_bytes)]
+    out += ["--nvme-dir", args.nvme_dir]
     return out
 
 
@@ -236,7 +243,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30, help="measured steps per config")
     p.add_argument("--warmup", type=int, default=3, help="discarded steps per config")
     p.add_argument("--memory-steps", type=int, default=3, help="steps of the memory runs")
-    p.add_argument("--configs", default=",".join(CONFIGS),
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                   help=f"comma-separated, from {','.join(CONFIGS)}",
                    type=lambda s: tuple(c for c in s.split(",") if c))
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--vocab", type=int, default=d.vocab)
@@ -250,12 +258,17 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--out", default=None, help="also write the JSON here")
+    p.add_argument("--nvme-dir", default=None,
+                   help="directory for the nvme config (default: a new temp dir under /tmp; "
+                        "use a real disk, not tmpfs)")
     p.add_argument("--child", choices=CONFIGS, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     bad = [c for c in args.configs if c not in CONFIGS]
     if bad:
         p.error(f"unknown config(s) {bad}; choose from {CONFIGS}")
     device = pick_device(args.device)
+    if args.nvme_dir is None:
+        args.nvme_dir = tempfile.mkdtemp(prefix="tiermem-bench-", dir="/tmp")
     if args.child:
         print(json.dumps(memory_child(args, device)))
         return
