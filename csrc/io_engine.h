@@ -1,0 +1,154 @@
+// tiermem I/O core: a worker pool doing positional pread/pwrite (O_DIRECT when
+// the filesystem allows it) on behalf of non-blocking requests that return
+// futures. No torch and no Python here: bindings.cpp is the only file that
+// knows about tensors and the GIL.
+//
+// NOTE [Request lifetime]
+//   A request (one write or read call) is split into chunks of at least
+//   kMinChunkBytes, each aligned to kAlignBytes, that run on any worker in any
+//   order. Every chunk holds a shared_ptr to the request, which holds
+//   - the FileState (so the fd stays open until its last chunk has run, even
+//     if File::close() was called or the File was dropped), and
+//   - the FutureState, whose `keepalive` owns the caller's buffer (bindings.cpp
+//     puts the tensor there), so the memory cannot be freed while a worker
+//     still touches it, even if the caller drops the future without waiting.
+//   A worker marks its chunk complete (and wakes waiters) *before* it drops its
+//   references, and never holds a lock while dropping them: dropping the last
+//   reference to a tensor may need the Python GIL (see bindings.cpp).
+//
+// NOTE [Alignment]
+//   Offsets must be multiples of kAlignBytes (checked at submit). Lengths and
+//   buffer addresses may be anything. On a direct (O_DIRECT) file a chunk's
+//   whole 4096-byte blocks go straight between the caller's buffer and the
+//   disk when the buffer address is 4096-aligned, and through the worker's
+//   aligned bounce buffer otherwise; the partial last block of a request always
+//   goes through the bounce buffer. A write whose length is not a multiple of
+//   kAlignBytes writes the rest of its last block as zeros, on direct and
+//   buffered files alike, so callers reserve extents rounded up to kAlignBytes.
+#pragma once
+
+#include <sys/types.h>
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace tiermem {
+
+constexpr std::size_t kAlignBytes = 4096;
+// Requests are split in chunks of at least this size (except a smaller request).
+constexpr std::size_t kMinChunkBytes = std::size_t(1) << 20;
+// ... and at most this size, so that one large request still spreads evenly.
+constexpr std::size_t kMaxChunkBytes = std::size_t(8) << 20;
+// Per-worker aligned staging buffer for unaligned buffers and partial blocks.
+constexpr std::size_t kBounceBytes = std::size_t(4) << 20;
+
+// A failed I/O call. what() is the full message:
+//   "tiermem: <op> of <n> bytes at offset <off> in <path> failed: <reason>"
+// where <reason> is strerror(err) unless a detail is given.
+class IOError : public std::runtime_error {
+ public:
+  IOError(int err, const std::string& op, const std::string& path, std::uint64_t nbytes,
+          std::uint64_t offset, const std::string& detail = "");
+  int err() const noexcept { return err_; }
+  const std::string& op() const noexcept { return op_; }
+  const std::string& path() const noexcept { return path_; }
+  std::uint64_t offset() const noexcept { return offset_; }
+
+ private:
+  int err_;
+  std::string op_;
+  std::string path_;
+  std::uint64_t offset_;
+};
+
+// Shared state of one request's completion. See NOTE [Request lifetime].
+struct FutureState {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::size_t chunks_left = 0;
+  bool failed = false;
+  int err = 0;
+  std::string detail;                   // of the first failure ("" = strerror(err))
+  std::string op, path;
+  std::uint64_t nbytes = 0, offset = 0;
+  std::shared_ptr<void> keepalive;      // the caller's buffer owner (opaque here)
+};
+
+// Handle on a request. wait() blocks until every chunk has run and throws the
+// first failure as IOError; done() never blocks.
+class Future {
+ public:
+  Future() = default;
+  explicit Future(std::shared_ptr<FutureState> state) : state_(std::move(state)) {}
+  void wait() const;
+  bool done() const;
+
+ private:
+  std::shared_ptr<FutureState> state_;
+};
+
+struct FileState;
+struct Pool;
+
+class File {
+ public:
+  File(std::shared_ptr<Pool> pool, std::shared_ptr<FileState> state);
+  ~File();
+  File(const File&) = delete;
+  File& operator=(const File&) = delete;
+
+  // Non-blocking. `buf` must stay valid until the future is done: pass its
+  // owner as `keepalive`. `offset` must be a multiple of kAlignBytes.
+  Future write(const void* buf, std::size_t nbytes, std::uint64_t offset,
+               std::shared_ptr<void> keepalive = nullptr);
+  Future read(void* buf, std::size_t nbytes, std::uint64_t offset,
+              std::shared_ptr<void> keepalive = nullptr);
+  // Set the file length: growing allocates the blocks (fallocate, so that
+  // ENOSPC shows now; ftruncate where fallocate is unsupported).
+  void resize(std::uint64_t size_bytes);
+  std::uint64_t size() const;
+  // Waits for this file's outstanding requests, then closes the fd. Idempotent.
+  void close();
+
+  const std::string& path() const;
+  bool direct() const;
+
+ private:
+  Future submit(bool is_write, void* buf, std::size_t nbytes, std::uint64_t offset,
+                std::shared_ptr<void> keepalive);
+
+  std::shared_ptr<Pool> pool_;
+  std::shared_ptr<FileState> state_;
+};
+
+class Engine {
+ public:
+  explicit Engine(int threads);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Creates `path` (O_RDWR|O_CREAT|O_EXCL|O_CLOEXEC|O_NOFOLLOW, mode 0600),
+  // with O_DIRECT when the filesystem supports it (probed with one aligned
+  // write of zeros), and sizes it to size_bytes. On failure nothing is left.
+  std::shared_ptr<File> open(const std::string& path, std::uint64_t size_bytes);
+  // Runs the queued requests, then stops and joins the workers. Idempotent.
+  void close();
+  int threads() const noexcept { return threads_; }
+  bool closed() const;
+
+ private:
+  int threads_;
+  std::shared_ptr<Pool> pool_;
+  std::vector<std::thread> workers_;
+};
+
+}  // namespace tiermem

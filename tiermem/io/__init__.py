@@ -1,0 +1,114 @@
+"""Asynchronous file I/O for the NVMe tier: engines, files, futures.
+
+>>> eng = get_engine()                      # "auto": C++ if it builds, else Python
+>>> f = eng.open("/mnt/nvme/arena", 1 << 30)
+>>> fut = f.write(tensor, offset=0)         # returns at once; offset % ALIGN_BYTES == 0
+>>> fut.wait()                              # raises OSError(errno, "tiermem: ...")
+
+See :mod:`tiermem.io.base` for the full contract (alignment, padding of the
+last block, short reads, errors). The fastest path is a buffer whose address is
+a multiple of :data:`ALIGN_BYTES` (:func:`aligned_empty`): whole blocks then go
+straight to the disk under O_DIRECT without a bounce copy.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from typing import Dict, Tuple
+
+from ..errors import TierMemError
+from .base import ALIGN_BYTES, IOEngine, IOFile, IOFuture, aligned_empty
+
+__all__ = ["ALIGN_BYTES", "IOEngine", "IOFile", "IOFuture", "aligned_empty", "engine_info",
+           "get_engine"]
+
+_log = logging.getLogger("tiermem")
+
+_KINDS = ("auto", "cpp", "python")
+_lock = threading.Lock()
+_engines: Dict[Tuple[str, int], IOEngine] = {}
+_warned_auto = False
+
+
+def _check(kind: str, threads: int) -> None:
+    if kind not in _KINDS:
+        raise ValueError(f"tiermem: engine kind {kind!r} is not one of {', '.join(_KINDS)}")
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"tiermem: I/O threads must be an int >= 1, got {threads!r}")
+
+
+def _new(kind: str, threads: int) -> IOEngine:
+    if kind == "cpp":
+        from .cpp import CppEngine
+        return CppEngine(threads)
+    from .pyengine import PythonEngine
+    return PythonEngine(threads)
+
+
+def _cached(kind: str, threads: int) -> IOEngine:
+    eng = _engines.get((kind, threads))
+    if eng is None or eng.closed:
+        eng = _engines[(kind, threads)] = _new(kind, threads)
+    return eng
+
+
+def get_engine(kind: str = "auto", threads: int = 4) -> IOEngine:
+    """The engine of ``kind`` with ``threads`` workers, cached per (kind, threads).
+
+    - ``"auto"``: the C++ engine; if it cannot be built or loaded, the Python
+      engine, with one warning (logger ``tiermem``) giving the reason.
+    - ``"cpp"``: the C++ engine, or :class:`tiermem.TierMemError` carrying the
+      compiler's output.
+    - ``"python"``: the pure-Python engine.
+
+    Any other kind raises ``ValueError``. An engine closed by its user is
+    replaced by a new one on the next call.
+    """
+    global _warned_auto
+    _check(kind, threads)
+    with _lock:
+        if kind != "auto":
+            return _cached(kind, threads)
+        try:
+            return _cached("cpp", threads)
+        except TierMemError as e:
+            if not _warned_auto:
+                _warned_auto = True
+                _log.warning("tiermem: using the Python I/O engine, the C++ engine is "
+                             "unavailable: %s", _first_lines(str(e)))
+            return _cached("python", threads)
+
+
+def engine_info() -> dict:
+    """Which engine ``get_engine("auto")`` gives, and why (builds the extension if needed).
+
+    ``{"engine": "cpp" | "python", "reason": str, "extension_path": str | None,
+    "cuda": bool}``. ``cuda`` is False for now: the extension is built without
+    CUDA and moves host buffers only.
+    """
+    from . import cpp
+
+    try:
+        cpp.load_extension()
+    except TierMemError as e:
+        return {"engine": "python", "reason": f"the C++ engine is unavailable: {e}",
+                "extension_path": None, "cuda": False}
+    return {"engine": "cpp", "reason": "the C++ extension is built and loaded",
+            "extension_path": cpp.extension_path(), "cuda": False}
+
+
+def _first_lines(text: str, limit: int = 2000) -> str:
+    """The message, shortened for a log line (the exception keeps all of it)."""
+    return text if len(text) <= limit else text[:limit] + " ... (truncated)"
+
+
+@atexit.register
+def _close_engines() -> None:
+    # Let queued writes finish before the interpreter goes away.
+    for eng in list(_engines.values()):
+        try:
+            eng.close()
+        except Exception:  # pragma: no cover - best effort at exit
+            pass
