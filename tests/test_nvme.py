@@ -300,3 +300,34 @@ def test_exception_mid_forward_frees_disk_extents(nvme_dir):
     off._poll()
     assert off.disk_bytes_in_use == 0
     off.close()
+
+
+@pytest.mark.parametrize("landed", [False, True], ids=["in_flight", "landed"])
+@pytest.mark.parametrize("name", ["contiguous", "transpose", "step_slice_2", "step_slice_3",
+                                  "narrow_rows", "offset_by_one", "narrow_row_tail",
+                                  "expand_row", "overlapping", "zero_dim_view", "int64",
+                                  "bool", "bfloat16", "complex_conj", "float64_nan_inf"])
+def test_layout_roundtrip_through_nvme(name, landed, nvme_dir):
+    from models import SaveIt
+    from test_semantics import LAYOUTS, _expect_compact, _same_values
+    t = LAYOUTS[name]()
+    expected = t.clone()
+    sink: list = []
+    w = torch.ones((), requires_grad=True)
+    off = _off(nvme_dir)
+    with off:
+        out = SaveIt.apply(t, w, sink)
+    if landed:
+        off._stores[tiermem.Tier.NVME].drain()
+        off._poll()
+    out.backward()
+    (u,) = sink
+    assert u.shape == t.shape and u.dtype == t.dtype
+    assert _same_values(u, expected)
+    assert off.stats.count_by_tier["nvme"] == 1
+    if _expect_compact(t):
+        assert u.is_contiguous()
+    else:
+        assert u.stride() == t.stride()
+        assert u.data_ptr() % 64 == t.data_ptr() % 64
+    off.close()

@@ -81,7 +81,9 @@ class Layout:
         elements, the data after the pad)."""
         if self.compact:
             return flat.view(self.size)
-        return flat.as_strided(self.size, self.stride, self.pad)
+        # as_strided's offset is absolute in the storage: ``flat`` may itself be
+        # a view (an aligned slice of a bigger buffer).
+        return flat.as_strided(self.size, self.stride, flat.storage_offset() + self.pad)
 
 
 class TierStore:

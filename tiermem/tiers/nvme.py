@@ -24,6 +24,8 @@ underneath) raises :class:`~tiermem.TierMemError` naming the tensor and file.
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
+import os
 import logging
 import threading
 import weakref
@@ -36,6 +38,7 @@ from ..arena import Arena
 from ..copier import Job, copier_for
 from ..errors import TierMemError
 from ..hostpool import HostPool
+from ..io import aligned_empty
 from ..policy import Tier
 from ..spilldir import PrivateDir, remove_stale_dirs
 from .base import Layout
@@ -150,6 +153,7 @@ class NvmeStore(MovingStore):
     def __init__(self, root: str, engine, budget_bytes: int, staging_bytes: int,
                  verify: bool, io_threads: int) -> None:
         super().__init__()
+        _return_freed_memory_to_the_os()
         remove_stale_dirs(root)
         self._dir = PrivateDir(root)
         self._finalizer = weakref.finalize(self, self._dir.remove)
@@ -192,7 +196,9 @@ class NvmeStore(MovingStore):
         what = f"writing a {_describe(layout)} to {self.path} at offset {offset}"
         if staging is None:
             data = layout.source(src) if not layout.compact else src.contiguous()
-            data = data.reshape(-1)
+            # The engine writes memory as it is: lazy conjugate/negative views
+            # (a bit on the tensor, not in memory) must be materialised first.
+            data = data.resolve_conj().resolve_neg().reshape(-1)
             if not self.verify:
                 return (offset, [None]), _FutureJob(self._file.write(data, offset), what)
             crc = [None]
@@ -237,7 +243,9 @@ class NvmeStore(MovingStore):
         offset, expected = h.slot[0], h.slot[1][0]
         what = f"reading a {_describe(layout)} from {self.path} at offset {offset}"
         if layout.device.type != "cuda":
-            dev = torch.empty(layout.pad + layout.numel, dtype=layout.dtype)
+            # Page-aligned: the engine reads whole blocks straight into it (no bounce).
+            itemsize = layout.dtype.itemsize
+            dev = aligned_empty((layout.pad + layout.numel) * itemsize).view(layout.dtype)
             dest = dev[layout.pad:]
             if expected is None:
                 return dev, _FutureJob(self._file.read(dest, offset), what)
@@ -324,6 +332,39 @@ class NvmeStore(MovingStore):
             self._file.close()
             self._finalizer()
             self._staging.clear()
+
+
+_MALLOC_TUNED = False
+_M_MMAP_THRESHOLD = -3          # glibc malloc.h
+_MMAP_THRESHOLD_BYTES = 1 << 20
+
+
+def _return_freed_memory_to_the_os() -> None:
+    """Make glibc give large freed blocks back to the OS.
+
+    # NOTE [Freed memory and RSS]
+    # Moving CPU tensors to disk only lowers the process's memory if freeing
+    # them returns their pages. glibc serves blocks above a threshold with mmap
+    # (returned on free), but raises that threshold (up to 32 MiB) each time such
+    # a block is freed, after which activation-sized blocks come from the heap
+    # and stay there, fragmented, when freed. Measured on the demo GPT (6 layers,
+    # 740 MiB of activations): peak RSS during steps 941 MiB with nvme vs 1063
+    # MiB without tiermem by default; 398 vs 818 MiB with a fixed 1 MiB
+    # threshold. So the nvme tier fixes the threshold at 1 MiB, once per
+    # process, unless the user set MALLOC_MMAP_THRESHOLD_ themselves.
+    """
+    global _MALLOC_TUNED
+    if _MALLOC_TUNED or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return
+    _MALLOC_TUNED = True
+    try:
+        libc = ctypes.CDLL(None)
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)
+    except (OSError, AttributeError):   # not glibc
+        return
+    if ok:
+        _log.info("tiermem: set glibc's mmap threshold to 1 MiB so that memory freed by "
+                  "the nvme tier returns to the OS (set MALLOC_MMAP_THRESHOLD_ to choose)")
 
 
 class _EventJob(Job):
