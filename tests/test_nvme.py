@@ -143,25 +143,31 @@ def test_tiny_nvme_budget_falls_back_to_cpu_exactly(nvme_dir, caplog):
     off.close()
 
 
-def test_disk_full_on_a_small_tmpfs_falls_back(tmp_path):
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32k", "tmpfs", str(mnt)],
+@contextlib.contextmanager
+def _tmpfs(path, options):
+    """A tmpfs mounted at ``path`` for the block (skips the test if mount is refused)."""
+    path.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
                        capture_output=True, text=True)
     if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    off = None
+        pytest.skip(f"cannot mount a tmpfs ({options}) here: {r.stderr.strip()}")
     try:
-        ref = reference_steps("block", 2)
-        off = _off(str(mnt), nvme_budget="1GiB")
-        _compare(train_steps(make_case("block"), lambda: off, 2), ref, "block")
-        s = off.stats
-        assert s.budget_fallbacks > 0 and s.count_by_tier["cpu"] > 0
-        assert off._stores[tiermem.Tier.NVME].arena.disk_full
+        yield str(path)
     finally:
-        if off is not None:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_disk_full_on_a_small_tmpfs_falls_back(tmp_path):
+    with _tmpfs(tmp_path / "small", "size=32k") as mnt:
+        ref = reference_steps("block", 2)
+        off = _off(mnt, nvme_budget="1GiB")
+        try:
+            _compare(train_steps(make_case("block"), lambda: off, 2), ref, "block")
+            s = off.stats
+            assert s.budget_fallbacks > 0 and s.count_by_tier["cpu"] > 0
+            assert off._stores[tiermem.Tier.NVME].arena.disk_full
+        finally:
             off.close()
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 _CHILD = textwrap.dedent("""
@@ -232,17 +238,9 @@ def test_missing_nvme_dir_is_created(tmp_path):
 
 
 def test_read_only_nvme_dir_is_a_config_error(tmp_path):
-    mnt = tmp_path / "ro"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a read-only tmpfs here: {r.stderr.strip()}")
-    try:
+    with _tmpfs(tmp_path / "ro", "ro,size=64k") as mnt:
         with pytest.raises(tiermem.ConfigError, match="read-only"):
-            _off(str(mnt))
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+            _off(mnt)
 
 
 def test_policy_nvme_without_dir_is_a_config_error():
