@@ -1,0 +1,292 @@
+#!/usr/bin/env bash
+# tiermem on a GPU in one command: build, GPU tests, side-by-side benchmark at two sizes.
+#
+#   benchmarks/gpu_suite.sh OUTDIR
+#
+# Needs: python3 with a CUDA build of torch, nvcc, ninja, pytest, psutil, numpy
+# (matplotlib optional: without it the PNGs are skipped and can be drawn later
+# with benchmarks/plots.py). No network. Runs from a source checkout; tiermem
+# need not be installed (the checkout goes on PYTHONPATH).
+#
+# Parts, each with its own time limit inside an overall budget
+# (TIERMEM_SUITE_SECONDS, default 450 s, so that it ends under 8 minutes); a failing or
+# timed-out part is reported and the others still run:
+#   env       nvidia-smi, torch/CUDA versions, RAM, disks (log only)
+#   wheels    if .whl/ holds wheels (e.g. torchtune, torchao, deepspeed carried
+#             to a machine without network): installed with pip --target
+#   build     python -m tiermem build (the C++ I/O engine; built CPU-only for now)
+#   gpu-tests python -m pytest -m gpu tests/
+#   size-a    benchmarks/suite.py --preset gpu-a: the baseline fits, activations dominate
+#   size-b    benchmarks/suite.py --preset gpu-b: a 24 GiB budget the baseline does not fit
+# Without CUDA it dry-runs: the CUDA parts are skipped (said so in SUMMARY.md)
+# and the CPU smoke matrix (--preset cpu-smoke) runs instead.
+#
+# OUTDIR gets at most 8 plain files (no subfolders):
+#   SUMMARY.md    each part's status, duration and limit; the result tables;
+#                 the last lines of the log of each part that did not pass
+#   logs.tar.gz   every log, the Markdown tables, the partial JSON of stopped runs
+#   size-a.json size-a-pareto.png size-a-timeline.png   (and the same for size-b;
+#   or cpu-smoke.* on a CPU-only machine)
+#
+# Environment: PYTHON (default python3), TIERMEM_SUITE_SECONDS (450),
+# TIERMEM_BENCH_NVME_DIR (default: a new dir under /var/tmp or /tmp, whichever
+# is not tmpfs), TIERMEM_BENCH_CPU_BUDGET (tiermem cpu_budget for the runs;
+# default half of MemTotal), TORCH_EXTENSIONS_DIR (default
+# /tmp/tiermem-torch-extensions, reused by later runs on the same machine).
+
+set -u -o pipefail
+
+if [ $# -ne 1 ] || [ -z "$1" ]; then
+    echo "usage: $0 OUTDIR" >&2
+    exit 2
+fi
+
+START=$(date +%s)
+LIMIT=${TIERMEM_SUITE_SECONDS:-450}
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+mkdir -p "$1" || { echo "gpu_suite: cannot create $1" >&2; exit 2; }
+OUT=$(cd "$1" && pwd)
+PY=${PYTHON:-python3}
+WORK=$(mktemp -d /tmp/tiermem-gpu-suite.XXXXXX)
+LOGS=$WORK/logs
+RES=$WORK/results
+mkdir -p "$LOGS" "$RES"
+STATUS=$WORK/status.tsv
+: >"$STATUS"
+
+cd "$ROOT" || exit 2
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/tiermem-torch-extensions}
+export TIERMEM_LOG=${TIERMEM_LOG:-info}
+
+say() { echo "[gpu_suite $(( $(date +%s) - START ))s] $*" >&2; }
+remaining() { echo $(( LIMIT - ($(date +%s) - START) )); }
+
+# run_part NAME CAP RESERVE CMD...: run CMD with a limit of min(CAP, time left
+# - RESERVE) seconds (RESERVE: kept for the parts after it), log to
+# $LOGS/NAME.log, record status and duration. Sets PART_LIMIT for the command
+# line (the benchmark driver gets a slightly shorter --time-limit of its own).
+record() { printf '%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "$5" >>"$STATUS"; }
+run_part() {
+    local name=$1 cap=$2 reserve=$3; shift 3
+    local left=$(( $(remaining) - reserve ))
+    local lim=$(( cap < left ? cap : left ))
+    if [ "$lim" -lt 20 ]; then
+        say "$name: skipped, no time left (${left}s after the reserve for later parts)"
+        record "$name" "skipped" "no time left in the ${LIMIT}s budget" 0 "$lim"
+        return 0
+    fi
+    say "$name: running (limit ${lim}s) -> logs/$name.log"
+    local t0=$(date +%s)
+    # Through bash -c so that exported shell functions run too; timeout signals
+    # the whole process group (the driver's children included).
+    timeout -k 10 "$lim" bash -c '"$@"' _ "$@" >"$LOGS/$name.log" 2>&1
+    local rc=$?
+    local dt=$(( $(date +%s) - t0 ))
+    local st
+    case $rc in
+        0) st=ok ;;
+        124|137) st=TIMEOUT ;;
+        *) st=FAILED ;;
+    esac
+    say "$name: $st (exit $rc, ${dt}s)"
+    record "$name" "$st" "exit $rc" "$dt" "$lim"
+    return 0
+}
+skip_part() { say "$1: skipped: $2"; record "$1" "skipped" "$2" 0 0; }
+
+# --- where things are ----------------------------------------------------------
+pick_nvme_dir() {
+    if [ -n "${TIERMEM_BENCH_NVME_DIR:-}" ]; then
+        mkdir -p "$TIERMEM_BENCH_NVME_DIR" && mktemp -d "$TIERMEM_BENCH_NVME_DIR/tiermem-bench.XXXXXX"
+        return
+    fi
+    for d in /var/tmp /tmp "${HOME:-/root}"; do
+        [ -d "$d" ] && [ -w "$d" ] || continue
+        if [ "$(stat -f -c %T "$d" 2>/dev/null)" != "tmpfs" ]; then
+            mktemp -d "$d/tiermem-bench.XXXXXX"
+            return
+        fi
+    done
+    mktemp -d /tmp/tiermem-bench.XXXXXX
+}
+NVME=$(pick_nvme_dir)
+if [ -n "${TIERMEM_BENCH_CPU_BUDGET:-}" ]; then
+    CPU_BUDGET=$TIERMEM_BENCH_CPU_BUDGET
+else
+    CPU_BUDGET="$(awk '/^MemTotal:/ {printf "%.0f", $2 * 1024 / 2}' /proc/meminfo 2>/dev/null)"
+    [ -n "$CPU_BUDGET" ] || CPU_BUDGET=""
+fi
+cleanup() { rm -rf "$NVME"; }
+trap cleanup EXIT
+
+say "repo $ROOT, out $OUT, work $WORK, nvme dir $NVME, python $PY, budget ${LIMIT}s"
+
+# --- env ------------------------------------------------------------------------
+env_report() {
+    echo "== date"; date -u +%FT%TZ
+    echo "== git"; git -C "$ROOT" rev-parse HEAD 2>&1; git -C "$ROOT" status --short 2>&1 | head -50
+    echo "== nvidia-smi"; nvidia-smi 2>&1 || echo "(no nvidia-smi)"
+    nvidia-smi -q -d PCIE,CLOCK 2>/dev/null | head -60
+    echo "== nvcc"; (command -v nvcc && nvcc --version) 2>&1 || echo "(no nvcc on PATH)"
+    echo "== python"; "$PY" - <<'EOF'
+import sys, platform
+print(sys.version)
+try:
+    import torch
+    print("torch", torch.__version__, "cuda", torch.version.cuda, "available",
+          torch.cuda.is_available())
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        print("device", p.name, p.total_memory, f"cc {p.major}.{p.minor}")
+except Exception as e:
+    print("torch import failed:", e)
+for m in ("numpy", "psutil", "pytest", "ninja", "matplotlib", "tqdm", "transformers",
+          "torchtune", "torchao", "deepspeed"):
+    try:
+        mod = __import__(m)
+        print(m, getattr(mod, "__version__", "?"))
+    except Exception as e:
+        print(m, "NOT importable:", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+EOF
+    echo "== memory"; free -g 2>&1; grep -E 'MemTotal|MemAvailable|Hugepagesize' /proc/meminfo
+    echo "== disks"; df -hT "$NVME" /tmp /var/tmp 2>&1; lsblk 2>&1 | head -30
+    echo "== cpu"; nproc; grep -m1 'model name' /proc/cpuinfo
+}
+export -f env_report
+export PY ROOT NVME OUT RES LOGS
+run_part env 60 360 env_report
+
+if "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
+    HAVE_CUDA=1
+else
+    HAVE_CUDA=0
+    say "no CUDA device (torch.cuda.is_available() is False or torch missing): dry run"
+fi
+
+# --- carried wheels (optional) ----------------------------------------------------
+if ls "$ROOT"/.whl/*.whl >/dev/null 2>&1; then
+    install_wheels() {
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/tiermem-site "$ROOT"/.whl/*.whl
+    }
+    export -f install_wheels
+    run_part wheels 90 360 install_wheels
+    export PYTHONPATH="$PYTHONPATH:/tmp/tiermem-site"
+else
+    skip_part wheels "no .whl/ folder (peers such as torchtune/deepspeed run only if importable)"
+fi
+
+# --- build ---------------------------------------------------------------------------
+build_engine() {
+    echo "note: the C++ I/O engine is built CPU-only for now (with_cuda=False);"
+    echo "      on a GPU the device<->pinned copies are issued from Python."
+    "$PY" -m tiermem build
+}
+export -f build_engine
+run_part build 150 330 build_engine
+# What tiermem sees here (engine, O_DIRECT and bandwidth of the NVMe dir, RAM, GPU).
+run_part doctor 60 320 "$PY" -m tiermem doctor --dir "$NVME"
+
+# --- GPU tests -------------------------------------------------------------------------
+gpu_tests() {
+    local rc
+    if [ "$HAVE_CUDA" = 1 ]; then
+        "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/
+        return
+    fi
+    echo "note: no CUDA device: every gpu test is expected to be skipped"
+    "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/
+    rc=$?
+    # pytest exits 5 when no test ran, which is the expected outcome here.
+    if [ "$rc" = 5 ]; then echo "dry run: no gpu test ran (exit 5), as expected"; return 0; fi
+    return "$rc"
+}
+export HAVE_CUDA
+export -f gpu_tests
+run_part gpu-tests 120 300 gpu_tests
+
+# --- benchmarks ------------------------------------------------------------------------
+bench() {  # bench PRESET NAME
+    local extra=()
+    [ -n "$CPU_BUDGET" ] && extra+=(--tiermem-cpu-budget "$CPU_BUDGET")
+    "$PY" "$ROOT/benchmarks/suite.py" --preset "$1" --name "$2" --out-dir "$RES" \
+        --nvme-dir "$NVME" --progress plain --time-limit "$BENCH_LIMIT" ${extra[@]+"${extra[@]}"}
+}
+bench_part() {  # bench_part NAME PRESET CAP RESERVE
+    local left=$(( $(remaining) - $4 ))
+    export BENCH_LIMIT=$(( ($3 < left ? $3 : left) - 20 ))
+    run_part "$1" "$3" "$4" bench "$2" "$1"
+    # A run stopped by its limit leaves a partial JSON: render what it has.
+    if [ -f "$RES/$1.json" ] && [ ! -f "$RES/$1.md" ]; then
+        "$PY" "$ROOT/benchmarks/suite.py" --rerender "$RES/$1.json" >>"$LOGS/$1.log" 2>&1 \
+            && say "$1: rendered the partial result"
+    fi
+}
+export CPU_BUDGET
+export -f bench
+if [ "$HAVE_CUDA" = 1 ]; then
+    bench_part size-a gpu-a 200 110
+    bench_part size-b gpu-b 200 15
+else
+    skip_part size-a "no CUDA device: the GPU matrix (preset gpu-a) needs one"
+    skip_part size-b "no CUDA device: the GPU matrix (preset gpu-b) needs one"
+    bench_part cpu-smoke cpu-smoke 120 15
+fi
+
+# --- collect -----------------------------------------------------------------------------
+TOTAL=$(( $(date +%s) - START ))
+{
+    echo "# tiermem GPU suite"
+    echo
+    echo "- Date: $(date -u +%FT%TZ); host $(hostname); commit $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null)"
+    echo "- GPU: $(nvidia-smi -L 2>/dev/null | head -1 || echo none)"
+    [ "$HAVE_CUDA" = 1 ] || echo "- **Dry run: no CUDA device here.** CUDA parts skipped; the CPU smoke matrix ran instead."
+    echo "- Python: $PY ($("$PY" -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda)' 2>/dev/null))"
+    echo "- NVMe dir: $NVME ($(stat -f -c %T "$NVME" 2>/dev/null)); tiermem cpu_budget: ${CPU_BUDGET:-default}"
+    echo "- Total: ${TOTAL}s of a ${LIMIT}s budget"
+    echo
+    echo "| part | status | detail | seconds | limit |"
+    echo "| --- | --- | --- | --- | --- |"
+    while IFS=$'\t' read -r n s d t l; do
+        echo "| $n | $s | $d | $t | $l |"
+    done <"$STATUS"
+    echo
+    if [ -f "$LOGS/gpu-tests.log" ]; then
+        echo "gpu tests: \`$(grep -E '(passed|failed|skipped|error|no tests ran)' "$LOGS/gpu-tests.log" | tail -1)\`"
+        echo
+    fi
+    for stem in size-a size-b cpu-smoke; do
+        if [ -f "$RES/$stem.md" ]; then
+            sed 's/^## /## /' "$RES/$stem.md"
+            echo
+        fi
+    done
+    while IFS=$'\t' read -r n s d t l; do
+        if [ "$s" != ok ] && [ "$s" != skipped ] && [ -f "$LOGS/$n.log" ]; then
+            echo "### $n: $s ($d) — last 40 lines of logs/$n.log"
+            echo
+            echo '```'
+            tail -n 40 "$LOGS/$n.log"
+            echo '```'
+            echo
+        fi
+    done <"$STATUS"
+} >"$WORK/SUMMARY.md"
+
+cp "$WORK/SUMMARY.md" "$OUT/SUMMARY.md"
+for stem in size-a size-b cpu-smoke; do
+    for f in "$stem.json" "$stem-pareto.png" "$stem-timeline.png"; do
+        [ -f "$RES/$f" ] && cp "$RES/$f" "$OUT/$f"
+    done
+done
+cp "$STATUS" "$LOGS/status.tsv"
+cp "$RES"/*.md "$LOGS"/ 2>/dev/null
+tar -czf "$OUT/logs.tar.gz" -C "$WORK" logs results 2>/dev/null \
+    || tar -czf "$OUT/logs.tar.gz" -C "$WORK" logs
+n=$(find "$OUT" -maxdepth 1 -type f | wc -l)
+say "done in ${TOTAL}s: $n files in $OUT"
+head -40 "$OUT/SUMMARY.md" >&2
+rm -rf "$WORK"
+exit 0
