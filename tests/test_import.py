@@ -8,7 +8,7 @@ import tiermem
 
 def test_import_does_not_initialise_cuda():
     code = ("import torch, tiermem; "
-            "import tiermem.offloader, tiermem.tiers.host, tiermem.copier; "
+            "import tiermem.offloader, tiermem.tiers.host, tiermem.tiers.nvme, tiermem.copier; "
             "tiermem.Offloader(policy='cpu'); "
             "print(torch.cuda.is_initialized())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -20,7 +20,7 @@ def test_public_names_are_exported():
     for name in tiermem.__all__:
         assert hasattr(tiermem, name), name
     for name in ("Offloader", "offload", "no_offload", "Tier", "TensorInfo", "Config",
-                 "ConfigError", "TierMemError", "StepStats"):
+                 "ConfigError", "TierMemError", "StepStats", "engine_info"):
         assert name in tiermem.__all__
     assert issubclass(tiermem.ConfigError, ValueError)
     assert issubclass(tiermem.TierMemError, RuntimeError)

@@ -1,13 +1,14 @@
 """tiermem: per-tensor activation offloading for PyTorch training.
 
 Wrap the forward pass in an :class:`Offloader`; each tensor autograd saves for
-backward is kept on its device, copied to host memory (and prefetched back
-before backward needs it), or, in later versions, spilled to NVMe or dropped
-and recomputed. Importing tiermem does not initialise CUDA.
+backward is kept on its device, copied to host memory, or written to an NVMe
+file, and brought back ahead of need in backward (dropping and recomputing
+comes later). Importing tiermem does not initialise CUDA.
 """
 
 from .config import Config, env_table_markdown
 from .errors import ConfigError, TierMemError
+from .io import engine_info
 from .offloader import Offloader, OffloadContext, no_offload, offload
 from .policy import TensorInfo, Tier
 from .telemetry import StepStats
@@ -21,6 +22,7 @@ __all__ = [
     "TensorInfo",
     "Tier",
     "TierMemError",
+    "engine_info",
     "env_table_markdown",
     "no_offload",
     "offload",
