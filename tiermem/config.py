@@ -130,8 +130,10 @@ class Config:
         "(one warning). Unset: half the RAM available at start, divided by "
         "LOCAL_WORLD_SIZE.", default_doc="auto", minimum=0)
     nvme_budget: Optional[int] = _setting(
-        "TIERMEM_NVME_BUDGET", _size, "Most bytes the nvme tier keeps on disk.",
-        default_doc="auto", minimum=0)
+        "TIERMEM_NVME_BUDGET", _size,
+        "Most bytes the nvme tier keeps on disk; when full (or on ENOSPC), tensors go "
+        "to the cpu tier, else stay on the device. Unset: 80% of the dir's free space "
+        "at start.", default_doc="auto", minimum=0)
     gpu_budget: Optional[int] = _setting(
         "TIERMEM_GPU_BUDGET", _size,
         "Device bytes of saved activations the auto planner aims for.",
@@ -156,7 +158,7 @@ class Config:
     log: str = _setting(
         "TIERMEM_LOG", _choice(LOG_LEVELS),
         "Log level of the `tiermem` logger (unset: left to your logging setup).",
-        default="warning", default_doc="warning")
+        default="warning", default_doc="unset")
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None, **overrides: Any) -> "Config":
