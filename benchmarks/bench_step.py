@@ -38,7 +38,7 @@ import psutil
 import torch
 
 import tiermem
-from common import emit, machine, pick_device, summarize, sync
+from common import emit, machine, pick_device, reset_peak_rss, summarize, sync, vm_hwm_bytes
 from tiermem.models import GPTConfig, TinyGPT
 
 CONFIGS = ("plain", "keep", "cpu", "nvme")
@@ -137,24 +137,8 @@ def time_steps(args, device) -> dict:
     return {"configs": out, "losses_bit_identical_across_configs": bool(losses_equal)}
 
 
-def _reset_peak_rss() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
-def _vm_hwm_bytes() -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def memory_child(args, device) -> dict:
@@ -170,12 +154,12 @@ def memory_child(args, device) -> dict:
     batches = _batches(args, device, n_steps)
     import gc
     gc.collect()
-    hwm_setup = _vm_hwm_bytes()
+    hwm_setup = vm_hwm_bytes()
     rss_setup = psutil.Process().memory_info().rss
-    reset = _reset_peak_rss()
+    reset = reset_peak_rss()
     for i in range(n_steps):
         runner.step(*batches[i], seed=i)
-    hwm = _vm_hwm_bytes() if reset else None
+    hwm = vm_hwm_bytes() if reset else None
     out = {"config": args.child, "steps": n_steps,
            "rss_after_setup_bytes": rss_setup,
            "peak_rss_during_steps_bytes": hwm,

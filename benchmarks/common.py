@@ -19,7 +19,8 @@ from typing import Iterable
 import psutil
 import torch
 
-__all__ = ["machine", "summarize", "emit", "pick_device", "sync", "max_rss_bytes"]
+__all__ = ["machine", "summarize", "emit", "pick_device", "sync", "max_rss_bytes",
+           "reset_peak_rss", "vm_hwm_bytes"]
 
 
 def _cpu_model() -> str:
@@ -111,3 +112,27 @@ def emit(result: dict, out: str | None) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with open(out, "w") as f:
             f.write(text + "\n")
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS counter of this process (Linux >= 4.0:
+    write 5 to /proc/self/clear_refs); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def vm_hwm_bytes():
+    """Peak RSS of this process since start or the last :func:`reset_peak_rss`
+    (VmHWM), or None where /proc is not available."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

@@ -171,24 +171,8 @@ def summarize(values) -> Optional[dict]:
     return {"median": _median(v), "min": min(v), "max": max(v), "n": len(v)}
 
 
-def _vm_hwm_bytes() -> Optional[int]:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
-def _reset_peak_rss() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -708,6 +692,7 @@ class _Sampler(threading.Thread):
 
 def role_isolated(opts: dict, name: str) -> dict:
     import torch
+    from common import reset_peak_rss, vm_hwm_bytes
     from models_bench import (ModelSpec, Runner, build_model, make_batches, state_fingerprint,
                               step_seed, tensor_state_bytes)
 
@@ -737,7 +722,7 @@ def role_isolated(opts: dict, name: str) -> dict:
         res["device_allocated_after_setup_bytes"] = torch.cuda.memory_allocated()
     res["host_rss_after_setup_bytes"] = _rss_bytes()
     res["host_peak_method"] = ("VmHWM after clear_refs=5 (reset once model and optimizer "
-                               "exist)" if _reset_peak_rss() else
+                               "exist)" if reset_peak_rss() else
                                "VmHWM since process start (clear_refs not supported)")
     times, phases, losses, tsteps = [], [], [], []
     for i in range(n):
@@ -769,7 +754,7 @@ def role_isolated(opts: dict, name: str) -> dict:
         res["peak_device_reserved_bytes"] = torch.cuda.max_memory_reserved()
         res["device_total_bytes"] = torch.cuda.get_device_properties(0).total_memory
         res["pinned_host"] = _pinned_stats()
-    res["peak_host_bytes"] = _vm_hwm_bytes()
+    res["peak_host_bytes"] = vm_hwm_bytes()
     if res["peak_host_bytes"] is not None:
         res["peak_host_increase_bytes"] = res["peak_host_bytes"] - res["host_rss_after_setup_bytes"]
     res["losses"] = losses
