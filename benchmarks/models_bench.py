@@ -430,15 +430,10 @@ class Runner:
         ctx = self._ctx()
         if on_phase:
             on_phase("forward")
-        if self.step_scope == "step":
-            with ctx:
-                loss = self.model(x, y)
-                ph.mark(1)
-                if on_phase:
-                    on_phase("backward")
-                loss.backward()
-        else:
-            with ctx:
+        # step_scope "step": the context wraps forward and backward; else forward only.
+        whole = self.step_scope == "step"
+        with ctx if whole else contextlib.nullcontext():
+            with contextlib.nullcontext() if whole else ctx:
                 loss = self.model(x, y)
             ph.mark(1)
             if on_phase:
