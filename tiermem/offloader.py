@@ -320,14 +320,11 @@ class Offloader:
                         f"tiermem: the policy chose tier {tier.value!r}, which this version "
                         f"does not provide; available: {', '.join(t.value for t in self._stores)}")
                 continue
-            if candidate is Tier.KEEP:
-                handle = Kept(t, module)
-            else:
-                handle = store.put(t, ctx, module)
-                if handle is None:
-                    stats.budget_fallbacks += 1
-                    self._warn_full(candidate)
-                    continue
+            handle = store.put(t, ctx, module)   # keep never refuses
+            if handle is None:
+                stats.budget_fallbacks += 1
+                self._warn_full(candidate)
+                continue
             stats.record(candidate.value, nbytes)
             return handle
         raise TierMemError("tiermem: no tier accepted a tensor; this is a bug")
