@@ -164,10 +164,31 @@ def test_policy_argument_name_is_checked():
         tiermem.Offloader(policy="fast")
 
 
-@pytest.mark.parametrize("policy", ["auto", "nvme", "recompute"])
-def test_policies_of_later_tiers_fail_clearly_at_construction(policy):
-    with pytest.raises(ConfigError, match=policy):
-        tiermem.Offloader(policy=policy)
+@pytest.mark.parametrize("policy", ["auto", "nvme", "recompute,nvme", "auto,cpu"])
+def test_unavailable_policies_fail_clearly_at_construction(policy):
+    # auto: the planner does not exist yet; nvme: no directory given.
+    with pytest.raises(ConfigError, match=policy.split(",")[-1] if "auto" not in policy else "auto"):
+        tiermem.Offloader(policy=policy, nvme_dir=None)
+
+
+@pytest.mark.parametrize("given, order", [
+    ("recompute", ["recompute", "keep"]),
+    ("Recompute, CPU", ["recompute", "cpu", "keep"]),
+    (["recompute", "cpu"], ["recompute", "cpu", "keep"]),
+    ((tiermem.Tier.RECOMPUTE, tiermem.Tier.KEEP), ["recompute", "keep"]),
+    ("cpu", ["cpu", "keep"]),
+])
+def test_policy_preference_lists(given, order):
+    off = tiermem.Offloader(policy=given)
+    assert [t.value for t in off._order] == order
+
+
+@pytest.mark.parametrize("bad", ["recompute,gpu", "cpu,", ",", "auto,cpu"])
+def test_bad_policy_lists_name_the_value(bad, monkeypatch):
+    monkeypatch.setenv("TIERMEM_POLICY", bad)
+    with pytest.raises(ConfigError, match="TIERMEM_POLICY") as e:
+        tiermem.Offloader()
+    assert repr(bad) in str(e.value)
 
 
 def test_disable_variable_makes_offloader_a_no_op(monkeypatch):

@@ -73,6 +73,17 @@ def _choice(choices: tuple[str, ...]) -> Callable[[str, str], str]:
     return parse
 
 
+def _policy(text: str, name: str) -> str:
+    """One policy name, or a comma-separated preference list of tier names."""
+    parts = [p.strip().lower() for p in str(text).split(",")]
+    bad = [p for p in parts if p not in POLICY_NAMES]
+    if bad or (len(parts) > 1 and "auto" in parts):
+        raise ConfigError(
+            f"tiermem: {name}={text!r} is not valid; choose one of {', '.join(POLICY_NAMES)} "
+            "or a comma-separated preference list of tiers such as 'recompute,cpu'")
+    return ",".join(parts)
+
+
 def _size(text: str, name: str) -> int:
     return parse_size(text, name=name)
 
@@ -113,9 +124,10 @@ class Config:
     """
 
     policy: Union[str, Callable, None] = _setting(
-        "TIERMEM_POLICY", _choice(POLICY_NAMES),
-        "Tier policy: keep, cpu, nvme, recompute, auto (argument: also a callable "
-        "`(TensorInfo) -> Tier`). Unset: cpu for CUDA tensors; on the CPU nvme if "
+        "TIERMEM_POLICY", _policy,
+        "Tier policy: keep, cpu, nvme, recompute, or a preference list such as "
+        "`recompute,cpu` (recompute what is eligible, else cpu); argument: also a callable "
+        "`(TensorInfo) -> Tier`. Unset: cpu for CUDA tensors; on the CPU nvme if "
         "an NVMe dir is set, else keep.", default_doc="unset")
     nvme_dir: Optional[str] = _setting(
         "TIERMEM_NVME_DIR", _path, "Directory for the NVMe tier's files.", default_doc="unset")
@@ -204,6 +216,8 @@ def _from_argument(f: dataclasses.Field, value: Any) -> Any:
     name = f.name
     if name == "policy" and callable(value):
         return value
+    if name == "policy" and isinstance(value, (list, tuple)):
+        return _policy(",".join(str(getattr(v, "value", v)) for v in value), name)
     if isinstance(value, bool) and f.metadata["parse"] is _bool:
         return value
     if isinstance(value, str):

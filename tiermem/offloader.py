@@ -12,12 +12,17 @@ tier.get -> tensor; autograd dropping a handle -> buffers back to the pools.
 # a named one needs none). Kept tensors are never deduplicated: keeping a
 # tensor twice costs nothing.
 #
+# Inside backward (a checkpoint re-running its forward, or a user's backward
+# within the context) tensors are kept: what backward regenerates is consumed
+# at once and is never offloaded again.
+#
 # NOTE [Dedup]
 # A tensor saved by several ops in one step is stored once. The key is
 # (storage pointer, offset, sizes, strides, dtype, version); since a freed
 # storage's address can be reused by a new tensor of the same shape, each entry
 # also holds a weak reference to the storage and is only a hit while that
-# storage is alive.
+# storage is alive. When producer tracking is on (recompute), kept tensors are
+# registered too: recipes share their handles (NOTE [What a recipe holds]).
 """
 
 from __future__ import annotations
@@ -34,21 +39,23 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .config import Config
 from .errors import ConfigError, TierMemError
-from .policy import Tier, TensorInfo, as_tier, resolve_policy
+from .policy import Tier, TensorInfo, resolve_policy, tier_order
 from .prefetch import Prefetcher
+from .producers import ProducerMode, Ref, storage_key
 from .telemetry import StepStats
 from .tiers.host import HostStore
 from .tiers.keep import Kept, KeepStore, check_version
+from .tiers.recompute import RecomputeStore
 from .tracker import ModuleStack, current_module
 
 __all__ = ["Offloader", "OffloadContext", "offload", "no_offload", "default_cpu_budget_bytes"]
 
 _log = logging.getLogger("tiermem")
 _KEEP = Tier.KEEP.value
+_in_backward = torch._C._current_graph_task_id   # -1 outside autograd's engine
 
-#: Where a tensor goes when its tier is full, in order.
-_FALLBACK = {Tier.CPU: (Tier.KEEP,), Tier.NVME: (Tier.CPU, Tier.KEEP),
-             Tier.RECOMPUTE: (Tier.KEEP,), Tier.KEEP: ()}
+
+_dedup_key = storage_key
 
 
 def default_nvme_budget_bytes(path: str) -> int:
@@ -121,6 +128,9 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         self._param_storages: set = set()
         self._seen_roots: set = set()
         self._modules = ModuleStack(on_root=self._on_root)
+        #: Producer of each tensor of the forward (None unless the policy may
+        #: recompute or is a callable that may read ``TensorInfo.op``).
+        self.producers: Optional[ProducerMode] = ProducerMode() if offloader._track_ops else None
         super().__init__(self._pack, self._unpack)
 
     # -- module tracking --------------------------------------------------
@@ -155,31 +165,78 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         if fixed is Tier.KEEP:
             stats.record(_KEEP, nbytes)
             return Kept(t, "")
-        if not _movable(t):
+        if not _movable(t) or _in_backward() != -1:
             stats.unsupported_count += 1
             stats.record(_KEEP, nbytes)
             return Kept(t, current_module())
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.size()),
-               t.stride(), t.dtype, t._version)
+        key = _dedup_key(t)
         hit = self._dedup.get(key)
         if hit is not None:
             storage_ref, handle_ref = hit
             handle = handle_ref()
             if handle is not None and not storage_ref.expired():
                 stats.dedup_hits += 1
-                handle.uses += 1
+                self.share(handle)
                 return handle
         module = current_module()
+        order = off._order if fixed is not None else self._ask_policy(t, module, nbytes)
+        handle = off._put(order, t, self, module, nbytes)
+        if type(handle) is not Kept or self.producers is not None:
+            self._dedup[key] = (StorageWeakRef(t.untyped_storage()), weakref.ref(handle))
+        return handle
+
+    def _ask_policy(self, t: torch.Tensor, module: str, nbytes: int) -> tuple:
         index = self._index
         self._index += 1
-        if fixed is None:
-            info = TensorInfo(t.shape, t.dtype, t.device, nbytes, module, None, index, False)
-            tier = as_tier(off._policy_fn(info), source="the policy")
+        op = None if self.producers is None else self.producers.op_name(t)
+        info = TensorInfo(t.shape, t.dtype, t.device, nbytes, module, op, index, False)
+        return self._off._order_of(self._off._policy_fn(info))
+
+    # -- services for the recompute tier (NOTE [What a recipe holds]) --------
+    def lookup(self, t: Any) -> Any:
+        """The handle of ``t`` (a tensor or a :class:`~tiermem.producers.Ref`)
+        if this step already saved its values, else ``None``."""
+        if type(t) is Ref:
+            # Same storage object (the weak refs pin its identity), same values:
+            # the handle holds them even if the storage was freed since (moved).
+            hit = self._dedup.get(t.key)
+            if hit is None or hit[0].cdata != t.storage.cdata:
+                return None   # same address, another storage
+            return hit[1]()
         else:
-            tier = fixed
-        handle = off._put(tier, t, self, module, nbytes)
+            hit = self._dedup.get(_dedup_key(t))
+            if hit is None:
+                return None
+        storage_ref, handle_ref = hit
+        handle = handle_ref()
+        return None if handle is None or storage_ref.expired() else handle
+
+    @staticmethod
+    def share(handle: Any) -> None:
+        """Count one more consumer of ``handle`` in each backward pass."""
         if type(handle) is not Kept:
-            self._dedup[key] = (StorageWeakRef(t.untyped_storage()), weakref.ref(handle))
+            handle.uses += 1
+
+    def is_param(self, t: torch.Tensor) -> bool:
+        return _is_param(t, self._param_storages)
+
+    def is_small(self, t: torch.Tensor) -> bool:
+        return t.numel() * t.element_size() < self._off._min_bytes
+
+    @staticmethod
+    def keep_handle(t: torch.Tensor, *, clone: bool) -> Kept:
+        return Kept(t.detach().clone() if clone else t, "")
+
+    def store_input(self, t: torch.Tensor) -> Any:
+        """Store an input of a recipe that no one saved: through the policy,
+        any tier but recompute; registered for dedup."""
+        nbytes = t.numel() * t.element_size()
+        module = current_module()
+        order = self._off._order if self._off._fixed is not None else (
+            self._ask_policy(t, module, nbytes))
+        order = tuple(tier for tier in order if tier is not Tier.RECOMPUTE) or (Tier.KEEP,)
+        handle = self._off._put(order, t, self, module, nbytes)
+        self._dedup[_dedup_key(t)] = (StorageWeakRef(t.untyped_storage()), weakref.ref(handle))
         return handle
 
     @staticmethod
@@ -194,12 +251,29 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         self._modules.__enter__()
         try:
             super().__enter__()
+            try:
+                if self.producers is not None:
+                    self.producers.__enter__()
+            except BaseException:
+                super().__exit__(None, None, None)
+                raise
         except BaseException:
             self._modules.__exit__(None, None, None)
             raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if self.producers is not None:
+                try:
+                    self.producers.__exit__(exc_type, exc, tb)
+                finally:
+                    self.producers.clear()
+                    self.producers = None
+        finally:
+            self._exit_hooks(exc_type, exc, tb)
+
+    def _exit_hooks(self, exc_type, exc, tb) -> None:
         try:
             super().__exit__(exc_type, exc, tb)
         finally:
@@ -247,23 +321,27 @@ class Offloader:
         self._ctx: Optional[OffloadContext] = None
         if cfg.disable:
             return
-        self._fixed, self._policy_fn = resolve_policy(cfg.policy, nvme_dir=cfg.nvme_dir)
+        self._order, self._policy_fn = resolve_policy(cfg.policy, nvme_dir=cfg.nvme_dir)
+        self._fixed = self._order[0] if self._order is not None else None
+        self._orders: dict = {}
+        # Producer tracking costs a Python call per op of the forward: only
+        # when a recipe may be needed or a callable policy may read info.op.
+        self._track_ops = self._fixed is None or Tier.RECOMPUTE in self._order
         self._min_bytes = cfg.min_offload_bytes
         budget = cfg.cpu_budget if cfg.cpu_budget is not None else default_cpu_budget_bytes()
         self.cpu_budget_bytes = budget
-        self._stores = {Tier.KEEP: KeepStore(), Tier.CPU: HostStore(budget)}
-        if self._fixed is Tier.NVME and not cfg.nvme_dir:
+        self._stores = {Tier.KEEP: KeepStore(), Tier.CPU: HostStore(budget),
+                        Tier.RECOMPUTE: RecomputeStore()}
+        wants_nvme = self._order is not None and Tier.NVME in self._order
+        if wants_nvme and not cfg.nvme_dir:
             raise ConfigError(
-                "tiermem: policy='nvme' needs a directory: set TIERMEM_NVME_DIR or pass nvme_dir")
-        if cfg.nvme_dir and self._fixed in (None, Tier.NVME):
+                f"tiermem: policy={cfg.policy!r} uses the nvme tier, which needs a directory: "
+                "set TIERMEM_NVME_DIR or pass nvme_dir")
+        if cfg.nvme_dir and (self._order is None or wants_nvme):
             self._stores[Tier.NVME] = _make_nvme_store(cfg)
-        self._movers = [s for s in self._stores.values() if s.tier is not Tier.KEEP]
+        self._movers = [s for s in self._stores.values()
+                        if s.tier not in (Tier.KEEP, Tier.RECOMPUTE)]
         self._pollers = [s.poll for s in self._movers]
-        if self._fixed is not None and self._fixed not in self._stores:
-            raise ConfigError(
-                f"tiermem: policy={self._fixed.value!r} needs the {self._fixed.value} tier, "
-                "which this version does not provide yet; available: "
-                f"{', '.join(t.value for t in self._stores)}")
 
     # -- context protocol ---------------------------------------------------
     def __enter__(self):
@@ -309,21 +387,35 @@ class Offloader:
         for store in self._movers:
             store.poll()
 
-    def _put(self, tier: Tier, t: torch.Tensor, ctx: OffloadContext, module: str,
+    def _order_of(self, choice: Any) -> tuple:
+        """The tier order for a callable policy's answer (cached per answer)."""
+        key = tuple(choice) if isinstance(choice, list) else choice
+        try:
+            order = self._orders.get(key)
+        except TypeError:   # unhashable answer: checked (and rejected) below
+            order = None
+        if order is None:
+            order = tier_order(choice, source="the policy")
+            if order[0] not in self._stores:
+                raise TierMemError(
+                    f"tiermem: the policy chose tier {order[0].value!r}, which is not "
+                    f"available here (nvme needs nvme_dir / TIERMEM_NVME_DIR); available: "
+                    f"{', '.join(t.value for t in self._stores)}")
+            self._orders[key] = order
+        return order
+
+    def _put(self, order: tuple, t: torch.Tensor, ctx: OffloadContext, module: str,
              nbytes: int):
         stats = ctx.stats
-        for candidate in (tier,) + _FALLBACK[tier]:
+        for candidate in order:
             store = self._stores.get(candidate)
             if store is None:
-                if candidate is tier:
-                    raise TierMemError(
-                        f"tiermem: the policy chose tier {tier.value!r}, which this version "
-                        f"does not provide; available: {', '.join(t.value for t in self._stores)}")
                 continue
             handle = store.put(t, ctx, module)   # keep never refuses
             if handle is None:
-                stats.budget_fallbacks += 1
-                self._warn_full(candidate)
+                if candidate is not Tier.RECOMPUTE:   # counted by reason in the store
+                    stats.budget_fallbacks += 1
+                    self._warn_full(candidate)
                 continue
             stats.record(candidate.value, nbytes)
             return handle

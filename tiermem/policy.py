@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Sequence, Tuple, Union
 
 import torch
 
 from .config import POLICY_NAMES
 from .errors import ConfigError, TierMemError
 
-__all__ = ["Tier", "TensorInfo", "PolicyFn", "resolve_policy"]
+__all__ = ["Tier", "TensorInfo", "PolicyFn", "resolve_policy", "tier_order", "FALLBACK"]
 
 
 class Tier(str, enum.Enum):
@@ -47,7 +47,13 @@ class TensorInfo:
     is_param: bool
 
 
-PolicyFn = Callable[[TensorInfo], Union[Tier, str]]
+#: A policy: returns a tier, or a sequence of tiers in order of preference
+#: (``("recompute", "cpu")``: recompute if eligible, else cpu).
+PolicyFn = Callable[[TensorInfo], Union[Tier, str, Sequence]]
+
+
+#: Where a tensor goes when its tier is full (or, for recompute, not eligible), in order.
+FALLBACK = {"cpu": ("keep",), "nvme": ("cpu", "keep"), "recompute": ("keep",), "keep": ()}
 
 
 def as_tier(value: Union[Tier, str], *, source: str) -> Tier:
@@ -62,11 +68,29 @@ def as_tier(value: Union[Tier, str], *, source: str) -> Tier:
             f"tiermem: {source} returned {value!r}, which is not a tier; valid: {valid}") from None
 
 
-def resolve_policy(policy: Union[str, PolicyFn, None], *, nvme_dir: Optional[str]):
-    """Turn the ``policy`` setting into ``(fixed_tier, fn)``.
+def tier_order(choice: Union[Tier, str, Sequence], *, source: str) -> Tuple[Tier, ...]:
+    """The tiers to try for a tensor, in order: the chosen ones, then the
+    fallbacks of the last (``"nvme"`` -> nvme, cpu, keep; ``("recompute",
+    "cpu")`` -> recompute, cpu, keep). Keep always ends the order."""
+    if isinstance(choice, (list, tuple)):
+        chosen = [as_tier(c, source=source) for c in choice]
+        if not chosen:
+            raise TierMemError(f"tiermem: {source} returned an empty list of tiers")
+    else:
+        chosen = [as_tier(choice, source=source)]
+    order = []
+    for t in chosen + [Tier(f) for f in FALLBACK[chosen[-1].value]] + [Tier.KEEP]:
+        if t not in order:
+            order.append(t)
+    return tuple(order)
 
-    Exactly one is set: ``fixed_tier`` for the named single-tier policies (the
-    hot path then needs no :class:`TensorInfo`), ``fn`` for callables and the
+
+def resolve_policy(policy: Union[str, PolicyFn, None], *, nvme_dir: Optional[str]):
+    """Turn the ``policy`` setting into ``(fixed_order, fn)``.
+
+    Exactly one is set: ``fixed_order`` (see :func:`tier_order`) for named
+    policies, including preference lists such as ``"recompute,cpu"`` (the hot
+    path then needs no :class:`TensorInfo`); ``fn`` for callables and the
     device-dependent default. ``"auto"`` is not available yet and raises.
     """
     if policy is None:
@@ -77,13 +101,15 @@ def resolve_policy(policy: Union[str, PolicyFn, None], *, nvme_dir: Optional[str
         return None, default_policy
     if callable(policy) and not isinstance(policy, str):
         return None, policy
-    name = str(policy).lower()
-    if name == "auto":
+    names = [n.strip() for n in str(policy).lower().split(",")]
+    if "auto" in names:
         raise ConfigError(
-            "tiermem: policy='auto' (the planner) is not available in this version; "
-            "use keep or cpu, or a callable policy")
-    if name not in POLICY_NAMES:
+            f"tiermem: policy={policy!r}: 'auto' (the planner) is not available in this "
+            "version; use keep, cpu, nvme, recompute (or a list such as 'recompute,cpu'), "
+            "or a callable policy")
+    bad = [n for n in names if n not in POLICY_NAMES]
+    if bad:
         raise ConfigError(
-            f"tiermem: policy={policy!r} is not valid; choose one of {', '.join(POLICY_NAMES)} "
-            "or pass a callable")
-    return Tier(name), None
+            f"tiermem: policy={policy!r} is not valid; choose one of {', '.join(POLICY_NAMES)}, "
+            "a comma-separated preference list such as 'recompute,cpu', or pass a callable")
+    return tier_order(names, source="the policy"), None

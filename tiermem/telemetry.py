@@ -48,6 +48,14 @@ class StepStats:
       an upper bound of GPU stalls: the stream may still not have reached them).
     - ``peak_host_bytes``: most host bytes held by the cpu tier during the step.
     - ``peak_disk_bytes``: most bytes of the nvme tier's file in use during the step.
+    - ``bytes_by_tier["recompute"]``: bytes of saved tensors dropped (to be
+      regenerated in backward); ``recompute_input_bytes``: bytes stored only
+      because a recipe needs them (also counted in their own tier);
+      ``recompute_count`` / ``recompute_seconds``: regenerations in backward and
+      the host time they took (on CUDA: launch time; the kernels run async);
+      ``recompute_fallbacks``: tensors the policy wanted to recompute that were
+      not eligible (they went to the next tier), by reason in
+      ``recompute_fallback_reasons``.
     """
 
     bytes_by_tier: dict = field(default_factory=_per_tier)
@@ -64,11 +72,22 @@ class StepStats:
     late_restores: int = 0
     peak_host_bytes: int = 0
     peak_disk_bytes: int = 0
+    recompute_input_bytes: int = 0
+    recompute_count: int = 0
+    recompute_seconds: float = 0.0
+    recompute_fallbacks: int = 0
+    recompute_fallback_reasons: dict = field(default_factory=dict)
 
     def record(self, tier: str, nbytes: int) -> None:
         """Count one tensor of ``nbytes`` held by ``tier`` (a tier string)."""
         self.bytes_by_tier[tier] += nbytes
         self.count_by_tier[tier] += 1
+
+    def note_recompute_fallback(self, reason: str) -> None:
+        """Count a tensor that could not be recomputed, and why."""
+        self.recompute_fallbacks += 1
+        reasons = self.recompute_fallback_reasons
+        reasons[reason] = reasons.get(reason, 0) + 1
 
     @property
     def offloaded_bytes(self) -> int:
@@ -93,6 +112,10 @@ class StepStats:
         ]
         if self.peak_disk_bytes:
             parts.append(f"disk peak {format_bytes(self.peak_disk_bytes)}")
+        if self.recompute_count or self.recompute_fallbacks:
+            parts.append(f"recomputed {self.recompute_count} in "
+                         f"{self.recompute_seconds * 1e3:.2f} ms, "
+                         f"{self.recompute_fallbacks} not eligible")
         if self.budget_fallbacks:
             parts.append(f"budget fallbacks {self.budget_fallbacks}")
         return " | ".join(parts)

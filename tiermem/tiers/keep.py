@@ -21,7 +21,7 @@ class Kept:
     check below still sees writes made through ``t``.
     """
 
-    __slots__ = ("tensor", "version", "module")
+    __slots__ = ("tensor", "version", "module", "__weakref__")
 
     def __init__(self, t: torch.Tensor, module: str) -> None:
         self.tensor = t.detach()

@@ -1,0 +1,259 @@
+"""Producer tracking: which op made each tensor of the forward pass, from what.
+
+While an Offloader whose policy may look at ``TensorInfo.op`` (a callable) or
+may recompute is active, :class:`ProducerMode` (a ``TorchDispatchMode``, the
+same mechanism PyTorch's selective checkpointing uses) sees every aten op the
+forward runs and records, for each output tensor, a :class:`Record`: the op's
+name and, for ops on the recompute allow-list, what is needed to run it again
+(the op, its non-tensor arguments, and a :class:`Ref` per tensor argument).
+
+# NOTE [Records hold no tensor]
+# A record must never keep a tensor alive: the point of recomputing is to free
+# memory. Tensor arguments are held by weak reference, with the version they
+# had when the op ran and the record of *their* producer (records form a DAG
+# of small Python objects, dropped when the context exits). Records are found
+# by the identity of the output's Python object (``id`` checked against a weak
+# reference): PyTorch hands the pack hook the very object the op returned, and
+# an ``id`` reused by a later tensor fails the weak-reference check.
+#
+# NOTE [Version of a record]
+# A record describes a tensor's values when it was made (``Record.version``).
+# After an in-place op (or an in-place op on a view of it) the version moves
+# on and the record no longer describes the tensor: it is only used while the
+# tensor's version still equals ``Record.version``; an argument only while its
+# version at the op (``Ref.version``) equals the version its own record (or
+# its stored copy) describes.
+
+The allow-list (:data:`RECOMPUTABLE_OPS`) holds cheap ops that are
+deterministic on CPU and CUDA: pointwise math and activations, casts, views,
+layer/RMS/group norm, softmax, concatenation, embedding lookups, and the
+random ops whose generator state is captured (:data:`RANDOM_OPS`). Matmuls and
+attention are left out on purpose (their cost is what recomputing avoids;
+checkpointing covers them). Ops with a mutable schema (in-place, ``out=``) are
+never recomputable.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["ProducerMode", "Record", "Ref", "storage_key", "RECOMPUTABLE_OPS", "RANDOM_OPS", "VIEW_OPS"]
+
+_aten = torch.ops.aten
+
+
+def _packets(*names: str) -> frozenset:
+    return frozenset(getattr(_aten, n) for n in names if hasattr(_aten, n))
+
+
+#: Ops that return a view of their first argument (zero FLOPs). ``op`` in
+#: :class:`~tiermem.TensorInfo` looks through them to the op that computed the values.
+VIEW_OPS = _packets(
+    "view", "_unsafe_view", "_reshape_alias", "reshape", "expand", "transpose", "t",
+    "permute", "slice", "select", "split", "split_with_sizes", "unsqueeze", "squeeze",
+    "unbind", "chunk", "narrow", "as_strided", "alias", "detach", "flatten", "unflatten",
+    "view_as_real", "view_as_complex", "diagonal", "unfold")
+
+#: Ops that draw random numbers from a generator; recomputed exactly by replaying
+#: the generator state captured just before they ran (no device sync).
+RANDOM_OPS = _packets("native_dropout", "bernoulli", "rand_like", "randn_like",
+                      "randint_like")
+
+#: Cheap, deterministic ops whose outputs the recompute tier may drop.
+RECOMPUTABLE_OPS = VIEW_OPS | RANDOM_OPS | _packets(
+    # activations and pointwise math
+    "relu", "gelu", "silu", "sigmoid", "tanh", "hardtanh", "leaky_relu", "elu", "celu",
+    "selu", "softplus", "mish", "hardswish", "hardsigmoid", "glu", "log_sigmoid_forward",
+    "exp", "log", "sqrt", "rsqrt", "reciprocal", "neg", "abs", "sin", "cos", "erf", "square",
+    "add", "sub", "rsub", "mul", "div", "pow", "maximum", "minimum", "clamp", "clamp_min",
+    "clamp_max", "where", "masked_fill", "lt", "le", "gt", "ge", "eq", "ne",
+    "logical_not", "logical_and", "logical_or",
+    # casts and copies
+    "_to_copy", "clone", "contiguous", "cat", "stack",
+    # normalisation and softmax (deterministic row-wise reductions)
+    "native_layer_norm", "_fused_rms_norm", "native_group_norm", "_softmax", "_safe_softmax",
+    "_log_softmax",
+    # lookups
+    "embedding", "index_select")
+
+
+def storage_key(t: torch.Tensor, storage=None) -> tuple:
+    """Identity of a tensor's *values*: two tensors with equal keys on the same
+    live storage hold the same elements (the dedup key of the Offloader)."""
+    if storage is None:
+        storage = t.untyped_storage()
+    return (storage.data_ptr(), t.storage_offset(), tuple(t.size()), t.stride(), t.dtype,
+            t._version)
+
+
+class Ref:
+    """A tensor argument of a recorded op, held weakly (NOTE [Records hold no tensor]).
+
+    ``key`` and ``storage`` (a weak reference to the storage) find the handle
+    of the same values later even when this Python object is gone: the pack
+    hook often stores a different object (``t.detach()``, a copy) than the one
+    the op received.
+    """
+
+    __slots__ = ("tensor_ref", "version", "record", "nbytes", "key", "storage")
+
+    def __init__(self, t: torch.Tensor, record: Optional["Record"]) -> None:
+        self.tensor_ref = weakref.ref(t)
+        self.version = t._version
+        self.record = record
+        self.nbytes = t.numel() * t.element_size()
+        storage = t.untyped_storage()
+        self.key = storage_key(t, storage)
+        self.storage = StorageWeakRef(storage)
+
+    def alive(self) -> Optional[torch.Tensor]:
+        """The argument if it is still alive and unchanged since the op ran."""
+        t = self.tensor_ref()
+        if t is None or t._version != self.version:
+            return None
+        return t
+
+
+class Record:
+    """How one output tensor was made. ``func is None`` when only the name is
+    known (the op is not recomputable)."""
+
+    __slots__ = ("name", "func", "args", "kwargs", "out_index", "rng", "version", "is_view",
+                 "values_op", "__weakref__")
+
+    def __init__(self, name: str, values_op: str) -> None:
+        self.name = name
+        self.values_op = values_op
+        self.func = None
+        self.args: tuple = ()
+        self.kwargs: dict = {}
+        self.out_index: Optional[int] = None
+        self.rng = None
+        self.version = 0
+        self.is_view = False
+
+    def refs(self):
+        """The :class:`Ref` of every tensor argument (lists flattened)."""
+        for a in self.args + tuple(self.kwargs.values()):
+            if type(a) is Ref:
+                yield a
+            elif type(a) is list:
+                yield from (x for x in a if type(x) is Ref)
+
+
+class _OpInfo:
+    __slots__ = ("name", "recomputable", "random", "view")
+
+    def __init__(self, func) -> None:
+        packet = func.overloadpacket
+        self.name = packet.__name__
+        self.view = packet in VIEW_OPS
+        self.random = packet in RANDOM_OPS
+        self.recomputable = packet in RECOMPUTABLE_OPS and not func._schema.is_mutable
+
+
+def _generator_for(device: torch.device, explicit) -> Optional[torch.Generator]:
+    if explicit is not None:
+        return explicit
+    if device.type == "cpu":
+        return torch.default_generator
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[index]
+    return None
+
+
+class ProducerMode(TorchDispatchMode):
+    """Records the producer of every tensor made while it is active (one
+    forward pass, one thread: the dispatch-mode stack is thread-local)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._records: dict = {}    # id(tensor) -> (weakref to tensor, Record)
+        self._ops: dict = {}        # OpOverload -> _OpInfo
+
+    # -- lookup (pack hook) -----------------------------------------------------
+    def record_of(self, t: torch.Tensor) -> Optional[Record]:
+        """The record describing ``t``'s current values, or ``None``."""
+        hit = self._records.get(id(t))
+        if hit is None or hit[0]() is not t:
+            return None
+        rec = hit[1]
+        return rec if rec.version == t._version else None
+
+    def op_name(self, t: torch.Tensor) -> Optional[str]:
+        """The op that computed ``t``'s values (views looked through), or ``None``."""
+        hit = self._records.get(id(t))
+        if hit is None or hit[0]() is not t:
+            return None
+        return hit[1].values_op
+
+    def clear(self) -> None:
+        self._records.clear()
+
+    # -- recording ----------------------------------------------------------------
+    def _ref(self, t: torch.Tensor) -> Ref:
+        hit = self._records.get(id(t))
+        rec = hit[1] if hit is not None and hit[0]() is t else None
+        return Ref(t, rec)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        info = self._ops.get(func)
+        if info is None:
+            info = self._ops[func] = _OpInfo(func)
+        rng = None
+        if info.recomputable:
+            # Arguments are captured before the op runs (their versions then).
+            rargs = tuple(self._capture(a) for a in args)
+            rkwargs = {k: self._capture(v) for k, v in kwargs.items()}
+            if info.random:
+                rng = self._capture_rng(args, kwargs)
+        out = func(*args, **kwargs)
+        values_op = info.name
+        if info.view and args and isinstance(args[0], torch.Tensor):
+            base = self._records.get(id(args[0]))
+            if base is not None and base[0]() is args[0]:
+                values_op = base[1].values_op
+        multi = isinstance(out, (tuple, list))
+        outs = out if multi else (out,)
+        for i, o in enumerate(outs):
+            if not isinstance(o, torch.Tensor):
+                continue
+            rec = Record(info.name, values_op)
+            rec.version = o._version
+            if info.recomputable and (not info.random or rng is not None):
+                rec.func, rec.args, rec.kwargs, rec.rng = func, rargs, rkwargs, rng
+                rec.out_index = i if multi else None
+                rec.is_view = info.view
+            self._records[id(o)] = (weakref.ref(o), rec)
+        return out
+
+    def _capture(self, a: Any) -> Any:
+        if isinstance(a, torch.Tensor):
+            return self._ref(a)
+        if isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a):
+            return [self._ref(x) if isinstance(x, torch.Tensor) else x for x in a]
+        return a
+
+    @staticmethod
+    def _capture_rng(args, kwargs):
+        """(generator, state) of the generator the op will draw from; ``None``
+        if unknown (the op is then not recomputable). ``get_state`` copies the
+        host-side state (CUDA: seed and offset), no device sync."""
+        device = None
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                device = a.device
+                break
+        if device is None:
+            return None
+        gen = _generator_for(device, kwargs.get("generator"))
+        if gen is None:
+            return None
+        return gen, gen.get_state()

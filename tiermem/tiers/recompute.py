@@ -1,0 +1,277 @@
+"""The ``recompute`` tier: drop a saved tensor, regenerate it in backward.
+
+A saved tensor is recomputable when its producer op is on the allow-list
+(:data:`~tiermem.producers.RECOMPUTABLE_OPS`) and the op's inputs can be had
+again in backward. ``put`` plans a *recipe*: a small tree whose root is the
+producer op and whose leaves are handles of tensors tiermem stores anyway.
+
+# NOTE [What a recipe holds]
+# For each tensor argument of a recorded op, in this order of preference:
+# 1. a tensor this step already saved (a dedup hit): its handle is shared, so
+#    the input costs nothing extra, whatever tier holds it;
+# 2. a parameter or buffer: held as is (it stays on the device anyway);
+# 3. the argument's own recipe, when its producer is recomputable too (chains:
+#    views, casts, pointwise ops), if that costs fewer stored bytes than 4;
+# 4. the argument itself, stored through the policy (any tier but recompute),
+#    and registered for dedup so that later saves of it share it.
+# The bytes of case 4 are what the recipe costs. A tensor is dropped only if
+# its recipe costs fewer bytes than the tensor itself (so dropping frees
+# memory); otherwise, or if an input is gone (freed, or modified in place
+# since the op ran), it is not eligible and goes to the policy's next choice,
+# counted in ``stats.recompute_fallbacks`` by reason. Small arguments (under
+# ``min_offload_bytes``) are copied into the recipe (a clone costs little and
+# protects the recipe from later in-place writes).
+#
+# NOTE [Recompute is exact]
+# The op is run again on inputs equal to the originals in values, sizes,
+# strides and alignment (see NOTE [Layout of a moved tensor]), under
+# ``no_grad`` and without autocast, so the same kernel computes the same bits.
+# Random ops replay the generator state captured just before they ran and
+# restore the generator afterwards, so backward's own random numbers (none in
+# PyTorch's built-in backward formulas) and the next step are not disturbed.
+# If the saved tensor itself is still alive at unpack (someone else kept it),
+# it is returned as is: nothing was freed, and nothing needs computing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from typing import Any, Optional
+
+import torch
+
+from ..errors import TierMemError
+from ..policy import Tier
+from ..producers import Record, Ref
+from .base import TierStore
+from .keep import Kept, check_version
+
+__all__ = ["RecomputeStore", "RecomputeHandle", "MAX_RECIPE_NODES"]
+
+#: Largest number of ops one recipe may run (bounds planning and backward cost).
+MAX_RECIPE_NODES = 32
+
+
+class _Node:
+    """One op of a recipe; ``args``/``kwargs`` hold handles, nodes and plain values."""
+
+    __slots__ = ("func", "args", "kwargs", "out_index", "rng")
+
+
+class _In:
+    """A leaf of a recipe: a handle of a tier (unpacked through its store)."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+
+
+class RecomputeHandle:
+    """A dropped saved tensor and its recipe. Owned by autograd."""
+
+    __slots__ = ("store", "step", "plan", "size", "stride", "dtype", "module", "nbytes",
+                 "version", "src_ref", "uses", "taken", "cached", "__weakref__")
+
+
+class _Plan:
+    """Planning state of one ``put``: leaves chosen, bytes they cost."""
+
+    def __init__(self) -> None:
+        self.cost_bytes = 0
+        self.nodes = 0
+        self.to_store: dict = {}   # id(tensor) -> tensor, stored if the plan is taken
+
+    def store(self, t: torch.Tensor) -> None:
+        if id(t) not in self.to_store:
+            self.to_store[id(t)] = t
+            self.cost_bytes += t.numel() * t.element_size()
+
+
+class _Ineligible(Exception):
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+class RecomputeStore(TierStore):
+    """Plans recipes at ``put`` and runs them at ``get``. See the module docstring."""
+
+    tier = Tier.RECOMPUTE
+
+    # -- forward ----------------------------------------------------------------
+    def put(self, t: torch.Tensor, step, module: str = "") -> Optional[RecomputeHandle]:
+        producers = step.producers
+        rec = None if producers is None else producers.record_of(t)
+        try:
+            if rec is None:
+                raise _Ineligible("no recorded producer")
+            if rec.func is None:
+                raise _Ineligible(f"op {rec.name} is not recomputable")
+            plan = _Plan()
+            self._check(rec, step, plan, 0)
+            nbytes = t.numel() * t.element_size()
+            if plan.cost_bytes >= nbytes:
+                raise _Ineligible("its inputs cost as much memory as it frees")
+        except _Ineligible as e:
+            step.stats.note_recompute_fallback(e.reason)
+            return None
+        stored = {}
+        for key, x in plan.to_store.items():
+            stored[key] = step.store_input(x)
+        step.stats.recompute_input_bytes += plan.cost_bytes
+        h = RecomputeHandle()
+        h.plan = self._build(rec, step, stored)
+        h.store, h.step, h.module = self, step, module
+        h.size, h.stride, h.dtype = t.size(), t.stride(), t.dtype
+        h.nbytes = nbytes
+        h.version = t._version
+        h.src_ref = weakref.ref(t)
+        h.uses, h.taken, h.cached = 1, 0, None
+        return h
+
+    def _check(self, rec: Record, step, plan: _Plan, depth: int) -> None:
+        """Decide, for each argument of ``rec``, how the recipe will get it (see
+        NOTE [What a recipe holds]); raise :class:`_Ineligible` if it cannot."""
+        plan.nodes += 1
+        if plan.nodes > MAX_RECIPE_NODES:
+            raise _Ineligible("its recipe would run too many ops")
+        for ref in rec.refs():
+            self._choose(ref, step, plan, depth)
+
+    def _choose(self, ref: Ref, step, plan: _Plan, depth: int) -> None:
+        if step.lookup(ref) is not None:
+            return
+        x = ref.alive()
+        if x is not None:
+            if step.is_param(x) or step.is_small(x):
+                return
+        sub = ref.record
+        if sub is not None and sub.func is not None and sub.version == ref.version:
+            trial = _Plan()
+            trial.nodes, trial.to_store = plan.nodes, dict(plan.to_store)
+            trial.cost_bytes = plan.cost_bytes
+            try:
+                self._check(sub, step, trial, depth + 1)
+            except _Ineligible:
+                trial = None
+            if trial is not None and (x is None or trial.cost_bytes - plan.cost_bytes < ref.nbytes):
+                plan.nodes, plan.to_store, plan.cost_bytes = (
+                    trial.nodes, trial.to_store, trial.cost_bytes)
+                return
+        if x is None:
+            raise _Ineligible("an input was freed or modified in place")
+        plan.store(x)
+
+    def _build(self, rec: Record, step, stored: dict) -> _Node:
+        """Materialise the plan chosen by :meth:`_check` (same order of choices)."""
+        node = _Node()
+        node.func, node.out_index, node.rng = rec.func, rec.out_index, rec.rng
+        node.args = tuple(self._arg(a, step, stored) for a in rec.args)
+        node.kwargs = {k: self._arg(v, step, stored) for k, v in rec.kwargs.items()}
+        return node
+
+    def _arg(self, a: Any, step, stored: dict) -> Any:
+        if type(a) is list:
+            return [self._arg(x, step, stored) for x in a]
+        if type(a) is not Ref:
+            return a
+        x = a.alive()
+        h = None if x is None else stored.pop(id(x), None)
+        if h is not None:
+            return _In(h)     # stored for this recipe: its first use is this one
+        h = step.lookup(a)
+        if h is not None:
+            step.share(h)
+            return _In(h)
+        if x is not None:
+            if step.is_param(x):
+                return _In(step.keep_handle(x, clone=False))
+            if step.is_small(x):
+                return _In(step.keep_handle(x, clone=True))
+        return self._build(a.record, step, stored)
+
+    # -- backward -----------------------------------------------------------------
+    def get(self, h: RecomputeHandle) -> torch.Tensor:
+        src = h.src_ref()
+        if src is not None:
+            # Still alive: nothing was freed. NOTE [Recompute is exact].
+            if src._version != h.version:
+                raise TierMemError(
+                    f"tiermem: a tensor saved for backward (shape {list(h.size)}, {h.dtype}"
+                    f"{' in module ' + h.module if h.module else ''}) was modified by an "
+                    f"in-place operation after it was saved (version {h.version} -> "
+                    f"{src._version}); autograd would raise here too. Clone it before "
+                    "modifying it, or do the in-place operation out of place.")
+            return src.detach()
+        if h.cached is not None:
+            out = h.cached
+        else:
+            stats = h.step.stats
+            t0 = time.perf_counter()
+            try:
+                with torch.no_grad(), _no_autocast():
+                    out = _run(h.plan)
+            except TierMemError:
+                raise
+            except Exception as e:
+                raise TierMemError(
+                    f"tiermem: recomputing a saved tensor (shape {list(h.size)}, {h.dtype}"
+                    f"{' in module ' + h.module if h.module else ''}) failed: {e}") from e
+            if out.stride() != h.stride and h.size == out.size():
+                out = torch.empty_strided(h.size, h.stride, dtype=out.dtype,
+                                          device=out.device).copy_(out)
+            stats.recompute_count += 1
+            stats.recompute_seconds += time.perf_counter() - t0
+        h.taken += 1
+        if h.taken < h.uses:
+            h.cached = out   # for the other saves of this tensor in this pass
+        else:
+            h.taken, h.cached = 0, None
+        return out
+
+
+def _value(a: Any) -> Any:
+    if type(a) is _In:
+        h = a.handle
+        if type(h) is Kept:
+            check_version(h.tensor, h.version, h.module)
+            return h.tensor
+        return h.store.get(h)
+    if type(a) is _Node:
+        return _run(a)
+    if type(a) is list:
+        return [_value(x) for x in a]
+    return a
+
+
+def _run(node: _Node) -> torch.Tensor:
+    args = tuple(_value(a) for a in node.args)
+    kwargs = {k: _value(v) for k, v in node.kwargs.items()}
+    if node.rng is None:
+        out = node.func(*args, **kwargs)
+    else:
+        gen, state = node.rng
+        now = gen.get_state()
+        gen.set_state(state)
+        try:
+            out = node.func(*args, **kwargs)
+        finally:
+            gen.set_state(now)
+    if node.out_index is not None:
+        out = out[node.out_index]
+    return out
+
+
+@contextlib.contextmanager
+def _no_autocast():
+    """Run the recorded aten ops as recorded: autocast already inserted its
+    casts in forward (they are ops of the recipe)."""
+    with contextlib.ExitStack() as stack:
+        for device_type in ("cpu", "cuda"):
+            if device_type == "cuda" and not torch.cuda.is_available():
+                continue
+            if torch.is_autocast_enabled(device_type):
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield
