@@ -1,11 +1,13 @@
 """tiermem: per-tensor activation offloading for PyTorch training.
 
 Wrap the forward pass in an :class:`Offloader`; each tensor autograd saves for
-backward is kept on its device, copied to host memory, or written to an NVMe
-file, and brought back ahead of need in backward (dropping and recomputing
-comes later). Importing tiermem does not initialise CUDA.
+backward is kept on its device, copied to host memory, written to an NVMe
+file (and brought back ahead of need in backward), or dropped and recomputed
+from its producer op. :func:`wrap_blocks` combines this with checkpointing.
+Importing tiermem does not initialise CUDA.
 """
 
+from .blocks import BlockWrapping, wrap_blocks
 from .config import Config, env_table_markdown
 from .errors import ConfigError, TierMemError
 from .io import engine_info
@@ -14,6 +16,7 @@ from .policy import TensorInfo, Tier
 from .telemetry import StepStats
 
 __all__ = [
+    "BlockWrapping",
     "Config",
     "ConfigError",
     "OffloadContext",
@@ -26,6 +29,7 @@ __all__ = [
     "env_table_markdown",
     "no_offload",
     "offload",
+    "wrap_blocks",
 ]
 
 __version__ = "0.1.0"

@@ -37,6 +37,7 @@ import psutil
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .blocks import _scope as _block_scope
 from .config import Config
 from .errors import ConfigError, TierMemError
 from .policy import Tier, TensorInfo, resolve_policy, tier_order
@@ -125,6 +126,7 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         self.prefetcher = Prefetcher(offloader.config.prefetch_bytes)
         self._index = 0
         self._dedup: dict = {}
+        self._recipe_inputs: dict = {}   # kept copies made for recipes only
         self._param_storages: set = set()
         self._seen_roots: set = set()
         self._modules = ModuleStack(on_root=self._on_root)
@@ -161,7 +163,9 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
             stats.small_count += 1
             stats.record(_KEEP, nbytes)
             return Kept(t, "")
-        fixed = off._fixed
+        scoped = getattr(_block_scope, "stack", None)
+        scoped = scoped[-1] if scoped else None   # inside a block wrapped with a policy
+        fixed = off._fixed if scoped is None else scoped[0]
         if fixed is Tier.KEEP:
             stats.record(_KEEP, nbytes)
             return Kept(t, "")
@@ -179,7 +183,10 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
                 self.share(handle)
                 return handle
         module = current_module()
-        order = off._order if fixed is not None else self._ask_policy(t, module, nbytes)
+        if scoped is not None:
+            order = scoped
+        else:
+            order = off._order if fixed is not None else self._ask_policy(t, module, nbytes)
         handle = off._put(order, t, self, module, nbytes)
         if type(handle) is not Kept or self.producers is not None:
             self._dedup[key] = (StorageWeakRef(t.untyped_storage()), weakref.ref(handle))
@@ -199,7 +206,7 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         if type(t) is Ref:
             # Same storage object (the weak refs pin its identity), same values:
             # the handle holds them even if the storage was freed since (moved).
-            hit = self._dedup.get(t.key)
+            hit = self._dedup.get(t.key) or self._recipe_inputs.get(t.key)
             if hit is None or hit[0].cdata != t.storage.cdata:
                 return None   # same address, another storage
             return hit[1]()
@@ -236,7 +243,17 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
             self._ask_policy(t, module, nbytes))
         order = tuple(tier for tier in order if tier is not Tier.RECOMPUTE) or (Tier.KEEP,)
         handle = self._off._put(order, t, self, module, nbytes)
-        self._dedup[_dedup_key(t)] = (StorageWeakRef(t.untyped_storage()), weakref.ref(handle))
+        entry = (StorageWeakRef(t.untyped_storage()), weakref.ref(handle))
+        if type(handle) is Kept:
+            # Autograd did not save ``t``, so the program may still modify it in
+            # place; the recipe needs its values of now: keep a private copy,
+            # shared by recipes only (a later save of ``t`` by autograd gets
+            # its own handle, with the in-place check).
+            handle = Kept(t.detach().clone(), module)
+            entry = (entry[0], weakref.ref(handle))
+            self._recipe_inputs[_dedup_key(t)] = entry
+        else:
+            self._dedup[_dedup_key(t)] = entry
         return handle
 
     @staticmethod
@@ -279,6 +296,7 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         finally:
             self._modules.__exit__(exc_type, exc, tb)
             self._dedup.clear()
+            self._recipe_inputs.clear()
             self._param_storages.clear()
             self._seen_roots.clear()
             self._off._exit(self, failed=exc_type is not None)

@@ -1,0 +1,207 @@
+"""``wrap_blocks``: checkpointing and a tier policy per block, in one call.
+
+The recipe that gives most memory for least time on large models is
+"checkpoint each block, offload the block inputs": inside a block nothing is
+saved (it is recomputed in backward), and the one tensor per block that
+checkpointing must keep goes through tiermem's policy (to CPU RAM or NVMe).
+``wrap_blocks`` applies it without editing the model::
+
+    blocks = tiermem.wrap_blocks(model, TransformerBlock, checkpoint=True)
+    off = tiermem.Offloader(policy="cpu")
+    with off:
+        loss = model(batch)
+    loss.backward()
+    blocks.unwrap()          # back to the plain model (optional)
+
+# NOTE [How blocks are wrapped]
+# Each matched module gets an instance attribute ``forward`` (a picklable
+# :class:`_BlockForward` holding the module), which ``nn.Module.__call__``
+# prefers to the class's method; hooks, ``state_dict`` keys and parameter
+# names are unchanged, ``deepcopy`` gives a copy wrapped the same way, and
+# ``unwrap`` deletes the attribute. The class's own ``forward`` is what runs
+# inside the checkpoint.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Type, Union
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy
+from torch.utils.checkpoint import checkpoint as _checkpoint
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+from .errors import ConfigError
+from .policy import Tier, tier_order
+
+__all__ = ["wrap_blocks", "BlockWrapping", "SELECTIVE_SAVE_OPS", "current_block_order"]
+
+_aten = torch.ops.aten
+
+#: Ops whose outputs selective checkpointing (``checkpoint="selective"``) saves;
+#: everything else in the block is recomputed. Matmuls and attention: the
+#: expensive ops (Korthikanti et al.'s selective recompute).
+SELECTIVE_SAVE_OPS = frozenset(
+    getattr(_aten, n) for n in ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
+                                "_scaled_dot_product_efficient_attention",
+                                "_scaled_dot_product_cudnn_attention",
+                                "_scaled_dot_product_flash_attention_for_cpu", "convolution")
+    if hasattr(_aten, n))
+
+_CHECKPOINT_MODES = (False, True, "full", "selective")
+
+_scope = threading.local()
+
+
+def current_block_order() -> Optional[Tuple[Tier, ...]]:
+    """The tier order of the innermost wrapped block running in this thread
+    (``None`` outside blocks wrapped with a ``policy``)."""
+    stack = getattr(_scope, "stack", None)
+    return stack[-1] if stack else None
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    if op in SELECTIVE_SAVE_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _BlockForward:
+    """The ``forward`` of a wrapped block. See NOTE [How blocks are wrapped]."""
+
+    def __init__(self, module: nn.Module, mode: Optional[str], use_reentrant: bool,
+                 order: Optional[Tuple[Tier, ...]]) -> None:
+        self.module = module
+        self.mode = mode
+        self.use_reentrant = use_reentrant
+        self.order = order
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        fn = functools.partial(type(self.module).forward, self.module)
+        stack = None
+        if self.order is not None:
+            stack = getattr(_scope, "stack", None)
+            if stack is None:
+                stack = _scope.stack = []
+            stack.append(self.order)
+        try:
+            if self.mode is None or not torch.is_grad_enabled():
+                return fn(*args, **kwargs)
+            if self.mode == "selective":
+                return _checkpoint(fn, *args, use_reentrant=False, **kwargs,
+                                  context_fn=functools.partial(
+                                      create_selective_checkpoint_contexts, _selective_policy))
+            if self.use_reentrant and kwargs:
+                raise TypeError(
+                    "tiermem.wrap_blocks: reentrant checkpointing does not take keyword "
+                    f"arguments ({', '.join(kwargs)}); use use_reentrant=False")
+            return _checkpoint(fn, *args, use_reentrant=self.use_reentrant, **kwargs)
+        finally:
+            if stack is not None:
+                stack.pop()
+
+
+class BlockWrapping:
+    """What :func:`wrap_blocks` did: ``names`` of the wrapped blocks (qualified,
+    as in ``model.named_modules()``); :meth:`unwrap` undoes it."""
+
+    def __init__(self, modules: List[Tuple[str, nn.Module]]) -> None:
+        self._modules = modules
+        self.names = [n for n, _ in modules]
+
+    def unwrap(self) -> None:
+        """Give every wrapped block its own ``forward`` back (idempotent)."""
+        for _, m in self._modules:
+            if isinstance(m.__dict__.get("forward"), _BlockForward):
+                del m.forward
+        self._modules = []
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __repr__(self) -> str:
+        return f"BlockWrapping({len(self.names)} blocks: {', '.join(self.names[:3])}" + (
+            ", ...)" if len(self.names) > 3 else ")")
+
+
+Selector = Union[Type[nn.Module], Tuple[Type[nn.Module], ...], Callable[[str, nn.Module], bool],
+                 Sequence[str]]
+
+
+def wrap_blocks(model: nn.Module, blocks: Selector, *, checkpoint: Union[bool, str] = True,
+                use_reentrant: bool = False, policy: Union[str, Sequence, None] = None
+                ) -> BlockWrapping:
+    """Checkpoint the blocks of ``model`` and/or give their saved tensors a policy.
+
+    - ``blocks``: a module class (or tuple of classes), a predicate
+      ``(qualified_name, module) -> bool``, or a list of qualified names.
+      Blocks nested inside a matched block are not wrapped again.
+    - ``checkpoint``: ``True``/``"full"`` runs each block under
+      ``torch.utils.checkpoint.checkpoint`` (non-reentrant by default): only the
+      block's inputs are saved, and they go through the active Offloader's
+      policy. ``"selective"``: selective checkpointing that saves the outputs of
+      :data:`SELECTIVE_SAVE_OPS` and recomputes the rest (those saved outputs
+      are held by PyTorch's checkpoint, not by tiermem: they stay on the
+      device). ``False``: no checkpointing.
+    - ``policy``: a tier name or preference list (``"cpu"``, ``"recompute,cpu"``)
+      for the tensors saved while a block runs, overriding the Offloader's own
+      policy there (the rest of the model keeps the Offloader's policy).
+      ``recompute`` needs an Offloader whose own policy may recompute (producer
+      tracking is switched on by the Offloader's policy); otherwise those
+      tensors go to the next tier.
+
+    Returns a :class:`BlockWrapping`; raises ``ConfigError`` when nothing
+    matches or a setting is invalid, and when a block is already wrapped.
+    Outside ``torch.enable_grad()`` (inference) blocks run plainly.
+    """
+    if checkpoint not in _CHECKPOINT_MODES:
+        raise ConfigError(f"tiermem.wrap_blocks: checkpoint={checkpoint!r} is not valid; "
+                          "use True/'full', 'selective' or False")
+    mode = None if checkpoint is False else ("selective" if checkpoint == "selective" else "full")
+    if mode == "selective" and use_reentrant:
+        raise ConfigError("tiermem.wrap_blocks: checkpoint='selective' needs use_reentrant=False")
+    order = None
+    if policy is not None:
+        items = policy.split(",") if isinstance(policy, str) else [
+            str(getattr(p, "value", p)) for p in policy]
+        names = [p.strip().lower() for p in items]
+        try:
+            order = tier_order(names, source="wrap_blocks")
+        except Exception:
+            raise ConfigError(f"tiermem.wrap_blocks: policy={policy!r} is not valid; use tier "
+                              f"names ({', '.join(t.value for t in Tier)}) or a list of them"
+                              ) from None
+    if mode is None and order is None:
+        raise ConfigError("tiermem.wrap_blocks: nothing to do (checkpoint=False and no policy)")
+    match = _matcher(blocks)
+    chosen: List[Tuple[str, nn.Module]] = []
+    for name, m in model.named_modules():
+        if any(name.startswith(p + ".") for p, _ in chosen):
+            continue   # inside a block already chosen
+        if match(name, m):
+            if isinstance(m.__dict__.get("forward"), _BlockForward):
+                raise ConfigError(f"tiermem.wrap_blocks: {name or type(m).__name__} is already "
+                                  "wrapped; call unwrap() on the earlier BlockWrapping first")
+            chosen.append((name, m))
+    if not chosen:
+        raise ConfigError(f"tiermem.wrap_blocks: no module of {type(model).__name__} matches "
+                          f"blocks={blocks!r}")
+    for _, m in chosen:
+        m.forward = _BlockForward(m, mode, use_reentrant, order)
+    return BlockWrapping(chosen)
+
+
+def _matcher(blocks: Selector) -> Callable[[str, nn.Module], bool]:
+    if isinstance(blocks, type) or (isinstance(blocks, tuple) and blocks
+                                    and all(isinstance(b, type) for b in blocks)):
+        return lambda name, m: isinstance(m, blocks)
+    if callable(blocks):
+        return blocks
+    if isinstance(blocks, (list, tuple, set)) and all(isinstance(b, str) for b in blocks):
+        wanted = set(blocks)
+        return lambda name, m: name in wanted
+    raise ConfigError(f"tiermem.wrap_blocks: blocks={blocks!r} is not a module class, a "
+                      "predicate (name, module) -> bool, or a list of qualified names")
