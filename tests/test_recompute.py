@@ -1,0 +1,388 @@
+"""The recompute tier: exact gradients, memory really freed, chains, views,
+random ops, in-place safety, fallbacks, and what a policy sees (info.op)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tiermem
+from models import MODEL_NAMES, SaveIt, assert_same_tensors, make_case, reference_steps, train_steps
+
+pytestmark = pytest.mark.usefixtures("clean_env")
+
+STEPS = 3
+
+
+def _cheap_then_cpu(info: tiermem.TensorInfo):
+    """A callable policy: recompute what a cheap op made, move the rest to cpu."""
+    if info.op in ("gelu", "tanh", "native_layer_norm", "_softmax", "_safe_softmax"):
+        return ["recompute", "cpu"]
+    return "cpu"
+
+
+POLICIES = {"recompute": "recompute", "recompute,cpu": "recompute,cpu",
+            "callable": _cheap_then_cpu}
+
+
+def _compare(records, ref, name):
+    for step, ((loss, grads, params), (rloss, rgrads, rparams)) in enumerate(zip(records, ref)):
+        assert torch.equal(loss, rloss), f"{name} step {step}"
+        assert_same_tensors(grads, rgrads, f"{name} step {step} grads")
+        assert_same_tensors(params, rparams, f"{name} step {step} params")
+
+
+@pytest.mark.parametrize("model_name", MODEL_NAMES)
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_bit_identical_over_adamw_steps(model_name, policy):
+    ref = reference_steps(model_name, STEPS)
+    off = tiermem.Offloader(policy=POLICIES[policy], min_offload_bytes=0)
+    case = make_case(model_name)
+    stats = []
+
+    def ctx():
+        stats.append(off)
+        return off
+
+    records = train_steps(case, ctx, STEPS)
+    _compare(records, ref, f"{model_name}/{policy}")
+    s = off.stats
+    if model_name in ("mlp", "block", "mlp_bf16", "block_bf16"):
+        # GELU/tanh/LayerNorm outputs have their inputs saved anyway: dropped.
+        assert s.count_by_tier["recompute"] > 0, s
+        assert s.recompute_count > 0, s
+        assert s.recompute_seconds > 0
+    if policy == "recompute,cpu":
+        assert s.count_by_tier["cpu"] > 0, "what is not eligible goes to the next choice"
+    off.close()
+    assert off.host_bytes_in_use == 0
+
+
+def test_recompute_with_nvme_next(tmp_path):
+    ref = reference_steps("block", STEPS)
+    off = tiermem.Offloader(policy="recompute,nvme", nvme_dir=tmp_path, engine="python",
+                            min_offload_bytes=0)
+    records = train_steps(make_case("block"), lambda: off, STEPS)
+    _compare(records, ref, "block/recompute,nvme")
+    assert off.stats.count_by_tier["recompute"] > 0 and off.stats.count_by_tier["nvme"] > 0
+    off.close()
+
+
+# ---------------------------------------------------------------------------
+# Chains, views, random ops
+# ---------------------------------------------------------------------------
+
+class Chain(nn.Module):
+    """tanh saves its output u; v = u * 3 + 1 and its view are saved by nobody
+    until lin2 saves the view: a chain of three recomputable ops on u."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin1, self.lin2 = nn.Linear(16, 64), nn.Linear(64, 4)
+
+    def forward(self, x):
+        u = torch.tanh(self.lin1(x))
+        w = (u * 3.0 + 1.0).view(-1, 64)
+        return self.lin2(w)
+
+
+def _grads(model, x, off=None, seed=5):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    if off is None:
+        loss = model(x).square().mean()
+    else:
+        with off:
+            loss = model(x).square().mean()
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_chain_of_recomputed_ops_is_exact():
+    torch.manual_seed(0)
+    model = Chain()
+    x = torch.randn(8, 4, 16)
+    ref = _grads(model, x)
+    off = tiermem.Offloader(policy="recompute", min_offload_bytes=0)
+    got = _grads(model, x, off)
+    assert_same_tensors(got, ref, "chain")
+    # lin2's input (a view of u*3+1) was rebuilt from u through mul, add, view.
+    assert off.stats.count_by_tier["recompute"] >= 1
+    assert off.stats.recompute_input_bytes == 0, "u is saved by tanh anyway"
+
+
+@pytest.mark.parametrize("view", ["t", "slice", "expand", "select"])
+def test_views_of_recomputed_tensors_keep_layout(view):
+    """A saved view of a recomputed tensor comes back with the same sizes,
+    strides, storage offset alignment and values."""
+    torch.manual_seed(0)
+    h = torch.randn(12, 10, requires_grad=True)
+    w = torch.ones(3, requires_grad=True)
+    make = {"t": lambda g: g.t(), "slice": lambda g: g[2:9, 1::2],
+            "expand": lambda g: g[:1].expand(5, 10), "select": lambda g: g[3]}[view]
+    sink = []
+    off = tiermem.Offloader(policy="recompute", min_offload_bytes=0)
+    with off:
+        g = F.gelu(h)            # gelu saves h: g is free to recompute
+        saved = make(g)
+        expected = saved.detach().clone()
+        meta = (saved.size(), saved.stride(), saved.storage_offset())
+        out = SaveIt.apply(saved, w, sink)
+    del g, saved
+    out.sum().backward()
+    (back,) = sink
+    assert off.stats.count_by_tier["recompute"] >= 1
+    assert (back.size(), back.stride(), back.storage_offset()) == meta
+    assert torch.equal(back, expected)
+
+
+def test_random_op_replays_generator_state_exactly():
+    """native_dropout on a recomputable input: regenerated bit-exactly from the
+    captured generator state, and the global RNG stream is not disturbed."""
+    class Drop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin1, self.lin2 = nn.Linear(16, 64), nn.Linear(64, 4)
+
+        def forward(self, x):
+            g = F.gelu(self.lin1(x))
+            d, _ = torch.native_dropout(g, 0.3, True)
+            return self.lin2(d)
+
+    torch.manual_seed(0)
+    model = Drop()
+    x = torch.randn(32, 16)
+    ref = _grads(model, x)
+    after_ref = torch.rand(3)
+    off = tiermem.Offloader(policy="recompute", min_offload_bytes=0)
+    got = _grads(model, x, off)
+    after = torch.rand(3)
+    assert_same_tensors(got, ref, "dropout")
+    assert torch.equal(after, after_ref), "recompute must not move the RNG stream"
+    assert off.stats.recompute_count >= 1
+
+
+def test_rand_like_mask_is_reproduced():
+    torch.manual_seed(0)
+    lin1, lin2 = nn.Linear(8, 32), nn.Linear(32, 2)
+
+    def step(off):
+        for p in (*lin1.parameters(), *lin2.parameters()):
+            p.grad = None
+        torch.manual_seed(3)
+        with off if off is not None else torch.autograd.graph.saved_tensors_hooks(
+                lambda t: t, lambda t: t):
+            g = torch.sigmoid(lin1(torch.randn(16, 8)))
+            y = lin2(g * (torch.rand_like(g) > 0.5))
+        y.sum().backward()
+        return lin1.weight.grad.clone(), lin2.weight.grad.clone()
+
+    ref = step(None)
+    off = tiermem.Offloader(policy="recompute", min_offload_bytes=0)
+    got = step(off)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    assert off.stats.count_by_tier["recompute"] >= 1
+
+
+# ---------------------------------------------------------------------------
+# Memory is really freed (measured as storages alive, not from stats)
+# ---------------------------------------------------------------------------
+
+class _Census(TorchDispatchMode):
+    """Weak references to the storage of every tensor an op makes."""
+
+    def __init__(self):
+        super().__init__()
+        self.storages = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for o in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(o, torch.Tensor) and o.layout == torch.strided:
+                s = o.untyped_storage()
+                self.storages.setdefault(s.data_ptr(), (StorageWeakRef(s), s.nbytes()))
+        return out
+
+    def live_bytes(self):
+        gc.collect()
+        return sum(n for ref, n in self.storages.values() if not ref.expired())
+
+
+class Wide(nn.Module):
+    """Saves LayerNorm and GELU outputs (recomputable from saved inputs)."""
+
+    def __init__(self, d=64, h=256):
+        super().__init__()
+        self.ln, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, h), nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
+def _bytes_held(policy):
+    torch.manual_seed(0)
+    model = Wide()
+    x = torch.randn(64, 64, requires_grad=True)
+    off = tiermem.Offloader(policy=policy, min_offload_bytes=0)
+    census = _Census()
+    with off:
+        with census:
+            loss = model(x).sum()
+    held = census.live_bytes() - loss.untyped_storage().nbytes()
+    loss.backward()
+    return held, off.stats
+
+
+def test_recompute_frees_the_dropped_bytes():
+    keep_held, _ = _bytes_held("keep")
+    rec_held, stats = _bytes_held("recompute")
+    dropped = stats.bytes_by_tier["recompute"]
+    # LayerNorm output (64x64 fp32) and GELU output (64x256 fp32) at least.
+    assert dropped >= (64 * 64 + 64 * 256) * 4
+    assert stats.recompute_input_bytes == 0
+    assert keep_held - rec_held >= dropped, (keep_held, rec_held, dropped)
+
+
+# ---------------------------------------------------------------------------
+# In-place safety, fallbacks, stats, what a policy sees
+# ---------------------------------------------------------------------------
+
+def test_inplace_after_save_raises_like_autograd():
+    lin = nn.Linear(8, 8)
+    h = torch.randn(4, 8, requires_grad=True)
+    off = tiermem.Offloader(policy="recompute", min_offload_bytes=0)
+    with off:
+        g = F.gelu(h)
+        y = lin(g)
+        g.add_(1)       # g was saved by lin: autograd raises at backward
+    assert off.stats.count_by_tier["recompute"] >= 1
+    with pytest.raises(tiermem.TierMemError, match="in-place"):
+        y.sum().backward()
+    # Without tiermem autograd raises too (the behaviour we keep).
+    g2 = F.gelu(h)
+    y2 = lin(g2)
+    g2.add_(1)
+    with pytest.raises(RuntimeError, match="inplace"):
+        y2.sum().backward()
+
+
+def test_inplace_on_an_input_only_the_recipe_needs_is_not_an_error():
+    """x is not saved by autograd, so the program may modify it after the cast;
+    the recipe holds its own copy: gradients stay exact."""
+    lin = nn.Linear(16, 4)
+    base = torch.randn(64, 16, requires_grad=True)
+    proj = torch.randn(16, 16)
+
+    def step(off):
+        lin.zero_grad(set_to_none=True)
+        base.grad = None
+        with off:
+            x = (base @ proj).to(torch.bfloat16)   # not saved by anyone; mm: not cheap
+            y = lin(x.float())                   # saves x.float(): 2x the bytes of x
+            x.mul_(3)
+        y.square().sum().backward()
+        return lin.weight.grad.clone(), base.grad.clone()
+
+    ref = step(tiermem.Offloader(policy="keep"))
+    off = tiermem.Offloader(policy="recompute", min_offload_bytes=0)
+    got = step(off)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    assert off.stats.count_by_tier["recompute"] >= 1
+    assert off.stats.recompute_input_bytes == 64 * 16 * 2   # the bf16 input, half the size
+
+
+def test_not_eligible_tensors_fall_back_and_are_counted():
+    lin1, lin2 = nn.Linear(8, 32), nn.Linear(32, 4)
+    x = torch.randn(16, 8, requires_grad=True)
+    off = tiermem.Offloader(policy="recompute,cpu", min_offload_bytes=0)
+    with off:
+        y = lin2(lin1(x))          # lin2 saves lin1's output: made by addmm, not cheap
+    y.sum().backward()
+    s = off.stats
+    assert s.recompute_fallbacks >= 1
+    assert any("not recomputable" in r for r in s.recompute_fallback_reasons), s.recompute_fallback_reasons
+    assert s.count_by_tier["cpu"] >= 1
+    assert sum(s.recompute_fallback_reasons.values()) == s.recompute_fallbacks
+
+
+def test_policy_sees_producer_ops_through_views():
+    seen = []
+
+    def policy(info):
+        seen.append((info.op, tuple(info.shape)))
+        return "keep"
+
+    torch.manual_seed(0)
+    model = Wide()
+    off = tiermem.Offloader(policy=policy, min_offload_bytes=0)
+    with off:
+        model(torch.randn(8, 64, requires_grad=True)).sum()
+    ops = [op for op, _ in seen]
+    assert "native_layer_norm" in ops   # fc1's input: the LayerNorm output
+    assert "gelu" in ops                # fc2's input
+    assert "addmm" in ops               # gelu's input: fc1's output
+
+
+def test_retain_graph_second_backward_recomputes_again():
+    torch.manual_seed(0)
+    model = Wide()
+    x = torch.randn(16, 64, requires_grad=True)
+    off = tiermem.Offloader(policy="recompute", min_offload_bytes=0)
+    with off:
+        loss = model(x).sum()
+    loss.backward(retain_graph=True)
+    first = {n: p.grad.clone() for n, p in model.named_parameters()}
+    n1 = off.stats.recompute_count
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    second = {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert_same_tensors(first, second, "second backward")
+    assert off.stats.recompute_count == 2 * n1 > 0
+
+
+def test_create_graph_double_backward_is_exact():
+    torch.manual_seed(0)
+    model = Wide(16, 32)
+    x = torch.randn(8, 16, requires_grad=True)
+
+    def penalty(off):
+        model.zero_grad(set_to_none=True)
+        with off:
+            out = model(x).square().sum()
+        (gx,) = torch.autograd.grad(out, x, create_graph=True)
+        gx.square().sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    ref = penalty(tiermem.Offloader(policy="keep"))
+    off = tiermem.Offloader(policy="recompute", min_offload_bytes=0)
+    assert_same_tensors(penalty(off), ref, "double backward")
+    assert off.stats.recompute_count > 0
+
+
+def test_forward_exception_leaves_nothing_behind():
+    model = Wide()
+    off = tiermem.Offloader(policy="recompute,cpu", min_offload_bytes=0)
+    with pytest.raises(ValueError):
+        with off:
+            model(torch.randn(4, 64, requires_grad=True))
+            raise ValueError("boom")
+    # The dispatch mode is gone: ops after the context are not recorded.
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    assert _get_current_dispatch_mode() is None
+    gc.collect()
+    off.close()
+    assert off.host_bytes_in_use == 0
+
+
+def test_fixed_non_recompute_policies_do_not_track_ops():
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    with tiermem.Offloader(policy="cpu") as ctx:
+        assert ctx.producers is None and _get_current_dispatch_mode() is None
+    with tiermem.Offloader(policy="recompute") as ctx:
+        assert ctx.producers is not None and _get_current_dispatch_mode() is ctx.producers
