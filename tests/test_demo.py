@@ -19,3 +19,11 @@ def test_demo_two_steps_gradients_match_plain_autograd():
     assert all("grads match bit-for-bit" in line for line in step_lines), out
     assert all("cpu " in line for line in step_lines), out  # something went to the cpu tier
     assert "gradients match plain autograd bit-for-bit in all 2 steps" in out, out
+
+
+def test_demo_recompute_cpu_policy_runs_and_matches():
+    from tiermem.demo import run_demo
+
+    result = run_demo(steps=2, policy="recompute,cpu", device="cpu", progress=False)
+    assert len(result.steps) == 2 and result.ok
+    assert all(r.count_by_tier["recompute"] > 0 for r in result.steps)

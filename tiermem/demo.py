@@ -47,8 +47,8 @@ DEMO_BATCH = 8
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The demo's command-line options (used by ``python -m tiermem demo``)."""
     p.add_argument("--steps", type=int, default=5, help="training steps (default: 5)")
-    p.add_argument("--policy", choices=("keep", "cpu"), default="cpu",
-                   help="tiermem policy of the offloaded run (default: cpu)")
+    p.add_argument("--policy", choices=("keep", "cpu", "recompute", "recompute,cpu"),
+                   default="cpu", help="tiermem policy of the offloaded run (default: cpu)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: cuda if torch.cuda.is_available(), else cpu (default: auto)")
     p.add_argument("--seed", type=int, default=0, help="base random seed (default: 0)")
