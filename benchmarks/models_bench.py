@@ -259,8 +259,12 @@ CONFIGS: Dict[str, ConfigSpec] = {c.name: c for c in [
                "to cpu, the rest keep", "tiermem", tiermem_policy="mixed"),
     ConfigSpec("ckpt_tiermem_cpu", "checkpoint per block + tiermem policy=cpu (moves the block "
                "inputs)", "tiermem", tiermem_policy="cpu", wrap="checkpoint"),
-    ConfigSpec("tiermem_recompute", "tiermem policy=recompute", "tiermem",
-               tiermem_policy="recompute"),
+    ConfigSpec("tiermem_recompute", "tiermem policy=recompute: cheap ops' outputs dropped "
+               "and recomputed, the rest kept", "tiermem", tiermem_policy="recompute"),
+    ConfigSpec("tiermem_recompute_cpu", "tiermem policy=recompute,cpu: recompute what is "
+               "eligible, the rest to cpu", "tiermem", tiermem_policy="recompute,cpu"),
+    ConfigSpec("tiermem_recompute_nvme", "tiermem policy=recompute,nvme: recompute what is "
+               "eligible, the rest to nvme", "tiermem", tiermem_policy="recompute,nvme"),
     ConfigSpec("tiermem_auto", "tiermem policy=auto (planner)", "tiermem",
                tiermem_policy="auto"),
 ]}
@@ -285,7 +289,7 @@ def _tiermem_settings(opts: dict, spec: ModelSpec, policy: str) -> dict:
         kw["min_offload_bytes"] = int(opts["min_offload_bytes"])
     if opts.get("tiermem_cpu_budget"):
         kw["cpu_budget"] = opts["tiermem_cpu_budget"]
-    if policy == "nvme":
+    if "nvme" in policy:
         kw["nvme_dir"] = opts["nvme_dir"]
     return kw
 
@@ -321,7 +325,7 @@ def probe_config(name: str, device: torch.device, opts: dict) -> Optional[str]:
             if pol in ("recompute", "auto"):
                 off = tiermem.Offloader(policy=pol)
                 off.close()
-            if pol == "nvme" and not opts.get("nvme_dir"):
+            if "nvme" in pol and not opts.get("nvme_dir"):
                 return "no --nvme-dir"
         return None
     except ImportError as e:

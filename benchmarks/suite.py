@@ -77,7 +77,8 @@ SCHEMA = 1
 
 ALL_CONFIGS = ["baseline", "checkpoint", "sac", "save_on_cpu", "torchtune", "deepspeed",
                "tiermem_keep", "tiermem_cpu", "tiermem_nvme", "tiermem_mixed",
-               "ckpt_tiermem_cpu", "tiermem_recompute", "tiermem_auto"]
+               "ckpt_tiermem_cpu", "tiermem_recompute", "tiermem_recompute_cpu",
+               "tiermem_recompute_nvme", "tiermem_auto"]
 
 _GPU_MODEL = dict(layers=12, width=2048, heads=16, seq_len=2048, vocab=8192,
                   dtype="bfloat16", dropout=0.1)
@@ -112,7 +113,7 @@ PRESETS: Dict[str, dict] = {
                   # Run order = this order (one after another): if the time limit
                   # cuts the run short, the last ones are reported as not run.
                   configs="baseline,tiermem_cpu,checkpoint,tiermem_mixed,ckpt_tiermem_cpu,"
-                          "sac,deepspeed,torchtune,save_on_cpu",
+                          "tiermem_recompute_cpu,sac,deepspeed,torchtune,save_on_cpu",
                   time_limit=170, max_step_seconds=8.0),
 }
 
@@ -914,6 +915,8 @@ class Suite:
         if config:
             cmd += ["--config", config]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if opts.get("malloc_mmap_threshold"):
+            env["MALLOC_MMAP_THRESHOLD_"] = str(int(opts["malloc_mmap_threshold"]))
         if opts.get("deterministic"):
             env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         t0 = time.perf_counter()
@@ -961,7 +964,8 @@ class Suite:
                 "warmup", "steps", "memory_steps", "interleave", "memory_jobs", "seed",
                 "device_budget_bytes", "deterministic", "nvme_dir", "min_offload_bytes",
                 "tiermem_cpu_budget", "mixed_min_bytes", "max_step_seconds", "time_limit",
-                "ceiling_bytes", "ceiling_chunk", "io_threads", "repeat_baseline")},
+                "ceiling_bytes", "ceiling_chunk", "io_threads", "repeat_baseline",
+                "malloc_mmap_threshold")},
             "configs_requested": requested, "configs": {}, "notes": [], "phases": {}})
         from models_bench import CONFIGS, ModelSpec, build_model, mixed_threshold
         spec = ModelSpec(**opts["spec"])
@@ -1167,7 +1171,14 @@ def finalize(res: dict, out_dir: str, name: str, no_plots: bool = False) -> None
         n = "--device-budget is a CUDA allocator budget: it was not applied on the CPU."
         if n not in notes:
             notes.append(n)
-    if not cuda and "tiermem_nvme" in confs and confs["tiermem_nvme"].get("status") == "ok":
+    if s.get("malloc_mmap_threshold"):
+        n = (f"Every child process ran with MALLOC_MMAP_THRESHOLD_={s['malloc_mmap_threshold']} "
+             "(glibc): tensors freed during the step leave the RSS, so peak RSS tracks live "
+             "memory, and all configurations share one allocator setting (with glibc's "
+             "dynamic threshold, freed activations stay in the heap and RSS barely moves).")
+        if n not in notes:
+            notes.append(n)
+    elif not cuda and "tiermem_nvme" in confs and confs["tiermem_nvme"].get("status") == "ok":
         n = ("tiermem's nvme tier sets glibc's mmap threshold to 1 MiB when its Offloader is "
              "created (tiermem/tiers/nvme.py, NOTE [Freed memory and RSS]); this is "
              "process-wide: "
@@ -1580,6 +1591,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tiermem_mixed: tensors this big go to cpu (default: one MLP hidden "
                         "activation)")
     p.add_argument("--io-threads", type=int, default=4)
+    p.add_argument("--malloc-mmap-threshold", type=parse_size, default=None,
+                   help="set MALLOC_MMAP_THRESHOLD_ (glibc) in every child process, so that "
+                        "freed tensors leave the RSS and every configuration runs under the "
+                        "same allocator setting (default on CPU: 1MiB, the nvme tier's own "
+                        "setting; 0: leave glibc's dynamic threshold)")
     p.add_argument("--ceiling-bytes", type=parse_size, default=None)
     p.add_argument("--ceiling-chunk", type=parse_size, default=None)
     p.add_argument("--max-step-seconds", type=float, default=None,
@@ -1645,6 +1661,8 @@ def resolve(args) -> dict:
         "nvme_dir": nvme_dir, "nvme_dir_created": args.nvme_dir is None,
         "min_offload_bytes": args.min_offload_bytes, "tiermem_cpu_budget": args.tiermem_cpu_budget,
         "mixed_min_bytes": args.mixed_min_bytes, "io_threads": args.io_threads,
+        "malloc_mmap_threshold": (args.malloc_mmap_threshold if args.malloc_mmap_threshold
+                                  is not None else (1 << 20 if device == "cpu" else 0)),
         "ceiling_bytes": int(vals["ceiling_bytes"]), "ceiling_chunk": int(vals["ceiling_chunk"]),
         "max_step_seconds": float(vals["max_step_seconds"]),
         "time_limit": float(vals["time_limit"]), "seed": args.seed,
