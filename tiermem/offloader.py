@@ -147,6 +147,10 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
 
     # -- hooks ------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> Any:
+        if _in_backward() != -1:
+            # Saved by backward itself (a checkpoint regenerating its region,
+            # create_graph): consumed at once, kept, not part of the step's stats.
+            return Kept(t, "")
         off = self._off
         stats = self.stats
         for poll in off._pollers:
@@ -169,7 +173,7 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         if fixed is Tier.KEEP:
             stats.record(_KEEP, nbytes)
             return Kept(t, "")
-        if not _movable(t) or _in_backward() != -1:
+        if not _movable(t):
             stats.unsupported_count += 1
             stats.record(_KEEP, nbytes)
             return Kept(t, current_module())
