@@ -111,7 +111,7 @@ def test_defaults_without_environment():
     cfg = Config.from_env({})
     assert cfg.policy is None and cfg.nvme_dir is None and cfg.cpu_budget is None
     assert cfg.min_offload_bytes == 64 * 1024
-    assert cfg.prefetch_bytes == 256 * 2**20
+    assert cfg.prefetch_bytes is None   # auto: sized from the bytes moved
     assert cfg.engine == "auto" and cfg.disable is False
 
 
@@ -124,7 +124,7 @@ def test_argument_beats_environment_beats_default():
     cfg = Config.from_env(env, min_offload_bytes=7)
     assert cfg.min_offload_bytes == 7          # argument
     assert cfg.policy == "keep"                # environment
-    assert cfg.prefetch_bytes == 256 * 2**20   # default
+    assert cfg.prefetch_bytes is None          # default (auto)
 
 
 def test_arguments_accept_size_strings_and_name_the_argument():

@@ -150,10 +150,11 @@ class Config:
         "TIERMEM_GPU_BUDGET", _size,
         "Device bytes of saved activations the auto planner aims for.",
         default_doc="auto", minimum=0)
-    prefetch_bytes: int = _setting(
+    prefetch_bytes: Optional[int] = _setting(
         "TIERMEM_PREFETCH_BYTES", _size,
         "Most bytes brought back ahead of need in backward (restored but not yet "
-        "used).", default=256 * 1024**2, default_doc="256MiB", minimum=0)
+        "used). Unset: a quarter of the bytes the step moved (cpu + nvme), at least "
+        "16MiB and at most 256MiB.", default_doc="auto", minimum=0)
     engine: str = _setting(
         "TIERMEM_ENGINE", _choice(ENGINE_NAMES),
         "NVMe I/O engine: auto (C++, else Python with a warning), cpp, python.",

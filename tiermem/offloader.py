@@ -75,7 +75,7 @@ def _make_nvme_store(cfg: Config):
     engine = get_engine(cfg.engine, cfg.io_threads)
     # Pinned staging for CUDA tensors' writes and reads in flight; when it is
     # full, further tensors go to the next tier rather than waiting.
-    staging = max(cfg.prefetch_bytes, 256 << 20)
+    staging = max(cfg.prefetch_bytes or 0, 256 << 20)
     return NvmeStore(root, engine, budget, staging, cfg.verify, cfg.io_threads)
 
 
@@ -123,7 +123,8 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
     def __init__(self, offloader: "Offloader") -> None:
         self._off = offloader
         self.stats = StepStats()
-        self.prefetcher = Prefetcher(offloader.config.prefetch_bytes)
+        self.prefetcher = Prefetcher(offloader.config.prefetch_bytes,
+                                     moved_bytes=self._moved_bytes)
         self._index = 0
         self._dedup: dict = {}
         self._recipe_inputs: dict = {}   # kept copies made for recipes only
@@ -134,6 +135,10 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         #: recompute or is a callable that may read ``TensorInfo.op``).
         self.producers: Optional[ProducerMode] = ProducerMode() if offloader._track_ops else None
         super().__init__(self._pack, self._unpack)
+
+    def _moved_bytes(self) -> int:
+        by = self.stats.bytes_by_tier
+        return by[Tier.CPU.value] + by[Tier.NVME.value]
 
     # -- module tracking --------------------------------------------------
     def _on_root(self, module: torch.nn.Module) -> None:

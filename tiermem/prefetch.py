@@ -18,6 +18,14 @@ in that pass (``taken``, out of ``uses``: the saves of that tensor, dedup
 included); a handle consumed more often than it was saved starts a new pass
 (``retain_graph=True``): everything becomes eligible again.
 
+The window: ``budget_bytes`` when set (``TIERMEM_PREFETCH_BYTES``); unset, it
+is sized when backward starts from what the step moved: a quarter of it,
+between :data:`AUTO_MIN_BYTES` and :data:`AUTO_MAX_BYTES`. A fixed window as
+large as everything moved would restore it all at the start of backward and
+give back the memory offloading saved (measured on a 4-layer GPT on the CPU:
+a 256 MiB window over 131 MiB moved left peak RSS where it was without
+tiermem).
+
 A handle whose move out has not landed yet stops the cursor: it is retried at
 the next unpack rather than skipped (skipping it would make it a miss later,
 while the window fills with tensors needed last).
@@ -28,7 +36,15 @@ from __future__ import annotations
 import threading
 import weakref
 
-__all__ = ["Prefetcher"]
+__all__ = ["Prefetcher", "AUTO_MIN_BYTES", "AUTO_MAX_BYTES", "auto_window_bytes"]
+
+AUTO_MIN_BYTES = 16 << 20
+AUTO_MAX_BYTES = 256 << 20
+
+
+def auto_window_bytes(moved_bytes: int) -> int:
+    """The default prefetch window for a step that moved ``moved_bytes``."""
+    return min(AUTO_MAX_BYTES, max(AUTO_MIN_BYTES, moved_bytes // 4))
 
 
 class Prefetcher:
@@ -36,8 +52,10 @@ class Prefetcher:
     ``nbytes``, ``gen``, ``taken``, ``uses`` and ``store.prefetch(handle)``
     (``True``: restore started, ``False``: none needed, ``None``: not ready)."""
 
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(self, budget_bytes, moved_bytes=None) -> None:
+        #: ``None`` until backward starts when unset (see the module docstring).
         self.budget_bytes = budget_bytes
+        self._moved_bytes = moved_bytes
         self.inflight_bytes = 0
         self._order: list = []
         self._cursor = -1
@@ -62,6 +80,9 @@ class Prefetcher:
 
     def advance(self, handle) -> None:
         """Called (under ``lock``) when ``handle`` is unpacked: top the window up."""
+        if self.budget_bytes is None:
+            moved = self._moved_bytes() if self._moved_bytes is not None else 0
+            self.budget_bytes = auto_window_bytes(moved)
         pos = handle.order_pos
         if pos > self._last_pos or pos <= self._cursor:
             self._cursor = pos - 1
