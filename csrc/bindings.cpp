@@ -1,4 +1,5 @@
-// Python bindings of the tiermem I/O core (the only file that includes torch).
+// Python bindings of the tiermem I/O core. With cuda_chain.cpp (CUDA builds
+// only), the only files that include torch.
 //
 // Every call that can block (open, wait, resize, size, close) releases the GIL.
 // A submitted tensor is owned by the request until its last chunk has run
@@ -15,6 +16,13 @@
 #include "io_engine.h"
 
 namespace py = pybind11;
+
+#ifdef TIERMEM_WITH_CUDA
+namespace tiermem {
+// csrc/cuda_chain.cpp: the classes CudaChain and CudaFuture.
+void register_cuda_chain(py::module_& m);
+}  // namespace tiermem
+#endif
 
 namespace {
 
@@ -54,6 +62,12 @@ Buffer check_request(const at::Tensor& buf, std::int64_t offset, const char* op)
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "tiermem C++ I/O engine (thread pool, O_DIRECT pread/pwrite, futures)";
   m.attr("ALIGN_BYTES") = tiermem::kAlignBytes;
+#ifdef TIERMEM_WITH_CUDA
+  // The engine moves CUDA tensors itself (CudaChain); see NOTE [CUDA chain].
+  m.attr("WITH_CUDA") = true;
+#else
+  m.attr("WITH_CUDA") = false;
+#endif
 
   py::register_exception_translator([](std::exception_ptr p) {
     try {
@@ -103,4 +117,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("open", &tiermem::Engine::open, py::arg("path"), py::arg("size_bytes") = 0,
            py::call_guard<py::gil_scoped_release>())
       .def("close", &tiermem::Engine::close, py::call_guard<py::gil_scoped_release>());
+
+#ifdef TIERMEM_WITH_CUDA
+  tiermem::register_cuda_chain(m);  // after File: its methods take a File
+#endif
 }

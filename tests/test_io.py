@@ -481,7 +481,7 @@ def test_engine_info_says_which_engine_and_why():
     info = tio.engine_info()
     assert set(info) == {"engine", "reason", "extension_path", "cuda"}
     assert info["engine"] in ("cpp", "python") and info["reason"]
-    assert info["cuda"] is False
+    assert isinstance(info["cuda"], bool)
     if info["engine"] == "cpp":
         assert os.path.isfile(info["extension_path"])
         assert get_engine("auto").name == "cpp"

@@ -61,7 +61,10 @@ def _add_build(sub) -> None:
 
     def handler(args: argparse.Namespace) -> int:
         from .io.build import build
+        from .io.cpp import cuda_status
         print(build(verbose=True))
+        cuda, why = cuda_status()
+        print(f"CUDA chain: {'yes' if cuda else 'no'} ({why})")
         return 0
     p.set_defaults(handler=handler)
 

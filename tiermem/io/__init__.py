@@ -85,8 +85,9 @@ def engine_info() -> dict:
     """Which engine ``get_engine("auto")`` gives, and why (builds the extension if needed).
 
     ``{"engine": "cpp" | "python", "reason": str, "extension_path": str | None,
-    "cuda": bool}``. ``cuda`` is False for now: the extension is built without
-    CUDA and moves host buffers only.
+    "cuda": bool}``. ``cuda``: the engine moves CUDA tensors itself (the C++
+    engine built with CUDA, see NOTE [CUDA build of the engine] in
+    :mod:`tiermem.io.cpp`); ``reason`` then also says why it does or does not.
     """
     from . import cpp
 
@@ -95,8 +96,11 @@ def engine_info() -> dict:
     except TierMemError as e:
         return {"engine": "python", "reason": f"the C++ engine is unavailable: {e}",
                 "extension_path": None, "cuda": False}
-    return {"engine": "cpp", "reason": "the C++ extension is built and loaded",
-            "extension_path": cpp.extension_path(), "cuda": False}
+    cuda, why = cpp.cuda_status()
+    chain = "with the CUDA chain" if cuda else "without the CUDA chain"
+    return {"engine": "cpp",
+            "reason": f"the C++ extension is built and loaded, {chain} ({why})",
+            "extension_path": cpp.extension_path(), "cuda": cuda}
 
 
 def _first_lines(text: str, limit: int = 2000) -> str:

@@ -90,10 +90,16 @@ class IOFile(abc.ABC):
 
 
 class IOEngine(abc.ABC):
-    """A pool of ``threads`` workers. ``name``: ``"cpp"`` or ``"python"``."""
+    """A pool of ``threads`` workers. ``name``: ``"cpp"`` or ``"python"``.
+
+    ``cuda_chain``: True when the engine moves CUDA tensors itself (the CUDA
+    build of the C++ engine: its files have ``write_from_device`` and
+    ``read_to_device``, see :mod:`tiermem.io.cpp`); False otherwise, and callers
+    then copy between the device and host buffers themselves."""
 
     name: str
     threads: int
+    cuda_chain: bool = False
 
     @abc.abstractmethod
     def open(self, path: str, size_bytes: int = 0) -> IOFile:

@@ -9,7 +9,8 @@ __all__ = ["build"]
 
 
 def build(verbose: bool = True) -> str:
-    """Compile (or find up to date) the ``tiermem_C`` extension; return its path.
+    """Compile (or find up to date) the C++ extension (``tiermem_C``, or
+    ``tiermem_C_cuda`` with a CUDA build of torch); return its path.
 
     Raises :class:`tiermem.TierMemError` with the compiler's output on failure.
     """

@@ -6,10 +6,19 @@ in torch's extension directory (``TORCH_EXTENSIONS_DIR``, default
 ``<tmp>/torch_extensions``); later processes only check that it is up to date.
 Never built with pip build isolation, which would pull a different torch.
 
-CUDA: built CPU-only (``with_cuda=False``) even with a CUDA build of torch, so
-the engine moves host buffers only and ``engine_info()["cuda"]`` is False. The
-engine-side device<->pinned copy chain (cudaMemcpyAsync on a given stream,
-waited on by the worker) is a later step.
+# NOTE [CUDA build of the engine]
+# With a CUDA build of torch (``torch.version.cuda`` set: the build is chosen
+# from torch, never from the environment or from whether a GPU is present),
+# the extension is built as ``tiermem_C_cuda`` (its own cache entry, so CPU and
+# CUDA builds never overwrite each other) with ``with_cuda=True`` (CUDA headers
+# from ``CUDA_HOME``, linked against cudart), ``-DTIERMEM_WITH_CUDA`` and
+# ``csrc/cuda_chain.cpp``: the engine then moves CUDA tensors itself
+# (``CudaChain``, see NOTE [CUDA chain] there) and :attr:`CppEngine.cuda_chain`
+# is True. Building it needs a CUDA toolkit of torch's major version
+# (``CUDA_HOME``, or ``nvcc`` on PATH, or /usr/local/cuda), no GPU. If that
+# build fails (no toolkit, say), the CPU-only ``tiermem_C`` is built instead,
+# with one warning: the nvme tier then copies CUDA tensors from Python.
+# :func:`cuda_status` says which, and why.
 """
 
 from __future__ import annotations
@@ -27,7 +36,8 @@ import torch  # before the extension: it links against torch's libraries
 from ..errors import TierMemError
 from .base import IOEngine, IOFile, IOFuture, check_request
 
-__all__ = ["CppEngine", "load_extension", "extension_path", "SOURCES"]
+__all__ = ["CppEngine", "load_extension", "extension_path", "cuda_status", "SOURCES",
+           "CUDA_SOURCES"]
 
 _log = logging.getLogger("tiermem")
 
@@ -35,21 +45,27 @@ _CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abs
     __file__)))), "csrc")
 #: The sources compiled into the extension, in build order.
 SOURCES = [os.path.join(_CSRC, "io_engine.cpp"), os.path.join(_CSRC, "bindings.cpp")]
+#: ... and in its CUDA build. See NOTE [CUDA build of the engine].
+CUDA_SOURCES = SOURCES + [os.path.join(_CSRC, "cuda_chain.cpp")]
 _HEADERS = [os.path.join(_CSRC, "io_engine.h")]
 _NAME = "tiermem_C"
+_CUDA_NAME = "tiermem_C_cuda"
 
 _lock = threading.Lock()
 _module = None
 _error: Optional[TierMemError] = None
+_cuda_reason = "the C++ engine is not loaded"
 
 
 def load_extension(verbose: bool = False):
-    """The compiled ``tiermem_C`` module, built if needed (cached per process).
+    """The compiled extension module, built if needed (cached per process):
+    ``tiermem_C_cuda`` with a CUDA build of torch, else (or if that build
+    fails) ``tiermem_C``. See NOTE [CUDA build of the engine].
 
     Raises :class:`tiermem.TierMemError` carrying the compiler's output when it
     cannot be built or loaded; the failure is remembered for this process.
     """
-    global _module, _error
+    global _module, _error, _cuda_reason
     with _lock:
         if _module is not None:
             return _module
@@ -64,20 +80,84 @@ def load_extension(verbose: bool = False):
         from torch.utils import cpp_extension
 
         _find_ninja()
-        _clear_stale_lock(cpp_extension)
-        # -std is left to torch: its headers need the standard it passes (C++20
-        # for torch 2.13); io_engine.cpp itself is plain C++17.
+        cuda_failed = False
+        if torch.version.cuda is None:
+            _cuda_reason = "torch is a CPU-only build"
+        else:
+            try:
+                _module = _build(cpp_extension, True, verbose)
+                _cuda_reason = f"built with CUDA {torch.version.cuda}"
+                _error = None
+                return _module
+            except Exception as e:  # no toolkit, compile error, bad import...
+                cuda_failed = True
+                _cuda_reason = (f"the CUDA build failed ({type(e).__name__}): "
+                                f"{_first_lines(str(e))}")
         try:
-            _module = cpp_extension.load(
-                name=_NAME, sources=SOURCES, extra_cflags=["-O3"],
-                extra_include_paths=[_CSRC], with_cuda=False, verbose=verbose)
+            _module = _build(cpp_extension, False, verbose)
         except Exception as e:  # compiler missing, compile error, bad import...
+            also = f"; before that, {_cuda_reason}" if cuda_failed else ""
             _error = TierMemError(
                 f"tiermem: the C++ I/O engine could not be built or loaded "
-                f"({type(e).__name__}): {e}")
+                f"({type(e).__name__}): {e}{also}")
             raise _error from e
+        if cuda_failed:   # one warning; a failure of both builds is one error instead
+            _log.warning("tiermem: could not build the C++ I/O engine with CUDA, built it "
+                         "CPU-only (the nvme tier then copies CUDA tensors from Python): %s",
+                         _cuda_reason)
         _error = None
         return _module
+
+
+def _build(cpp_extension, cuda: bool, verbose: bool):
+    """Build (or find up to date) and import the CPU-only or the CUDA extension."""
+    name = _CUDA_NAME if cuda else _NAME
+    sources = CUDA_SOURCES if cuda else SOURCES
+    missing = [p for p in sources if not os.path.isfile(p)]
+    if missing:
+        raise TierMemError(f"tiermem: missing source files: {', '.join(missing)}")
+    if cuda and cpp_extension.CUDA_HOME is None:
+        raise TierMemError("no CUDA toolkit found (set CUDA_HOME, or put nvcc on PATH)")
+    _clear_stale_lock(cpp_extension, name)
+    # -std is left to torch: its headers need the standard it passes (C++20
+    # for torch 2.13); io_engine.cpp itself is plain C++17.
+    cflags = ["-O3"] + (["-DTIERMEM_WITH_CUDA"] if cuda else [])
+    with _arch_list(cuda):
+        return cpp_extension.load(
+            name=name, sources=sources, extra_cflags=cflags, extra_include_paths=[_CSRC],
+            with_cuda=cuda, verbose=verbose)
+
+
+#: TORCH_CUDA_ARCH_LIST for the CUDA build when the user set none. The sources
+#: are all .cpp (no device code is compiled), so the value changes nothing in
+#: the library; it only spares torch's loader from asking the GPUs for their
+#: architecture, which fails on a machine without one (an IndexError).
+_ARCH_LIST_PLACEHOLDER = "9.0"
+
+
+@contextlib.contextmanager
+def _arch_list(cuda: bool):
+    if not cuda or os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        yield
+        return
+    os.environ["TORCH_CUDA_ARCH_LIST"] = _ARCH_LIST_PLACEHOLDER
+    try:
+        yield
+    finally:
+        os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+
+
+def cuda_status() -> tuple:
+    """``(has_chain, reason)`` for the loaded extension: whether it moves CUDA
+    tensors itself (``CudaChain``) and why (not). Does not build anything."""
+    mod = _module
+    if mod is None:
+        return False, _cuda_reason
+    return bool(getattr(mod, "WITH_CUDA", False)), _cuda_reason
+
+
+def _first_lines(text: str, limit: int = 2000) -> str:
+    return text if len(text) <= limit else text[:limit] + " ... (truncated)"
 
 
 def _find_ninja() -> None:
@@ -96,10 +176,10 @@ def _find_ninja() -> None:
 _STALE_LOCK_SECONDS = 600
 
 
-def _clear_stale_lock(cpp_extension) -> None:
+def _clear_stale_lock(cpp_extension, name: str) -> None:
     """Remove the build lock of a killed build: torch waits on it forever."""
     try:
-        build_dir = cpp_extension._get_build_directory(_NAME, False)  # private API
+        build_dir = cpp_extension._get_build_directory(name, False)  # private API
         lock = os.path.join(build_dir, "lock")
         age = time.time() - os.path.getmtime(lock)
     except (AttributeError, OSError, TypeError):
@@ -123,10 +203,11 @@ def _register_future(mod) -> None:
 
 
 class _CppFile(IOFile):
-    __slots__ = ("_f", "path", "direct")
+    __slots__ = ("_f", "_engine", "path", "direct")
 
-    def __init__(self, f):
+    def __init__(self, f, engine: "CppEngine"):
         self._f = f
+        self._engine = engine
         self.path = f.path
         self.direct = f.direct
 
@@ -139,6 +220,30 @@ class _CppFile(IOFile):
         if not isinstance(buf, torch.Tensor):
             check_request(buf, offset, "read")
         return self._f.read(buf, offset)
+
+    # -- the CUDA chain (CppEngine.cuda_chain only; see NOTE [CUDA chain]) ------------
+    def write_from_device(self, src: torch.Tensor, staging: torch.Tensor, offset: int,
+                          stream: "torch.cuda.Stream", after: "torch.cuda.Stream"):
+        """Copy ``src`` (CUDA) into ``staging`` (pinned, same bytes; same sizes and
+        dtype if ``src`` is not contiguous) on ``stream`` once ``after`` (the stream
+        that produced ``src``) has reached this point, then write ``staging`` at
+        ``offset``. Returns a ``CudaFuture`` at once (``wait()``: on disk;
+        ``done()``; ``synchronize()``). The engine holds ``src`` until its copy is
+        complete and ``staging`` until the write is done."""
+        return self._engine._cuda().write_from_device(
+            self._f, offset, src, staging, stream.cuda_stream, after.cuda_stream)
+
+    def read_to_device(self, staging: torch.Tensor, dst: torch.Tensor, offset: int,
+                       stream: "torch.cuda.Stream", after: "torch.cuda.Stream"):
+        """Read ``staging``'s bytes (pinned) at ``offset``, then copy them into
+        ``dst`` (CUDA, contiguous, same bytes) on ``stream`` once ``after`` (the
+        stream ``dst`` was allocated on) has reached this call. Returns a
+        ``CudaFuture`` at once: ``stream_wait(s.cuda_stream)`` makes stream ``s``
+        wait for the copy (the host waits only for the read), ``synchronize()``
+        makes the host wait, ``done()`` never blocks. The engine holds ``staging``
+        and ``dst`` until the copy is complete."""
+        return self._engine._cuda().read_to_device(
+            self._f, offset, staging, dst, stream.cuda_stream, after.cuda_stream)
 
     def resize(self, size_bytes: int) -> None:
         if not isinstance(size_bytes, int) or size_bytes < 0:
@@ -154,7 +259,12 @@ class _CppFile(IOFile):
 
 class CppEngine(IOEngine):
     """The C++ thread pool (see csrc/io_engine.h). Raises TierMemError if the
-    extension cannot be built."""
+    extension cannot be built.
+
+    ``cuda_chain`` is True when the extension was built with CUDA: its files
+    then also have ``write_from_device`` / ``read_to_device`` (two C++ threads
+    per engine, started on first use, carry the requests; see NOTE [CUDA chain]
+    in csrc/cuda_chain.cpp)."""
 
     name = "cpp"
 
@@ -163,9 +273,26 @@ class CppEngine(IOEngine):
             raise ValueError(f"tiermem: threads must be an int >= 1, got {threads!r}")
         mod = load_extension()
         _register_future(mod)
+        self._mod = mod
         self.threads = threads
+        self.cuda_chain = bool(getattr(mod, "WITH_CUDA", False))
         self._engine = mod.Engine(threads)
+        self._chain = None
+        self._chain_lock = threading.Lock()
         self._logged_fallback = False
+
+    def _cuda(self):
+        """The engine's CudaChain, started on first use."""
+        chain = self._chain
+        if chain is None:
+            if not self.cuda_chain:
+                raise TierMemError("tiermem: this build of the C++ engine has no CUDA chain "
+                                   f"({cuda_status()[1]})")
+            with self._chain_lock:
+                if self._chain is None:
+                    self._chain = self._mod.CudaChain()
+                chain = self._chain
+        return chain
 
     @property
     def closed(self) -> bool:
@@ -174,7 +301,7 @@ class CppEngine(IOEngine):
     def open(self, path: str, size_bytes: int = 0) -> IOFile:
         if not isinstance(size_bytes, int) or size_bytes < 0:
             raise ValueError(f"tiermem: open size_bytes must be an int >= 0, got {size_bytes!r}")
-        f = _CppFile(self._engine.open(os.fspath(path), size_bytes))
+        f = _CppFile(self._engine.open(os.fspath(path), size_bytes), self)
         if not f.direct and not self._logged_fallback:
             self._logged_fallback = True
             _log.info("tiermem: O_DIRECT is not supported for %s; the cpp I/O engine uses "
@@ -182,4 +309,9 @@ class CppEngine(IOEngine):
         return f
 
     def close(self) -> None:
+        # The chain first: its queued writes go to the engine's pool.
+        with self._chain_lock:
+            chain = self._chain
+        if chain is not None:
+            chain.close()
         self._engine.close()

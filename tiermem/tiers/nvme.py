@@ -5,12 +5,20 @@ Data path:
 - CPU tensors: the engine writes straight from the tensor's memory (its
   future holds the tensor), and reads straight into the restored tensor.
 - CUDA tensors: device -> pooled pinned staging buffer on the D2H side stream
-  (:class:`~tiermem.copier.CudaCopier`), then a chain thread waits for that
-  copy's event and writes; the staging buffer returns to its pool when the
-  write has landed. Backward reverses it: a chain thread reads into staging,
-  then issues the H2D copy into a tensor allocated on the compute stream and
-  records an event the consumer's stream waits on. The forward thread and the
-  compute stream never wait for the disk.
+  of the device's :class:`~tiermem.copier.CudaCopier`, then the write once
+  that copy's event has completed; the staging buffer returns to its pool when
+  the write has landed. Backward reverses it: read into staging, then the H2D
+  copy into a tensor allocated on the compute stream, with an event the
+  consumer's stream waits on. The forward thread and the compute stream never
+  wait for the disk. Two implementations, same streams and ordering:
+
+  - the engine's CUDA chain (``engine.cuda_chain``: the C++ engine built with
+    CUDA): the engine issues the copies and its own threads wait for them, no
+    Python per request (NOTE [CUDA chain] in csrc/cuda_chain.cpp);
+  - otherwise (Python engine, CPU-only build of the C++ engine) and with
+    ``verify`` (the checksum is taken in Python, between copy and write): a
+    Python chain thread waits for the copy's event and writes, or reads and
+    then issues the copy.
 
 Landing, in-place safety, prefetch and release are :class:`~.moving.MovingStore`'s.
 An extent is given back to the arena only once the last I/O on it is done
@@ -159,6 +167,8 @@ class NvmeStore(MovingStore):
         self._finalizer = weakref.finalize(self, self._dir.remove)
         self.path = self._dir.file("arena-0.bin")
         self.engine = engine
+        # See the module docstring: CUDA tensors through the engine's own chain.
+        self._engine_cuda = bool(getattr(engine, "cuda_chain", False)) and not verify
         self._file = engine.open(self.path, 0)
         self.arena = Arena(self._file.resize, budget_bytes, align=4096)
         self.verify = verify
@@ -208,6 +218,8 @@ class NvmeStore(MovingStore):
                 self._file.write(data, offset).wait()
             return (offset, crc), _ChainJob(self._chain.submit(self._wrap(write_cpu, what)))
         view = staging[:nbytes].view(layout.dtype)
+        if self._engine_cuda:
+            return self._store_out_engine(src, layout, t, staging, view, offset, what)
         d2h = copier_for(t.device, self._copiers).copy_out(layout.source(src),
                                                             layout.dest_view(view))
         crc = [None]
@@ -222,6 +234,23 @@ class NvmeStore(MovingStore):
                 self._staging.release(staging, d2h, True)
         job = _ChainJob(self._chain.submit(self._wrap(write_cuda, what)), side=d2h.side)
         return (offset, crc), job
+
+    def _store_out_engine(self, src, layout, t, staging, view, offset, what):
+        """The engine's CUDA chain: D2H on the copier's side stream after the
+        compute stream, then the write, all issued and carried by the engine."""
+        copier = copier_for(t.device, self._copiers)
+        try:
+            fut = self._file.write_from_device(
+                layout.source(src), layout.dest_view(view), offset, copier.d2h,
+                torch.cuda.current_stream(t.device))
+        except OSError as e:   # CUDA error, or the engine was closed
+            self._staging.release(staging, None, True)
+            self.arena.free(offset, layout.nbytes)
+            raise TierMemError(f"tiermem: {what} failed: {e}") from e
+        job = _EngineCudaJob(fut, what)
+        # Handed out again once the write is done (the engine holds it till then).
+        self._staging.release(staging, job, True)
+        return (offset, [None]), job
 
     @staticmethod
     def _wrap(fn, what: str):
@@ -263,8 +292,6 @@ class NvmeStore(MovingStore):
         compute = torch.cuda.current_stream(device)
         # Allocated on the compute stream: see NOTE [Stream lifetime] 2 in copier.py.
         dev = torch.empty(layout.pad + layout.numel, dtype=layout.dtype, device=device)
-        allocated = torch.cuda.Event()
-        allocated.record(compute)
         staging = self._staging.acquire(layout.nbytes, pinned=True)
         if staging is None:  # transient: outside the pool and its budget
             staging = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=True)
@@ -273,6 +300,21 @@ class NvmeStore(MovingStore):
             pooled = True
         view = staging[:layout.nbytes].view(layout.dtype)
         side = copier.h2d
+        if self._engine_cuda:
+            # The engine records the compute stream's point now (nothing was
+            # queued on it since `dev` was allocated) and copies after it.
+            try:
+                fut = self._file.read_to_device(view, dev[layout.pad:], offset, side, compute)
+            except OSError as e:   # CUDA error, or the engine was closed
+                if pooled:
+                    self._staging.release(staging, None, True)
+                raise TierMemError(f"tiermem: {what} failed: {e}") from e
+            job = _EngineCudaJob(fut, what, device, compute)
+            if pooled:   # handed out again once the copy is complete
+                self._staging.release(staging, job, True)
+            return dev, job
+        allocated = torch.cuda.Event()
+        allocated.record(compute)
 
         def read_cuda():
             self._file.read(view, offset).wait()
@@ -326,6 +368,16 @@ class NvmeStore(MovingStore):
             return
         try:
             self.drain()
+            # Extents of handles released while their I/O was in flight: give
+            # them back now that nothing will touch them again.
+            with self._deferred_lock:
+                deferred = list(self._deferred)
+            for job, _, _ in deferred:
+                try:
+                    job.wait_host()
+                except Exception:
+                    pass   # a failed write/read: the extent is free all the same
+            self._free_finished()
         finally:
             self.closed = True
             self._chain.shutdown(wait=True)
@@ -379,3 +431,61 @@ class _EventJob(Job):
     def wait_host(self) -> None:
         self.event.synchronize()
 
+
+class _EngineCudaJob(Job):
+    """A request of the engine's CUDA chain (a ``CudaFuture``, see NOTE [CUDA
+    chain] in csrc/cuda_chain.cpp). ``stream``: for a read, the stream the
+    destination was allocated on; ``None`` for a write.
+
+    ``done()`` is true once everything has completed (a read: its H2D copy
+    too). The engine holds the device tensor and the staging buffer until its
+    copy is complete, so ``abandon`` has nothing to do (no ``record_stream``)."""
+
+    __slots__ = ("fut", "what", "device", "stream", "error")
+
+    def __init__(self, fut, what: str, device=None, stream=None) -> None:
+        self.fut = fut
+        self.what = what
+        self.device = device
+        self.stream = stream
+        self.error = None
+
+    def _failure(self, e: OSError) -> TierMemError:
+        if self.error is None:
+            self.error = TierMemError(f"tiermem: {self.what} failed: {e}")
+            self.error.__cause__ = e
+        return self.error
+
+    def done(self) -> bool:
+        return self.fut.done()
+
+    def wait_host(self) -> None:
+        try:
+            self.fut.synchronize()
+        except OSError as e:
+            raise self._failure(e) from e
+
+    def failed(self):
+        if not self.fut.done():
+            return None
+        try:
+            self.fut.wait()   # done: returns at once, or raises the request's error
+        except OSError as e:
+            return self._failure(e)
+        return None
+
+    def order_before_use(self, tensor=None) -> None:
+        if self.stream is None:
+            self.wait_host()
+            return
+        current = torch.cuda.current_stream(self.device)
+        try:
+            # The host waits for the read only; the stream waits for the copy.
+            self.fut.stream_wait(current.cuda_stream)
+        except OSError as e:
+            raise self._failure(e) from e
+        if tensor is not None and current != self.stream:
+            tensor.record_stream(current)
+
+    def abandon(self, tensor) -> None:
+        """Nothing: the engine holds ``tensor`` until its copy is complete."""

@@ -1,0 +1,598 @@
+// The CUDA chain of the tiermem engine: device <-> pinned staging <-> file,
+// with no Python per request. Compiled only into the CUDA build of the
+// extension (tiermem/io/cpp.py passes -DTIERMEM_WITH_CUDA and adds this file);
+// bindings.cpp calls register_cuda_chain(). The I/O core (io_engine.*) stays
+// free of torch and CUDA: this file only submits requests to it.
+//
+// NOTE [CUDA chain]
+//   Write (forward, `CudaChain.write_from_device`), all on the calling thread
+//   and none of it blocking the host or the compute stream:
+//     1. event A recorded on `after` (the stream that produced `src`), and
+//        `stream` (the D2H side stream) made to wait on A;
+//     2. the copy src -> staging on `stream` (cudaMemcpyAsync; a gapped,
+//        conjugate or negative view goes through torch's copy_ with `stream`
+//        current);
+//     3. event C recorded on `stream`; the request is queued for the out thread.
+//   The out thread takes requests in order (one D2H stream completes its
+//   copies in order), sleeps in cudaEventSynchronize(C) (C is a blocking-sync
+//   event), lets go of `src` and submits the pwrite of staging to the engine's
+//   pool. The future is done() when the pwrite is done.
+//   Read (backward, `CudaChain.read_to_device`): on the calling thread, event
+//   A recorded on `after` (the stream `dst` was allocated on) and the pread
+//   into staging submitted to the pool at once. The in thread takes requests
+//   in order, waits for the pread, makes `stream` (the H2D side stream) wait on
+//   A (the block may be one just freed that queued kernels still read), issues
+//   the copy staging -> dst on `stream` and records C. wait() returns once C is
+//   recorded; the consumer then orders its stream after the copy with
+//   `stream_wait(current_stream)` (cudaStreamWaitEvent: no host block), or the
+//   host waits with synchronize(). done() is true once C has completed.
+//   C stays inside the engine: Python orders a stream after it with
+//   stream_wait() rather than holding a raw cudaEvent_t, whose lifetime would
+//   then be Python's to get right. The CUDA work is issued by the chain's own
+//   threads, not by the I/O workers, so that io_engine.* knows nothing of CUDA
+//   and a worker never sits on a GPU event while reads or writes are queued.
+//
+// NOTE [CUDA chain lifetime]
+//   A request owns its tensors (device tensor and staging) until the host has
+//   seen its copy complete: the out thread drops `src` after C, the pwrite's
+//   keepalive holds staging until the pwrite is done, and the in thread keeps
+//   a read's `dst` and staging until it sees C complete (it polls the copies
+//   in flight with cudaEventQuery, every kReapInterval while idle). So
+//   Python may drop a future, a source or a destination at any time without
+//   record_stream: no block is handed out again while a copy of this chain
+//   may still touch it. As in io_engine.h, a thread never holds a lock while
+//   dropping a tensor (that may take the GIL).
+//   Events are created per request and destroyed with it; destroying an event
+//   whose work is pending is allowed (CUDA frees it when the work completes).
+//
+// No CUDA function is called before the first request: importing the module
+// and constructing a CudaChain work on a machine without a GPU.
+#include <torch/extension.h>
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "io_engine.h"
+
+namespace py = pybind11;
+
+namespace tiermem {
+namespace {
+
+// How often the in thread looks at the copies in flight while it has nothing
+// else to do (they are released when seen complete).
+constexpr auto kReapInterval = std::chrono::microseconds(500);
+
+// One write_from_device or read_to_device request. See NOTE [CUDA chain].
+struct CudaOp {
+  bool is_write = false;
+  c10::DeviceIndex device = 0;
+  std::string path;
+  std::uint64_t offset = 0;
+  std::size_t nbytes = 0;
+  void* host = nullptr;            // staging's bytes
+  void* dev = nullptr;             // the device tensor's bytes
+  cudaStream_t stream = nullptr;   // the side stream that copies
+  cudaEvent_t after = nullptr;     // recorded on `after`; the copy's stream waits on it
+  cudaEvent_t copied = nullptr;    // recorded after the copy
+  // Owned by the chain's threads once queued (see NOTE [CUDA chain lifetime]).
+  std::shared_ptr<File> file;      // writes: until the pwrite is submitted
+  at::Tensor device_tensor;
+  at::Tensor staging;
+
+  std::mutex mu;
+  std::condition_variable cv;
+  bool issued = false;     // write: pwrite submitted; read: H2D copy issued (or failed)
+  bool copy_done = false;  // reads: `copied` seen complete
+  std::exception_ptr error;
+  Future io;               // the pwrite or pread
+
+  CudaOp() = default;
+  CudaOp(const CudaOp&) = delete;
+  CudaOp& operator=(const CudaOp&) = delete;
+  ~CudaOp() {
+    // Errors are ignored: at interpreter exit the CUDA runtime may be gone.
+    if (after) cudaEventDestroy(after);
+    if (copied) cudaEventDestroy(copied);
+  }
+};
+
+IOError cuda_error(const CudaOp& op, const char* what, const char* call, cudaError_t e) {
+  cudaGetLastError();  // clear a non-sticky error so that torch does not report it later
+  std::ostringstream d;
+  d << what << ": CUDA error in " << call << ": " << cudaGetErrorString(e) << " ("
+    << std::strerror(EIO) << ")";
+  return IOError(EIO, op.is_write ? "write" : "read", op.path, op.nbytes, op.offset, d.str());
+}
+
+struct OpQueue {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::shared_ptr<CudaOp>> ops;
+  bool stopping = false;
+};
+
+struct ChainState {
+  OpQueue out;  // writes, for the out thread
+  OpQueue in;   // reads, for the in thread
+};
+
+// Drops the op's tensors (and file) with no lock held.
+void release(CudaOp& op) {
+  at::Tensor dev = std::move(op.device_tensor);
+  at::Tensor staging = std::move(op.staging);
+  std::shared_ptr<File> file = std::move(op.file);
+}
+
+void finish(CudaOp& op, Future io, std::exception_ptr error, bool copy_done) {
+  {
+    std::lock_guard<std::mutex> lk(op.mu);
+    op.io = std::move(io);
+    op.error = std::move(error);
+    op.copy_done = copy_done;
+    op.issued = true;
+  }
+  op.cv.notify_all();
+}
+
+// Out thread: wait for the D2H copy, then submit the pwrite.
+void run_write(CudaOp& op) {
+  const cudaError_t e = cudaEventSynchronize(op.copied);
+  Future io;
+  std::exception_ptr error;
+  if (e != cudaSuccess) {
+    error = std::make_exception_ptr(
+        cuda_error(op, "the device-to-host copy failed", "cudaEventSynchronize", e));
+  } else {
+    try {
+      // The request's keepalive holds staging until the pwrite is done.
+      io = op.file->write(op.host, op.nbytes, op.offset,
+                          std::make_shared<at::Tensor>(std::move(op.staging)));
+    } catch (...) {
+      error = std::current_exception();  // IOError: the file or engine is closed
+    }
+  }
+  finish(op, std::move(io), std::move(error), true);
+  release(op);
+}
+
+// In thread: wait for the pread, then issue the H2D copy. True if issued.
+bool issue_read(CudaOp& op) {
+  std::exception_ptr error;
+  try {
+    op.io.wait();
+  } catch (...) {
+    error = std::current_exception();
+  }
+  bool issued = false;
+  if (!error) {
+    cudaError_t e = cudaSetDevice(op.device);
+    const char* call = "cudaSetDevice";
+    if (e == cudaSuccess && op.after) {
+      e = cudaStreamWaitEvent(op.stream, op.after, 0);
+      call = "cudaStreamWaitEvent";
+    }
+    if (e == cudaSuccess && op.nbytes) {
+      e = cudaMemcpyAsync(op.dev, op.host, op.nbytes, cudaMemcpyHostToDevice, op.stream);
+      call = "cudaMemcpyAsync";
+    }
+    if (e == cudaSuccess) {
+      e = cudaEventRecord(op.copied, op.stream);
+      call = "cudaEventRecord";
+      if (e != cudaSuccess && op.nbytes) {
+        // The copy is queued but cannot be tracked: wait for it here (error path
+        // only) before the buffers may be released.
+        cudaStreamSynchronize(op.stream);
+      }
+    }
+    if (e == cudaSuccess) {
+      issued = true;
+    } else {
+      error = std::make_exception_ptr(
+          cuda_error(op, "the host-to-device copy could not be issued", call, e));
+    }
+  }
+  finish(op, Future(), std::move(error), !issued);
+  return issued;
+}
+
+// In thread: true once the read's copy has completed (or failed: either way
+// its buffers are no longer used).
+bool copy_finished(CudaOp& op) {
+  {
+    std::lock_guard<std::mutex> lk(op.mu);
+    if (op.copy_done) return true;
+  }
+  const cudaError_t e = cudaEventQuery(op.copied);
+  if (e == cudaErrorNotReady) return false;
+  if (e != cudaSuccess) cudaGetLastError();
+  return true;
+}
+
+std::shared_ptr<CudaOp> pop(OpQueue& q) {
+  std::unique_lock<std::mutex> lk(q.mu);
+  q.cv.wait(lk, [&] { return q.stopping || !q.ops.empty(); });
+  if (q.ops.empty()) return nullptr;  // stopping, and nothing left
+  std::shared_ptr<CudaOp> op = std::move(q.ops.front());
+  q.ops.pop_front();
+  return op;
+}
+
+void out_main(std::shared_ptr<ChainState> st) {
+  while (std::shared_ptr<CudaOp> op = pop(st->out)) run_write(*op);
+}
+
+void in_main(std::shared_ptr<ChainState> st) {
+  std::deque<std::shared_ptr<CudaOp>> copying;  // H2D copies issued, not seen complete
+  for (;;) {
+    std::shared_ptr<CudaOp> op;
+    {
+      std::unique_lock<std::mutex> lk(st->in.mu);
+      if (copying.empty()) {
+        st->in.cv.wait(lk, [&] { return st->in.stopping || !st->in.ops.empty(); });
+      } else {
+        // Copies in flight: look at them again soon, or at once for new work.
+        // (Stopping waits for them: close() returns once every copy is done.)
+        st->in.cv.wait_for(lk, kReapInterval, [&] { return !st->in.ops.empty(); });
+      }
+      if (!st->in.ops.empty()) {
+        op = std::move(st->in.ops.front());
+        st->in.ops.pop_front();
+      } else if (st->in.stopping && copying.empty()) {
+        return;
+      }
+    }
+    if (op) {
+      if (issue_read(*op)) {
+        copying.push_back(std::move(op));
+      } else {
+        release(*op);
+      }
+    }
+    // Release the buffers of every copy seen complete (several streams may
+    // complete out of order; no lock is held here).
+    for (auto it = copying.begin(); it != copying.end();) {
+      if (!copy_finished(**it)) {
+        ++it;
+        continue;
+      }
+      std::shared_ptr<CudaOp> done = std::move(*it);
+      it = copying.erase(it);
+      {
+        std::lock_guard<std::mutex> lk(done->mu);
+        done->copy_done = true;
+      }
+      release(*done);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- checks
+
+void check_offset(std::int64_t offset, const char* op) {
+  if (offset < 0 || offset % static_cast<std::int64_t>(kAlignBytes) != 0) {
+    std::ostringstream msg;
+    msg << "tiermem: " << op << " offset " << offset << " is not a non-negative multiple of "
+        << "ALIGN_BYTES (" << kAlignBytes << ")";
+    throw py::value_error(msg.str());
+  }
+}
+
+void check_staging(const at::Tensor& t, const char* op) {
+  const char* problem = nullptr;
+  if (t.layout() != at::kStrided || !t.device().is_cpu()) {
+    problem = "not a dense CPU tensor";
+  } else if (!t.is_contiguous()) {
+    problem = "not contiguous";
+  } else if (!t.is_pinned()) {
+    problem = "not pinned (a copy from pageable memory would block the host)";
+  }
+  if (problem) {
+    std::ostringstream msg;
+    msg << "tiermem: " << op << " needs a contiguous pinned CPU staging tensor, got one that "
+        << "is " << problem << " (layout " << t.layout() << ", device " << t.device() << ")";
+    throw py::value_error(msg.str());
+  }
+}
+
+void check_device(const at::Tensor& t, const char* op, bool contiguous) {
+  if (t.layout() != at::kStrided || !t.device().is_cuda() || (contiguous && !t.is_contiguous())) {
+    std::ostringstream msg;
+    msg << "tiermem: " << op << " needs a " << (contiguous ? "contiguous " : "")
+        << "dense CUDA tensor, got layout " << t.layout() << " on device " << t.device();
+    throw py::value_error(msg.str());
+  }
+}
+
+std::size_t nbytes_of(const at::Tensor& t) {
+  return static_cast<std::size_t>(t.numel()) * t.element_size();
+}
+
+cudaEvent_t new_event(const CudaOp& op, unsigned flags) {
+  cudaEvent_t ev = nullptr;
+  const cudaError_t e = cudaEventCreateWithFlags(&ev, flags);
+  if (e != cudaSuccess) throw cuda_error(op, "no event", "cudaEventCreateWithFlags", e);
+  return ev;
+}
+
+cudaStream_t as_stream(std::uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
+
+// ---------------------------------------------------------------- CudaChain
+
+// Two threads (out: writes, in: reads) that carry requests from a CUDA event
+// or a file read to the next step. See NOTE [CUDA chain].
+class CudaChain {
+ public:
+  CudaChain() : state_(std::make_shared<ChainState>()) {
+    out_ = std::thread(out_main, state_);
+    in_ = std::thread(in_main, state_);
+  }
+
+  // Like Engine::~Engine: the threads finish their queues and exit on their
+  // own (joining here could deadlock on the GIL, see io_engine.h).
+  ~CudaChain() {
+    stop();
+    if (out_.joinable()) out_.detach();
+    if (in_.joinable()) in_.detach();
+  }
+  CudaChain(const CudaChain&) = delete;
+  CudaChain& operator=(const CudaChain&) = delete;
+
+  // Runs every queued request to its end (reads: until their copies have
+  // completed), then joins the threads. Idempotent.
+  void close() {
+    stop();
+    if (out_.joinable()) out_.join();
+    if (in_.joinable()) in_.join();
+  }
+
+  bool closed() const {
+    std::lock_guard<std::mutex> lk(state_->out.mu);
+    return state_->out.stopping;
+  }
+
+  std::shared_ptr<CudaOp> write_from_device(const std::shared_ptr<File>& file,
+                                            std::int64_t offset, const at::Tensor& src,
+                                            const at::Tensor& staging, std::uintptr_t stream,
+                                            std::uintptr_t after) {
+    const char* name = "write_from_device";
+    check_offset(offset, name);
+    check_device(src, name, false);
+    check_staging(staging, name);
+    const std::size_t nbytes = nbytes_of(src);
+    // Raw bytes can be copied as they are; a gapped view, or a lazy conjugate
+    // or negative view (a bit on the tensor, not in memory), goes through
+    // torch's copy_, which gathers and resolves it into a staging tensor of
+    // the same sizes and dtype.
+    const bool raw = src.is_contiguous() && !src.is_conj() && !src.is_neg();
+    if (nbytes_of(staging) != nbytes ||
+        (!raw && (staging.sizes() != src.sizes() || staging.scalar_type() != src.scalar_type()))) {
+      std::ostringstream msg;
+      msg << "tiermem: " << name << " needs a staging tensor of the source's bytes (and, for "
+          << "a non-contiguous, conjugate or negative view, its sizes and dtype), got "
+          << nbytes_of(staging)
+          << " bytes " << staging.sizes() << " " << staging.scalar_type() << " for "
+          << nbytes << " bytes " << src.sizes() << " " << src.scalar_type();
+      throw py::value_error(msg.str());
+    }
+    auto op = std::make_shared<CudaOp>();
+    op->is_write = true;
+    op->device = src.device().index();
+    op->path = file->path();
+    op->offset = static_cast<std::uint64_t>(offset);
+    op->nbytes = nbytes;
+    op->host = nbytes ? staging.data_ptr() : nullptr;
+    op->stream = as_stream(stream);
+    op->file = file;
+    op->device_tensor = src;
+    op->staging = staging;
+
+    std::lock_guard<std::mutex> lk(state_->out.mu);  // the out thread only pops under it
+    if (state_->out.stopping) {
+      throw IOError(EBADF, "write", op->path, nbytes, op->offset, "the CUDA chain is closed");
+    }
+    c10::cuda::CUDAGuard guard(op->device);
+    op->copied = new_event(*op, cudaEventDisableTiming | cudaEventBlockingSync);
+    if (after != stream) {
+      op->after = new_event(*op, cudaEventDisableTiming);
+      const char* call = "cudaEventRecord";
+      cudaError_t e = cudaEventRecord(op->after, as_stream(after));
+      if (e == cudaSuccess) {
+        call = "cudaStreamWaitEvent";
+        e = cudaStreamWaitEvent(op->stream, op->after, 0);
+      }
+      if (e != cudaSuccess) {
+        throw cuda_error(*op, "the copy could not wait for its source", call, e);
+      }
+    }
+    if (nbytes && raw) {
+      const cudaError_t e = cudaMemcpyAsync(op->host, src.data_ptr(), nbytes,
+                                            cudaMemcpyDeviceToHost, op->stream);
+      if (e != cudaSuccess) {
+        throw cuda_error(*op, "the device-to-host copy could not be issued", "cudaMemcpyAsync", e);
+      }
+    } else if (nbytes) {
+      // Torch gathers or resolves it (on the device, then one copy), with
+      // `stream` current so that a temporary belongs to that stream.
+      c10::cuda::CUDAStreamGuard sguard(c10::cuda::getStreamFromExternal(op->stream, op->device));
+      at::Tensor dst = staging;
+      dst.copy_(src, /*non_blocking=*/true);
+    }
+    const cudaError_t e = cudaEventRecord(op->copied, op->stream);
+    if (e != cudaSuccess) {
+      if (nbytes) cudaStreamSynchronize(op->stream);  // error path: see issue_read
+      throw cuda_error(*op, "the device-to-host copy could not be tracked", "cudaEventRecord", e);
+    }
+    state_->out.ops.push_back(op);
+    state_->out.cv.notify_one();
+    return op;
+  }
+
+  std::shared_ptr<CudaOp> read_to_device(const std::shared_ptr<File>& file, std::int64_t offset,
+                                         const at::Tensor& staging, const at::Tensor& dst,
+                                         std::uintptr_t stream, std::uintptr_t after) {
+    const char* name = "read_to_device";
+    check_offset(offset, name);
+    check_staging(staging, name);
+    check_device(dst, name, true);
+    const std::size_t nbytes = nbytes_of(dst);
+    if (nbytes_of(staging) != nbytes) {
+      std::ostringstream msg;
+      msg << "tiermem: " << name << " needs a staging tensor of the destination's bytes, got "
+          << nbytes_of(staging) << " bytes for " << nbytes;
+      throw py::value_error(msg.str());
+    }
+    auto op = std::make_shared<CudaOp>();
+    op->device = dst.device().index();
+    op->path = file->path();
+    op->offset = static_cast<std::uint64_t>(offset);
+    op->nbytes = nbytes;
+    op->host = nbytes ? staging.data_ptr() : nullptr;
+    op->dev = nbytes ? dst.data_ptr() : nullptr;
+    op->stream = as_stream(stream);
+    op->device_tensor = dst;
+    op->staging = staging;
+
+    std::lock_guard<std::mutex> lk(state_->in.mu);  // the in thread only pops under it
+    if (state_->in.stopping) {
+      throw IOError(EBADF, "read", op->path, nbytes, op->offset, "the CUDA chain is closed");
+    }
+    {
+      c10::cuda::CUDAGuard guard(op->device);
+      op->copied = new_event(*op, cudaEventDisableTiming | cudaEventBlockingSync);
+      if (after != stream) {
+        op->after = new_event(*op, cudaEventDisableTiming);
+        const cudaError_t e = cudaEventRecord(op->after, as_stream(after));
+        if (e != cudaSuccess) {
+          throw cuda_error(*op, "the copy could not wait for its destination",
+                           "cudaEventRecord", e);
+        }
+      }
+    }
+    // Submitted now, so that the disk works while the request waits its turn
+    // on the in thread. Throws IOError if the file or the engine is closed.
+    op->io = file->read(op->host, nbytes, op->offset, std::make_shared<at::Tensor>(staging));
+    state_->in.ops.push_back(op);
+    state_->in.cv.notify_one();
+    return op;
+  }
+
+ private:
+  void stop() {
+    for (OpQueue* q : {&state_->out, &state_->in}) {
+      {
+        std::lock_guard<std::mutex> lk(q->mu);
+        q->stopping = true;
+      }
+      q->cv.notify_all();
+    }
+  }
+
+  std::shared_ptr<ChainState> state_;
+  std::thread out_, in_;
+};
+
+// Blocks until the request is issued (see CudaFuture.wait); rethrows its error.
+void op_wait(CudaOp& op) {
+  Future io;
+  {
+    std::unique_lock<std::mutex> lk(op.mu);
+    op.cv.wait(lk, [&] { return op.issued; });
+    if (op.error) std::rethrow_exception(op.error);
+    io = op.io;
+  }
+  io.wait();  // writes: the pwrite (reads: already waited for by the in thread)
+}
+
+bool op_done(CudaOp& op) {
+  Future io;
+  {
+    std::lock_guard<std::mutex> lk(op.mu);
+    if (!op.issued) return false;
+    if (op.error) return true;
+    if (!op.is_write) {
+      if (op.copy_done) return true;
+      const cudaError_t e = cudaEventQuery(op.copied);
+      if (e == cudaErrorNotReady) return false;
+      if (e != cudaSuccess) {
+        op.error = std::make_exception_ptr(
+            cuda_error(op, "the host-to-device copy failed", "cudaEventQuery", e));
+      }
+      op.copy_done = true;
+      return true;
+    }
+    io = op.io;
+  }
+  return io.done();  // writes: the pwrite
+}
+
+void op_synchronize(CudaOp& op) {
+  op_wait(op);
+  if (op.is_write) return;
+  const cudaError_t e = cudaEventSynchronize(op.copied);
+  if (e != cudaSuccess) {
+    throw cuda_error(op, "the host-to-device copy failed", "cudaEventSynchronize", e);
+  }
+}
+
+void op_stream_wait(CudaOp& op, std::uintptr_t stream) {
+  op_wait(op);
+  if (op.is_write) return;
+  c10::cuda::CUDAGuard guard(op.device);
+  const cudaError_t e = cudaStreamWaitEvent(as_stream(stream), op.copied, 0);
+  if (e != cudaSuccess) {
+    throw cuda_error(op, "the consumer could not wait for the copy", "cudaStreamWaitEvent", e);
+  }
+}
+
+}  // namespace
+
+void register_cuda_chain(py::module_& m) {
+  py::class_<CudaOp, std::shared_ptr<CudaOp>>(
+      m, "CudaFuture",
+      "A request of CudaChain. Streams are passed as ints (torch.cuda.Stream.cuda_stream).")
+      .def("wait", &op_wait, py::call_guard<py::gil_scoped_release>(),
+           "Writes: block until the bytes are on disk. Reads: block until the bytes are "
+           "read and the host-to-device copy is issued (not complete). Raise OSError if "
+           "the request failed.")
+      .def("done", &op_done,
+           "True once everything has completed (reads: the copy too), or failed. Never blocks.")
+      .def("synchronize", &op_synchronize, py::call_guard<py::gil_scoped_release>(),
+           "wait(), then (reads) block until the copy has completed.")
+      .def("stream_wait", &op_stream_wait, py::arg("stream"),
+           py::call_guard<py::gil_scoped_release>(),
+           "wait(), then (reads) make `stream` wait for the copy without blocking the host.")
+      .def_property_readonly("is_write", [](const CudaOp& op) { return op.is_write; });
+
+  py::class_<CudaChain, std::shared_ptr<CudaChain>>(
+      m, "CudaChain", "Device <-> pinned staging <-> file requests; see NOTE [CUDA chain].")
+      .def(py::init<>())
+      .def_property_readonly("closed", &CudaChain::closed)
+      .def("write_from_device", &CudaChain::write_from_device, py::arg("file"),
+           py::arg("offset"), py::arg("src"), py::arg("staging"), py::arg("stream"),
+           py::arg("after"),
+           "Copy `src` (CUDA) to `staging` (pinned) on `stream` after `after`, then write "
+           "staging at `offset` of `file`. Returns a CudaFuture at once.")
+      .def("read_to_device", &CudaChain::read_to_device, py::arg("file"), py::arg("offset"),
+           py::arg("staging"), py::arg("dst"), py::arg("stream"), py::arg("after"),
+           "Read `staging`'s bytes at `offset` of `file`, then copy them to `dst` (CUDA) on "
+           "`stream` after `after`. Returns a CudaFuture at once.")
+      .def("close", &CudaChain::close, py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace tiermem

@@ -1,0 +1,326 @@
+"""The C++ engine's CUDA chain (csrc/cuda_chain.cpp, NOTE [CUDA chain]).
+
+The first tests run everywhere: which build of the engine was made and what it
+reports. The rest are marked ``gpu`` (skipped without a CUDA device) and skip
+as well when the engine was built without the chain (a CPU-only torch, or no
+CUDA toolkit): they round-trip tensors through the chain, bit for bit, with
+slowed streams to widen the races the chain must order, and check that the
+forward pass of the nvme tier does not wait for the host on the chain.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts
+
+import pytest
+import torch
+
+import tiermem
+from tiermem.io import ALIGN_BYTES, aligned_empty, engine_info, get_engine
+
+pytestmark = pytest.mark.usefixtures("clean_env")
+
+SLEEP_CYCLES = 50_000_000  # ~25 ms at ~2 GHz: far longer than any copy here
+
+
+# -- everywhere ---------------------------------------------------------------------
+
+def test_engine_reports_whether_it_has_the_cuda_chain():
+    info = engine_info()
+    assert isinstance(info["cuda"], bool)
+    if info["engine"] != "cpp":
+        assert info["cuda"] is False
+        return
+    assert ("with the CUDA chain" in info["reason"]) is info["cuda"]
+    if torch.version.cuda is None:
+        assert info["cuda"] is False and "CPU-only build" in info["reason"]
+    eng = get_engine("cpp")
+    assert eng.cuda_chain is info["cuda"]
+    assert get_engine("python").cuda_chain is False
+
+
+def test_cpu_only_build_has_no_chain_and_says_why(tmp_path):
+    if torch.version.cuda is not None:
+        pytest.skip("torch is a CUDA build")
+    if engine_info()["engine"] != "cpp":
+        pytest.skip("C++ engine unavailable")
+    eng = get_engine("cpp")
+    with eng.open(str(tmp_path / "f.bin"), ALIGN_BYTES) as f:
+        with pytest.raises(tiermem.TierMemError, match="no CUDA chain.*CPU-only"):
+            f.write_from_device(torch.zeros(4), torch.zeros(4), 0, None, None)
+
+
+# -- on a GPU, with the chain -----------------------------------------------------------
+
+@pytest.fixture
+def eng():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    info = engine_info()
+    if not info["cuda"]:
+        pytest.skip(f"the C++ engine has no CUDA chain: {info['reason']}")
+    return get_engine("cpp", 4)
+
+
+@pytest.fixture
+def streams():
+    dev = torch.device("cuda")
+    return torch.cuda.Stream(dev), torch.cuda.Stream(dev)   # d2h, h2d
+
+
+def _pinned(nbytes):
+    return aligned_empty(nbytes, pin_memory=True)
+
+
+def _bytes(t):
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def _roundtrip(f, src, offset, streams):
+    """Write ``src`` through the chain at ``offset``, read it back into a new
+    device tensor, and return it (ordered on the current stream)."""
+    d2h, h2d = streams
+    compute = torch.cuda.current_stream()
+    nbytes = src.numel() * src.element_size()
+    out_staging = _pinned(nbytes).view(src.dtype)
+    if not src.is_contiguous():
+        out_staging = out_staging.view(src.shape)
+    fut = f.write_from_device(src, out_staging, offset, d2h, compute)
+    fut.wait()
+    assert fut.done() and fut.is_write
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    rfut = f.read_to_device(_pinned(nbytes), dst, offset, h2d, compute)
+    rfut.stream_wait(compute.cuda_stream)
+    return dst, rfut
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.uint8])
+@pytest.mark.parametrize("numel", [1, 1023, 4096, (3 << 20) + 5, 9 << 20])
+def test_roundtrip_is_bit_identical(eng, streams, tmp_path, dtype, numel):
+    src = (torch.randn(numel, device="cuda") * 1000).to(dtype)
+    with eng.open(str(tmp_path / "f.bin"), 0) as f:
+        nbytes = numel * src.element_size()
+        f.resize(ALIGN_BYTES + -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES)
+        dst, rfut = _roundtrip(f, src, ALIGN_BYTES, streams)
+        assert torch.equal(dst, _bytes(src))    # ordered after the copy by stream_wait
+        rfut.synchronize()
+        assert rfut.done()
+
+
+@pytest.mark.gpu
+def test_gapped_conjugate_and_negative_views_are_resolved(eng, streams, tmp_path):
+    base = torch.randn(64, 96, device="cuda")
+    z = torch.randn(300, dtype=torch.complex64, device="cuda")
+    cases = [base[:, ::3], z.conj(), torch.randn(257, device="cuda")._neg_view()]
+    with eng.open(str(tmp_path / "f.bin"), 1 << 20) as f:
+        for src in cases:
+            dst, _ = _roundtrip(f, src, 0, streams)
+            expected = src.resolve_conj().resolve_neg().contiguous()
+            assert torch.equal(dst, _bytes(expected))
+
+
+@pytest.mark.gpu
+def test_write_waits_for_the_producer_on_a_slow_compute_stream(eng, streams, tmp_path):
+    n = 1 << 20
+    x = torch.zeros(n, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)          # the producer runs late
+    x.fill_(7.0)
+    staging = _pinned(4 * n).view(torch.float32)
+    with eng.open(str(tmp_path / "f.bin"), 4 * n) as f:
+        f.write_from_device(x, staging, 0, streams[0], torch.cuda.current_stream()).wait()
+        back = aligned_empty(4 * n).view(torch.float32)
+        f.read(back, 0).wait()
+    assert bool((back == 7.0).all())
+
+
+@pytest.mark.gpu
+def test_source_dropped_at_once_is_held_until_copied(eng, streams, tmp_path):
+    """The engine holds the source until its copy is done: a freed-too-early
+    block would be overwritten by the scribble before the slowed copy runs."""
+    n = 1 << 20
+    d2h = streams[0]
+    with eng.open(str(tmp_path / "f.bin"), 4 * n) as f:
+        src = torch.randn(n, device="cuda")
+        expected = src.cpu()
+        with torch.cuda.stream(d2h):
+            torch.cuda._sleep(SLEEP_CYCLES)
+        fut = f.write_from_device(src, _pinned(4 * n).view(torch.float32), 0, d2h,
+                                  torch.cuda.current_stream())
+        del src
+        scribble = [torch.full((n,), 7.0, device="cuda") for _ in range(8)]
+        fut.wait()
+        back = aligned_empty(4 * n).view(torch.float32)
+        f.read(back, 0).wait()
+    assert torch.equal(back, expected)
+    del scribble
+
+
+@pytest.mark.gpu
+def test_destination_dropped_unconsumed_is_not_reused_while_copied(eng, streams, tmp_path):
+    n = 1 << 20
+    h2d = streams[1]
+    data = torch.randn(n)
+    with eng.open(str(tmp_path / "f.bin"), 4 * n) as f:
+        f.write(data, 0).wait()
+        with torch.cuda.stream(h2d):
+            torch.cuda._sleep(SLEEP_CYCLES)   # the copy (issued later) runs late
+        dst = torch.empty(n, device="cuda")
+        fut = f.read_to_device(_pinned(4 * n).view(torch.float32), dst, 0, h2d,
+                               torch.cuda.current_stream())
+        fut.wait()                               # issued, not complete
+        del dst, fut
+        scribble = [torch.full((n,), 7.0, device="cuda") for _ in range(8)]
+        torch.cuda.synchronize()
+    assert all(bool((s == 7.0).all()) for s in scribble)
+
+
+@pytest.mark.gpu
+def test_consumer_waits_for_a_slow_copy_without_blocking_the_host(eng, streams, tmp_path):
+    n = 1 << 20
+    h2d = streams[1]
+    data = torch.randn(n)
+    with eng.open(str(tmp_path / "f.bin"), 4 * n) as f:
+        f.write(data, 0).wait()
+        with torch.cuda.stream(h2d):
+            torch.cuda._sleep(4 * SLEEP_CYCLES)  # far longer than the read from disk
+        dst = torch.empty(n, device="cuda")
+        fut = f.read_to_device(_pinned(4 * n).view(torch.float32), dst, 0, h2d,
+                               torch.cuda.current_stream())
+        fut.stream_wait(torch.cuda.current_stream().cuda_stream)
+        assert not fut.done()                    # the host did not wait for the copy
+        total = dst.double().sum()
+        assert torch.equal(dst.cpu(), data)
+        assert total.item() == data.double().sum().item()
+
+
+@pytest.mark.gpu
+def test_errors_name_the_file_and_offset(eng, streams, tmp_path):
+    path = str(tmp_path / "f.bin")
+    compute = torch.cuda.current_stream()
+    f = eng.open(path, ALIGN_BYTES)
+    dst = torch.empty(2 * ALIGN_BYTES, dtype=torch.uint8, device="cuda")
+    fut = f.read_to_device(_pinned(2 * ALIGN_BYTES), dst, 0, streams[1], compute)
+    with pytest.raises(OSError, match="short read") as e:
+        fut.stream_wait(compute.cuda_stream)
+    assert path in str(e.value) and "read of 8192 bytes at offset 0" in str(e.value)
+    assert fut.done()
+    f.close()
+    fut = f.write_from_device(torch.ones(16, device="cuda"), _pinned(64).view(torch.float32),
+                              0, streams[0], compute)
+    with pytest.raises(OSError, match="closed") as e:
+        fut.wait()
+    assert path in str(e.value)
+    with pytest.raises(ValueError, match="pinned"):
+        f.read_to_device(torch.empty(64, dtype=torch.uint8), dst[:64], 0, streams[1], compute)
+
+
+# -- the nvme tier on the chain ---------------------------------------------------------
+
+@pytest.fixture
+def deterministic():
+    """Bit-exact comparisons across runs need deterministic kernels (as in test_gpu.py)."""
+    old = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(old)
+
+
+def _model(layers=3, width=256):
+    torch.manual_seed(0)
+    blocks = []
+    for _ in range(layers):
+        blocks += [torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
+                   torch.nn.Linear(4 * width, width), torch.nn.LayerNorm(width)]
+    return torch.nn.Sequential(*blocks).cuda()
+
+
+def _step(model, x, ctx):
+    model.zero_grad(set_to_none=True)
+    with ctx:
+        loss = model(x).square().mean()
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def _nvme(tmp_path, **kw):
+    return tiermem.Offloader(policy="nvme", nvme_dir=str(tmp_path / "spill"), engine="cpp",
+                             min_offload_bytes=0, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("verify", [False, True])   # True: the Python chain (checksums)
+def test_nvme_tier_gradients_bit_identical_on_the_chain(eng, deterministic, tmp_path, verify):
+    model = _model()
+    x = torch.randn(8, 64, 256, device="cuda")
+    ref = _step(model, x, contextlib.nullcontext())
+    off = _nvme(tmp_path, verify=verify)
+    for _ in range(3):
+        loss, grads = _step(model, x, off)
+        assert torch.equal(loss, ref[0])
+        for g, r in zip(grads, ref[1]):
+            assert torch.equal(g, r)
+    store = off._stores[tiermem.Tier.NVME]
+    assert store._engine_cuda is (not verify)
+    assert off.stats.count_by_tier["nvme"] > 0
+    off.close()
+
+
+@pytest.mark.gpu
+def test_nvme_forward_on_the_chain_does_not_sync_the_host(eng, tmp_path, monkeypatch):
+    from tiermem.tiers import nvme
+
+    model = _model()
+    x = torch.randn(8, 64, 256, device="cuda")
+    off = _nvme(tmp_path)
+    _step(model, x, off)                         # warm-up: pools, streams, the chain
+    torch.cuda.synchronize()
+    assert off._stores[tiermem.Tier.NVME]._engine_cuda
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("host wait in the forward pass")
+    # set_sync_debug_mode does not see event waits: forbid them explicitly.
+    monkeypatch.setattr(nvme._EngineCudaJob, "wait_host", forbidden)
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", forbidden)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with off:
+            loss = model(x).square().mean()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        monkeypatch.undo()
+    loss.backward()
+    assert off.stats.count_by_tier["nvme"] > 0
+    off.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["write_from_device", "read_to_device"])
+def test_nvme_tier_exact_with_slow_chain_copies(eng, deterministic, tmp_path, monkeypatch,
+                                                which):
+    """Every copy of the chain runs late (a sleep queued on its side stream
+    first): consumers and reused blocks must still be ordered after it."""
+    from tiermem.io import cpp
+
+    original = getattr(cpp._CppFile, which)
+
+    def slowed(self, a, b, offset, stream, after):
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(SLEEP_CYCLES // 5)
+        return original(self, a, b, offset, stream, after)
+
+    model = _model(layers=2)
+    x = torch.randn(4, 64, 256, device="cuda")
+    ref = _step(model, x, contextlib.nullcontext())
+    monkeypatch.setattr(cpp._CppFile, which, slowed)
+    off = _nvme(tmp_path, prefetch_bytes="1GiB")
+    loss, grads = _step(model, x, off)
+    assert torch.equal(loss, ref[0])
+    for g, r in zip(grads, ref[1]):
+        assert torch.equal(g, r)
+    assert off._stores[tiermem.Tier.NVME]._engine_cuda
+    off.close()
