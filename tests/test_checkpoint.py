@@ -748,19 +748,8 @@ def held_writes(monkeypatch):
     gate.set()
 
 
-# BUG: NvmeStore.close() does not give back the extents of handles that were
-# released before their write landed: _release -> _free defers them until the
-# write is done, close() drains the writes but never runs _free_finished(), so
-# disk_bytes_in_use stays > 0 after close() (between steps the next pack's
-# poll frees them). With a checkpoint this is common: tiermem sees only a few
-# boundary tensors, so backward often starts before their writes land; it made
-# the disk test above flaky (4096 or 8192 bytes left after close). Minimal:
-#     off = Offloader(policy="nvme", nvme_dir=d, engine="python", min_offload_bytes=0)
-#     with off: y = (x * 2).sin()        # write held back (see held_writes)
-#     y.sum().backward(); del y; <release the write>; off.close()
-#     off.disk_bytes_in_use == 4096      # expected 0
-@pytest.mark.xfail(strict=True, reason="BUG: nvme extents freed before their write landed "
-                                       "are not given back by close()")
+# Extents of handles released before their write landed are freed later (when
+# the write is done); close() must give them back too, not leave them counted.
 def test_nvme_extents_of_early_backward_given_back_at_close(held_writes, make_off):
     off = make_off("nvme")
     s = _Setup("block", "reentrant")

@@ -4,7 +4,6 @@ no files left, a bounded arena, bad directories, checksums."""
 from __future__ import annotations
 
 import contextlib
-import errno
 import gc
 import logging
 import os
@@ -12,7 +11,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
