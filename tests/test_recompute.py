@@ -386,3 +386,45 @@ def test_fixed_non_recompute_policies_do_not_track_ops():
         assert ctx.producers is None and _get_current_dispatch_mode() is None
     with tiermem.Offloader(policy="recompute") as ctx:
         assert ctx.producers is not None and _get_current_dispatch_mode() is ctx.producers
+
+
+def test_autocast_casts_are_recomputed_exactly():
+    """Under CPU autocast, the bf16 casts feeding matmuls are saved; they are
+    recomputable from the fp32 tensors saved anyway, and gradients stay exact."""
+    def step(off):
+        torch.manual_seed(0)
+        model = Wide(32, 64)
+        x = torch.randn(16, 32, requires_grad=True)
+        with off, torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().square().sum()
+        loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}, off.stats
+
+    ref, _ = step(tiermem.Offloader(policy="keep"))
+    got, stats = step(tiermem.Offloader(policy="recompute", min_offload_bytes=0))
+    assert_same_tensors(got, ref, "autocast")
+    assert stats.count_by_tier["recompute"] > 0
+
+
+def test_layernorm_softmax_gelu_chain_through_recomputed_handles():
+    """gelu -> layer_norm -> softmax: each output is recomputable from the one
+    before, which is itself dropped (recipes whose inputs are recompute handles)."""
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin1, self.ln, self.lin2 = nn.Linear(16, 48), nn.LayerNorm(48), nn.Linear(48, 4)
+
+        def forward(self, x):
+            return self.lin2(torch.softmax(self.ln(F.gelu(self.lin1(x))), dim=-1))
+
+    torch.manual_seed(0)
+    model = Stack()
+    x = torch.randn(32, 16)
+    ref = _grads(model, x)
+    off = tiermem.Offloader(policy="recompute", min_offload_bytes=0)
+    got = _grads(model, x, off)
+    assert_same_tensors(got, ref, "gelu/layer_norm/softmax")
+    s = off.stats
+    # gelu output (saved by layer_norm), softmax output (saved by softmax and lin2)
+    assert s.count_by_tier["recompute"] >= 2, s
+    assert s.recompute_input_bytes == 0
