@@ -41,8 +41,17 @@ __all__ = ["CppEngine", "load_extension", "extension_path", "cuda_status", "SOUR
 
 _log = logging.getLogger("tiermem")
 
-_CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
-    __file__)))), "csrc")
+def _find_csrc() -> str:
+    """csrc/ of a source checkout (editable install), else the copy a wheel
+    installs as ``tiermem/_csrc`` (see pyproject.toml)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    checkout = os.path.join(os.path.dirname(package), "csrc")
+    if os.path.isfile(os.path.join(checkout, "io_engine.cpp")):
+        return checkout
+    return os.path.join(package, "_csrc")
+
+
+_CSRC = _find_csrc()
 #: The sources compiled into the extension, in build order.
 SOURCES = [os.path.join(_CSRC, "io_engine.cpp"), os.path.join(_CSRC, "bindings.cpp")]
 #: ... and in its CUDA build. See NOTE [CUDA build of the engine].
@@ -75,7 +84,8 @@ def load_extension(verbose: bool = False):
         if missing:
             _error = TierMemError(
                 f"tiermem: the C++ engine's sources are missing: {', '.join(missing)} "
-                f"(csrc/ ships with a source checkout; use TIERMEM_ENGINE=python otherwise)")
+                f"(a source checkout has csrc/, a wheel tiermem/_csrc; reinstall tiermem, "
+                f"or use TIERMEM_ENGINE=python)")
             raise _error
         from torch.utils import cpp_extension
 
