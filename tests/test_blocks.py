@@ -165,3 +165,21 @@ def test_inference_runs_plainly():
     plain = _model().eval()
     with torch.no_grad():
         assert torch.equal(out, plain(idx))
+
+
+def test_block_policy_with_recompute_turns_producer_tracking_on():
+    ref = _step(_model())
+    model = _model()
+    w = tiermem.wrap_blocks(model, Block, checkpoint=False, policy="recompute,cpu")
+    off = tiermem.Offloader(policy="cpu", min_offload_bytes=0)
+    _same(_step(model, off), ref)
+    assert off.stats.count_by_tier["recompute"] > 0     # inside the blocks
+    twin = copy.deepcopy(model)                          # the copy's blocks count too
+    w.unwrap()
+    with tiermem.Offloader(policy="cpu") as ctx:
+        assert ctx.producers is not None                 # the twin still needs it
+    del twin
+    import gc
+    gc.collect()
+    with tiermem.Offloader(policy="cpu") as ctx:
+        assert ctx.producers is None                     # nothing recomputes any more

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from typing import Any, Callable, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
@@ -55,6 +56,15 @@ _CHECKPOINT_MODES = (False, True, "full", "selective")
 
 _scope = threading.local()
 
+#: Wrapped blocks whose policy may recompute: while any exists, Offloaders
+#: track producers even if their own policy would not need it.
+_recomputing_blocks: "weakref.WeakSet[_BlockForward]" = weakref.WeakSet()
+
+
+def blocks_need_producers() -> bool:
+    """Whether a live wrapped block has a policy that may recompute."""
+    return len(_recomputing_blocks) > 0
+
 
 def current_block_order() -> Optional[Tuple[Tier, ...]]:
     """The tier order of the innermost wrapped block running in this thread
@@ -78,6 +88,15 @@ class _BlockForward:
         self.mode = mode
         self.use_reentrant = use_reentrant
         self.order = order
+        self._register()
+
+    def _register(self) -> None:
+        if self.order is not None and Tier.RECOMPUTE in self.order:
+            _recomputing_blocks.add(self)
+
+    def __setstate__(self, state: dict) -> None:   # copies made by deepcopy / pickle
+        self.__dict__.update(state)
+        self._register()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         fn = functools.partial(type(self.module).forward, self.module)
@@ -115,7 +134,9 @@ class BlockWrapping:
     def unwrap(self) -> None:
         """Give every wrapped block its own ``forward`` back (idempotent)."""
         for _, m in self._modules:
-            if isinstance(m.__dict__.get("forward"), _BlockForward):
+            fwd = m.__dict__.get("forward")
+            if isinstance(fwd, _BlockForward):
+                _recomputing_blocks.discard(fwd)
                 del m.forward
         self._modules = []
 
@@ -149,9 +170,8 @@ def wrap_blocks(model: nn.Module, blocks: Selector, *, checkpoint: Union[bool, s
     - ``policy``: a tier name or preference list (``"cpu"``, ``"recompute,cpu"``)
       for the tensors saved while a block runs, overriding the Offloader's own
       policy there (the rest of the model keeps the Offloader's policy).
-      ``recompute`` needs an Offloader whose own policy may recompute (producer
-      tracking is switched on by the Offloader's policy); otherwise those
-      tensors go to the next tier.
+      With ``recompute`` in it, every Offloader tracks producers while such a
+      wrapped block exists (the cost of tracking is paid for the whole forward).
 
     Returns a :class:`BlockWrapping`; raises ``ConfigError`` when nothing
     matches or a setting is invalid, and when a block is already wrapped.

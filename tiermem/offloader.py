@@ -38,6 +38,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .blocks import _scope as _block_scope
+from .blocks import blocks_need_producers
 from .config import Config
 from .errors import ConfigError, TierMemError
 from .policy import Tier, TensorInfo, resolve_policy, tier_order
@@ -133,7 +134,8 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         self._modules = ModuleStack(on_root=self._on_root)
         #: Producer of each tensor of the forward (None unless the policy may
         #: recompute or is a callable that may read ``TensorInfo.op``).
-        self.producers: Optional[ProducerMode] = ProducerMode() if offloader._track_ops else None
+        track = offloader._track_ops or blocks_need_producers()
+        self.producers: Optional[ProducerMode] = ProducerMode() if track else None
         super().__init__(self._pack, self._unpack)
 
     def _moved_bytes(self) -> int:
