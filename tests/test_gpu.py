@@ -80,7 +80,7 @@ def _assert_same(a, b):
         assert torch.equal(ga, gb)
 
 
-@pytest.mark.parametrize("policy", ["keep", "cpu"])
+@pytest.mark.parametrize("policy", ["keep", "cpu", "recompute", "recompute,cpu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gradients_bit_identical_on_cuda(policy, dtype):
     model = _model(dtype)
@@ -89,15 +89,21 @@ def test_gradients_bit_identical_on_cuda(policy, dtype):
     off = tiermem.Offloader(policy=policy, min_offload_bytes=0)
     for _ in range(3):
         _assert_same(_step(model, x, off), ref)
-    if policy == "cpu":
+    if "cpu" in policy:
         assert off.stats.count_by_tier["cpu"] > 0
         assert off.stats.prefetch_hits > 0
+    if "recompute" in policy:
+        # LayerNorm/GELU outputs and the attention probabilities after
+        # native_dropout (its CUDA generator state replayed) are dropped.
+        assert off.stats.count_by_tier["recompute"] > 0
+        assert off.stats.recompute_count > 0
 
 
-def test_forward_does_not_sync_the_host(monkeypatch):
+@pytest.mark.parametrize("policy", ["cpu", "recompute,cpu"])
+def test_forward_does_not_sync_the_host(monkeypatch, policy):
     model = _model()
     x = torch.randn(4, 128, 256, device=DEV)
-    off = tiermem.Offloader(policy="cpu", min_offload_bytes=0)
+    off = tiermem.Offloader(policy=policy, min_offload_bytes=0)
     _step(model, x, off)                       # warm-up: pools and streams exist
     torch.cuda.synchronize()
     allocations = off._stores[tiermem.Tier.CPU].pool.allocations
@@ -254,3 +260,28 @@ def test_two_devices_each_get_their_own_streams():
     b = both(contextlib.nullcontext())
     for ga, gb in zip(a[0] + a[1], b[0] + b[1]):
         assert torch.equal(ga, gb)
+
+
+def test_recompute_cuts_peak_device_memory():
+    model = _model(layers=6, width=512)
+    x = torch.randn(8, 256, 512, device=DEV)
+
+    def peak(ctx):
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        torch.manual_seed(1)
+        with ctx:
+            loss = model(x).square().mean()
+        loss.backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    off = tiermem.Offloader(policy="recompute")
+    peak(off)
+    keep_peak = peak(contextlib.nullcontext())
+    rec_peak = peak(off)
+    dropped = off.stats.bytes_by_tier["recompute"]
+    assert dropped > 0
+    assert keep_peak - rec_peak >= 0.5 * dropped, (keep_peak, rec_peak, dropped)
