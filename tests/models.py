@@ -23,6 +23,7 @@ import torch.nn.functional as F
 __all__ = [
     "MLP", "Attention", "Block", "ConvNet", "EmbedGather", "Case", "CASES", "MODEL_NAMES",
     "make_case", "run_step", "train_steps", "reference_steps", "assert_same_tensors", "SaveIt",
+    "compare_records",
 ]
 
 
@@ -243,6 +244,16 @@ def assert_same_tensors(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor], 
         if not torch.equal(x, y):
             diff = (x.double() - y.double()).abs().max().item()
             raise AssertionError(f"{what}: {n} differs (max abs diff {diff:g})")
+
+
+def compare_records(records, ref, name: str) -> None:
+    """Loss, gradients and parameters of every step of ``train_steps`` records
+    equal (``torch.equal``) to those of ``ref``."""
+    assert len(records) == len(ref), f"{name}: {len(records)} steps vs {len(ref)}"
+    for step, ((loss, grads, params), (rloss, rgrads, rparams)) in enumerate(zip(records, ref)):
+        assert torch.equal(loss, rloss), f"{name} step {step}: loss {loss} != {rloss}"
+        assert_same_tensors(grads, rgrads, f"{name} step {step} grads")
+        assert_same_tensors(params, rparams, f"{name} step {step} params")
 
 
 # ---------------------------------------------------------------------------

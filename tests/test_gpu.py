@@ -206,6 +206,20 @@ def test_in_place_write_racing_a_slow_copy_raises(monkeypatch):
         y.sum().backward()
 
 
+def _peak_device_bytes(model, x, ctx) -> int:
+    """Peak device memory of one step over what was allocated before it."""
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    torch.manual_seed(1)
+    with ctx:
+        loss = model(x).square().mean()
+    loss.backward()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
 def test_cpu_tier_cuts_peak_device_memory():
     model = _model(layers=6, width=512)
     x = torch.randn(8, 256, 512, device=DEV)
@@ -214,16 +228,7 @@ def test_cpu_tier_cuts_peak_device_memory():
                for b in model]
 
     def peak(ctx):
-        model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        torch.manual_seed(1)
-        with ctx:
-            loss = model(x).square().mean()
-        loss.backward()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
+        return _peak_device_bytes(model, x, ctx)
 
     try:
         off = tiermem.Offloader(policy="cpu", prefetch_bytes="16MiB")
@@ -267,16 +272,7 @@ def test_recompute_cuts_peak_device_memory():
     x = torch.randn(8, 256, 512, device=DEV)
 
     def peak(ctx):
-        model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        torch.manual_seed(1)
-        with ctx:
-            loss = model(x).square().mean()
-        loss.backward()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
+        return _peak_device_bytes(model, x, ctx)
 
     off = tiermem.Offloader(policy="recompute")
     peak(off)

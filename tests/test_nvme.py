@@ -17,7 +17,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import tiermem
-from models import MODEL_NAMES, assert_same_tensors, make_case, reference_steps, train_steps
+from models import MODEL_NAMES, compare_records, make_case, reference_steps, train_steps
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
@@ -49,18 +49,11 @@ def _mixed(info: tiermem.TensorInfo):
     return ("keep", "cpu", "nvme")[info.index % 3]
 
 
-def _compare(records, ref, name):
-    for step, ((loss, grads, params), (rloss, rgrads, rparams)) in enumerate(zip(records, ref)):
-        assert torch.equal(loss, rloss), f"{name} step {step}"
-        assert_same_tensors(grads, rgrads, f"{name} step {step} grads")
-        assert_same_tensors(params, rparams, f"{name} step {step} params")
-
-
 @pytest.mark.parametrize("model_name", MODEL_NAMES)
 def test_nvme_gradients_bit_identical(model_name, nvme_dir):
     ref = reference_steps(model_name, 3)
     off = _off(nvme_dir)
-    _compare(train_steps(make_case(model_name), lambda: off, 3), ref, model_name)
+    compare_records(train_steps(make_case(model_name), lambda: off, 3), ref, model_name)
     assert off.stats.count_by_tier["nvme"] > 0
     off.close()
 
@@ -69,7 +62,7 @@ def test_nvme_gradients_bit_identical(model_name, nvme_dir):
 def test_nvme_gradients_bit_identical_per_engine(engine, verify, nvme_dir):
     ref = reference_steps("block", 3)
     off = _off(nvme_dir, engine=engine, verify=verify)
-    _compare(train_steps(make_case("block"), lambda: off, 3), ref, f"block/{engine}")
+    compare_records(train_steps(make_case("block"), lambda: off, 3), ref, f"block/{engine}")
     assert off.stats.count_by_tier["nvme"] > 0
     off.close()
 
@@ -78,7 +71,7 @@ def test_nvme_gradients_bit_identical_per_engine(engine, verify, nvme_dir):
 def test_mixed_keep_cpu_nvme_policy_bit_identical(model_name, nvme_dir):
     ref = reference_steps(model_name, 3)
     off = _off(nvme_dir, policy=_mixed)
-    _compare(train_steps(make_case(model_name), lambda: off, 3), ref, model_name)
+    compare_records(train_steps(make_case(model_name), lambda: off, 3), ref, model_name)
     counts = off.stats.count_by_tier
     assert counts["nvme"] > 0 and counts["cpu"] > 0 and counts["keep"] > 0
     off.close()
@@ -133,7 +126,7 @@ def test_tiny_nvme_budget_falls_back_to_cpu_exactly(nvme_dir, caplog):
     ref = reference_steps("mlp", 3)
     off = _off(nvme_dir, nvme_budget=4096 * 4)
     with caplog.at_level(logging.WARNING, logger="tiermem"):
-        _compare(train_steps(make_case("mlp"), lambda: off, 3), ref, "mlp")
+        compare_records(train_steps(make_case("mlp"), lambda: off, 3), ref, "mlp")
     s = off.stats
     assert s.budget_fallbacks > 0 and s.count_by_tier["cpu"] > 0 and s.count_by_tier["nvme"] > 0
     assert off._stores[tiermem.Tier.NVME].arena.size_bytes <= 4096 * 4
@@ -160,7 +153,7 @@ def test_disk_full_on_a_small_tmpfs_falls_back(tmp_path):
         ref = reference_steps("block", 2)
         off = _off(mnt, nvme_budget="1GiB")
         try:
-            _compare(train_steps(make_case("block"), lambda: off, 2), ref, "block")
+            compare_records(train_steps(make_case("block"), lambda: off, 2), ref, "block")
             s = off.stats
             assert s.budget_fallbacks > 0 and s.count_by_tier["cpu"] > 0
             assert off._stores[tiermem.Tier.NVME].arena.disk_full

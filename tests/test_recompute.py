@@ -13,7 +13,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tiermem
-from models import MODEL_NAMES, SaveIt, assert_same_tensors, make_case, reference_steps, train_steps
+from models import (MODEL_NAMES, SaveIt, assert_same_tensors, compare_records, make_case,
+                    reference_steps, train_steps)
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
@@ -31,13 +32,6 @@ POLICIES = {"recompute": "recompute", "recompute,cpu": "recompute,cpu",
             "callable": _cheap_then_cpu}
 
 
-def _compare(records, ref, name):
-    for step, ((loss, grads, params), (rloss, rgrads, rparams)) in enumerate(zip(records, ref)):
-        assert torch.equal(loss, rloss), f"{name} step {step}"
-        assert_same_tensors(grads, rgrads, f"{name} step {step} grads")
-        assert_same_tensors(params, rparams, f"{name} step {step} params")
-
-
 @pytest.mark.parametrize("model_name", MODEL_NAMES)
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_bit_identical_over_adamw_steps(model_name, policy):
@@ -51,7 +45,7 @@ def test_bit_identical_over_adamw_steps(model_name, policy):
         return off
 
     records = train_steps(case, ctx, STEPS)
-    _compare(records, ref, f"{model_name}/{policy}")
+    compare_records(records, ref, f"{model_name}/{policy}")
     s = off.stats
     if model_name in ("mlp", "block", "mlp_bf16", "block_bf16"):
         # GELU/tanh/LayerNorm outputs have their inputs saved anyway: dropped.
@@ -69,7 +63,7 @@ def test_recompute_with_nvme_next(tmp_path):
     off = tiermem.Offloader(policy="recompute,nvme", nvme_dir=tmp_path, engine="python",
                             min_offload_bytes=0)
     records = train_steps(make_case("block"), lambda: off, STEPS)
-    _compare(records, ref, "block/recompute,nvme")
+    compare_records(records, ref, "block/recompute,nvme")
     assert off.stats.count_by_tier["recompute"] > 0 and off.stats.count_by_tier["nvme"] > 0
     off.close()
 
