@@ -140,8 +140,10 @@ void release(CudaOp& op) {
 }
 
 void finish(CudaOp& op, Future io, std::exception_ptr error, bool copy_done) {
+  Future previous;  // destroyed after the lock is released
   {
     std::lock_guard<std::mutex> lk(op.mu);
+    previous = std::move(op.io);
     op.io = std::move(io);
     op.error = std::move(error);
     op.copy_done = copy_done;
@@ -152,6 +154,9 @@ void finish(CudaOp& op, Future io, std::exception_ptr error, bool copy_done) {
 
 // Out thread: wait for the D2H copy, then submit the pwrite.
 void run_write(CudaOp& op) {
+  // This thread's runtime calls belong to the op's device (without it, the
+  // first call may create a context on device 0 in every rank).
+  cudaSetDevice(op.device);
   const cudaError_t e = cudaEventSynchronize(op.copied);
   Future io;
   std::exception_ptr error;
@@ -429,9 +434,12 @@ class CudaChain {
     } else if (nbytes) {
       // Torch gathers or resolves it (on the device, then one copy), with
       // `stream` current so that a temporary belongs to that stream.
+      // Conjugate/negative views are resolved on the device first: torch's
+      // D2H copy_ of such a view applies the conj/neg on the host right after
+      // queueing the copy, before the bytes land (pytorch#146286).
       c10::cuda::CUDAStreamGuard sguard(c10::cuda::getStreamFromExternal(op->stream, op->device));
       at::Tensor dst = staging;
-      dst.copy_(src, /*non_blocking=*/true);
+      dst.copy_(src.resolve_conj().resolve_neg(), /*non_blocking=*/true);
     }
     const cudaError_t e = cudaEventRecord(op->copied, op->stream);
     if (e != cudaSuccess) {

@@ -260,6 +260,9 @@ void run_chunk(Chunk chunk, AlignedBuffer& bounce) {
                                  req->offset + req->nbytes, bounce);
   }
   bool request_done;
+  // The caller's buffer owner, let go once the request is done (not when the
+  // last Future dies: Futures may be kept long after, e.g. as a job's record).
+  std::shared_ptr<void> released;
   {
     std::lock_guard<std::mutex> lk(fut.mu);
     if (!s.ok() && !fut.failed) {
@@ -268,6 +271,7 @@ void run_chunk(Chunk chunk, AlignedBuffer& bounce) {
       fut.detail = s.detail;
     }
     request_done = --fut.chunks_left == 0;
+    if (request_done) released = std::move(fut.keepalive);
   }
   if (!request_done) return;
   fut.cv.notify_all();

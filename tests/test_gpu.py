@@ -281,3 +281,18 @@ def test_recompute_cuts_peak_device_memory():
     dropped = off.stats.bytes_by_tier["recompute"]
     assert dropped > 0
     assert keep_peak - rec_peak >= 0.5 * dropped, (keep_peak, rec_peak, dropped)
+
+
+def test_conjugate_view_moved_to_cpu_tier_keeps_its_values(monkeypatch):
+    """A saved conj view whose D2H copy lands late comes back conjugated (torch's
+    D2H copy_ of a conj view conjugates on the host too early, pytorch#146286;
+    the copier resolves the view on the device first)."""
+    _slow_stream(monkeypatch, "out")
+    z = torch.randn(64, 1024, dtype=torch.complex64, device=DEV, requires_grad=True)
+    off = tiermem.Offloader(policy="cpu", min_offload_bytes=0)
+    with off:
+        y = (z.conj() * z.conj()).sum()    # mul saves both conj views
+    expected = torch.autograd.grad((z.conj() * z.conj()).sum(), z)[0]
+    got = torch.autograd.grad(y, z)[0]
+    assert off.stats.count_by_tier["cpu"] > 0
+    assert torch.equal(got, expected)

@@ -124,6 +124,40 @@ def test_gapped_conjugate_and_negative_views_are_resolved(eng, streams, tmp_path
 
 
 @pytest.mark.gpu
+def test_conjugate_view_resolved_even_when_its_copy_lands_late(eng, streams, tmp_path):
+    """Deterministic form of the case above: the D2H stream is held back, so a
+    conj applied on the host right after queueing the copy (torch's D2H copy_
+    of a conj view, pytorch#146286) would run before the bytes land."""
+    z = torch.randn(4096, dtype=torch.complex64, device="cuda")
+    with torch.cuda.stream(streams[0]):
+        torch.cuda._sleep(SLEEP_CYCLES)
+    with eng.open(str(tmp_path / "f.bin"), 1 << 20) as f:
+        dst, _ = _roundtrip(f, z.conj(), 0, streams)
+        assert torch.equal(dst, _bytes(z.conj().resolve_conj()))
+
+
+@pytest.mark.gpu
+def test_read_copy_waits_for_the_allocation_stream(eng, streams, tmp_path):
+    """The H2D copy must run after work queued on the destination's allocation
+    stream: a block freed there and reused for ``dst`` may still be written."""
+    n = 1 << 20
+    data = torch.arange(n, dtype=torch.float32)
+    with eng.open(str(tmp_path / "f.bin"), 4 * n) as f:
+        src = aligned_empty(4 * n).view(torch.float32)
+        src.copy_(data)
+        f.write(src, 0).wait()
+        compute = torch.cuda.current_stream()
+        x = torch.empty(n, device="cuda")
+        torch.cuda._sleep(SLEEP_CYCLES)
+        x.fill_(7.0)                       # late write on the compute stream
+        del x                              # its block goes back to the compute stream's pool
+        dst = torch.empty(n, device="cuda")  # most likely the same block
+        fut = f.read_to_device(_pinned(4 * n).view(torch.float32), dst, 0, streams[1], compute)
+        fut.stream_wait(compute.cuda_stream)
+        assert torch.equal(dst.cpu(), data)
+
+
+@pytest.mark.gpu
 def test_write_waits_for_the_producer_on_a_slow_compute_stream(eng, streams, tmp_path):
     n = 1 << 20
     x = torch.zeros(n, device="cuda")

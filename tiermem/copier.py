@@ -179,7 +179,9 @@ class CudaCopier:
         compute = torch.cuda.current_stream(self.device)
         stream.wait_stream(compute)
         with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
+            # Conj/neg views resolved on the device: a D2H copy_ of such a view
+            # applies them on the host before the bytes land (pytorch#146286).
+            dst.copy_(src.resolve_conj().resolve_neg(), non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
         return _CudaJob(event, self.device, compute, stream)

@@ -243,10 +243,12 @@ class NvmeStore(MovingStore):
             fut = self._file.write_from_device(
                 layout.source(src), layout.dest_view(view), offset, copier.d2h,
                 torch.cuda.current_stream(t.device))
-        except OSError as e:   # CUDA error, or the engine was closed
+        except Exception as e:   # CUDA error, closed engine, rejected argument
             self._staging.release(staging, None, True)
             self.arena.free(offset, layout.nbytes)
-            raise TierMemError(f"tiermem: {what} failed: {e}") from e
+            if isinstance(e, OSError):
+                raise TierMemError(f"tiermem: {what} failed: {e}") from e
+            raise
         job = _EngineCudaJob(fut, what)
         # Handed out again once the write is done (the engine holds it till then).
         self._staging.release(staging, job, True)
@@ -305,10 +307,12 @@ class NvmeStore(MovingStore):
             # queued on it since `dev` was allocated) and copies after it.
             try:
                 fut = self._file.read_to_device(view, dev[layout.pad:], offset, side, compute)
-            except OSError as e:   # CUDA error, or the engine was closed
+            except Exception as e:   # CUDA error, closed engine, rejected argument
                 if pooled:
                     self._staging.release(staging, None, True)
-                raise TierMemError(f"tiermem: {what} failed: {e}") from e
+                if isinstance(e, OSError):
+                    raise TierMemError(f"tiermem: {what} failed: {e}") from e
+                raise
             job = _EngineCudaJob(fut, what, device, compute)
             if pooled:   # handed out again once the copy is complete
                 self._staging.release(staging, job, True)
