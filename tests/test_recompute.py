@@ -422,3 +422,163 @@ def test_layernorm_softmax_gelu_chain_through_recomputed_handles():
     # gelu output (saved by layer_norm), softmax output (saved by softmax and lin2)
     assert s.count_by_tier["recompute"] >= 2, s
     assert s.recompute_input_bytes == 0
+
+
+# ---------------------------------------------------------------------------
+# Regressions found in review: aliasing and layout of recipe inputs
+# ---------------------------------------------------------------------------
+
+def _same_as_plain(fn, policy, **settings):
+    """Run ``fn(ctx)`` plainly and under an Offloader; gradients must match."""
+    import contextlib
+    torch.manual_seed(0)
+    ref = fn(contextlib.nullcontext())
+    off = tiermem.Offloader(policy=policy, **settings)
+    torch.manual_seed(0)
+    got = fn(off)
+    assert_same_tensors(got, ref, f"policy {policy}")
+    return off.stats
+
+
+@pytest.mark.parametrize("policy", ["cpu", "recompute", None])
+def test_conj_view_is_not_deduplicated_with_its_base(policy):
+    a = torch.randn(32, 32, dtype=torch.complex64, requires_grad=True)
+    b = torch.randn(32, 32, dtype=torch.complex64, requires_grad=True)
+    m = torch.randn(32, 32, dtype=torch.complex64)
+
+    def fn(ctx):
+        a.grad = b.grad = None
+        with ctx:
+            c = m @ m
+            out = ((a * c).abs() + (b * c.conj()).abs()).sum()   # c and c.conj() saved
+        out.backward()
+        return {"a": a.grad.clone(), "b": b.grad.clone()}
+
+    _same_as_plain(fn, policy, min_offload_bytes=0)
+
+
+def test_as_strided_is_named_but_never_replayed():
+    a = torch.randn(64, requires_grad=True)
+    w = torch.randn(4000, 8, requires_grad=True)
+
+    def fn(ctx):
+        a.grad = w.grad = None
+        with ctx:
+            s = a.exp()[2:12]                          # a small view at offset 2
+            y = s.as_strided((4000, 8), (0, 1), 2)     # absolute offset
+            out = (y * w).sum()
+            del s, y
+        out.backward()
+        return {"a": a.grad.clone(), "w": w.grad.clone()}
+
+    stats = _same_as_plain(fn, "recompute")
+    assert stats.count_by_tier["recompute"] == 0
+
+
+def test_small_gapped_input_of_an_expand_keeps_its_strides():
+    a = torch.randn(64, requires_grad=True)
+    w = torch.randn(4000, 16, requires_grad=True)
+
+    def fn(ctx):
+        a.grad = w.grad = None
+        with ctx:
+            x = a.exp()
+            y = x[::4].expand(4000, 16)     # small, strided input; stride-0 output
+            out = (y * w).sum()
+            del x, y
+        out.backward()
+        return {"a": a.grad.clone(), "w": w.grad.clone()}
+
+    stats = _same_as_plain(fn, "recompute", min_offload_bytes=1024)
+    assert stats.count_by_tier["recompute"] == 1
+
+
+def test_views_of_a_compactly_moved_input_are_not_recomputed_from_it():
+    torch.manual_seed(0)
+    a = torch.randn(64, 64, requires_grad=True)
+    b = torch.randn(64, 64)
+    w1 = torch.randn(64, 16, requires_grad=True)
+    w = torch.randn(64, 50, 16, requires_grad=True)
+
+    def fn(ctx):
+        a.grad = w.grad = w1.grad = None
+        with ctx:
+            s = (a @ b)[:, ::4]                    # gapped: the cpu tier moves a dense copy
+            z = (s * w1).sum()
+            y = s[:, None, :].expand(64, 50, 16)
+            out = (y * w).sum() + z
+            del s, y
+        out.backward()
+        return {"a": a.grad.clone(), "w": w.grad.clone(), "w1": w1.grad.clone()}
+
+    _same_as_plain(fn, "recompute,cpu", min_offload_bytes=0)
+
+
+def test_buffer_updated_in_place_after_use_is_not_an_error():
+    class RunNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(64, 64)
+            self.register_buffer("mean", torch.zeros(64))
+
+        def forward(self, x):
+            h = (x - self.mean).tanh()
+            self.mean.lerp_(x.detach().mean(0), 0.1)   # running statistics
+            return self.lin(h)
+
+    torch.manual_seed(0)
+    m = RunNorm()
+    x = torch.randn(32, 64, requires_grad=True)
+
+    def fn(ctx):
+        m.zero_grad()
+        x.grad = None
+        m.mean.zero_()
+        with ctx:
+            out = m(x).square().sum()
+        out.backward()
+        return {"x": x.grad.clone(), "w": m.lin.weight.grad.clone()}
+
+    _same_as_plain(fn, "recompute", min_offload_bytes=0)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "recompute,cpu"])
+def test_recipe_only_input_modified_right_after_is_exact(policy):
+    lin = nn.Linear(16, 4)
+    base = torch.randn(64, 16, requires_grad=True)
+    proj = torch.randn(16, 16)
+
+    def fn(ctx):
+        lin.zero_grad(set_to_none=True)
+        base.grad = None
+        with ctx:
+            x = (base @ proj).to(torch.bfloat16)
+            y = lin(x.float())
+            x.mul_(3)                  # before any copy of x could land
+        y.square().sum().backward()
+        return {"w": lin.weight.grad.clone(), "base": base.grad.clone()}
+
+    stats = _same_as_plain(fn, policy, min_offload_bytes=0)
+    assert stats.count_by_tier["recompute"] >= 1
+
+
+def test_inference_tensors_sparse_and_subclasses_under_tracking():
+    lin = nn.Linear(8, 8)
+    off = tiermem.Offloader(policy="recompute", min_offload_bytes=0)
+    with off, torch.inference_mode():
+        lin(torch.randn(4, 8)).relu()                      # an eval pass inside
+    with torch.inference_mode():
+        const = torch.randn(4, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    sp = torch.randn(4, 8).to_sparse()
+    with off:
+        y = (x + const).tanh() + (sp * 2.0).to_dense() * x
+    y.sum().backward()
+    assert x.grad is not None
+
+
+def test_default_policy_does_not_track_producers():
+    with tiermem.Offloader() as ctx:
+        assert ctx.producers is None
+    with tiermem.Offloader(policy=lambda info: "keep") as ctx:
+        assert ctx.producers is not None      # a callable may read info.op

@@ -38,7 +38,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .blocks import _scope as _block_scope
-from .blocks import blocks_need_producers
+from .blocks import blocks_need_producers, current_block_order
 from .config import Config
 from .errors import ConfigError, TierMemError
 from .policy import Tier, TensorInfo, resolve_policy, tier_order
@@ -46,6 +46,7 @@ from .prefetch import Prefetcher
 from .producers import ProducerMode, Ref, storage_key
 from .telemetry import StepStats
 from .tiers.host import HostStore
+from .tiers.base import exact_copy
 from .tiers.keep import Kept, KeepStore, check_version
 from .tiers.recompute import RecomputeStore
 from .tracker import ModuleStack, current_module
@@ -235,36 +236,39 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         if type(handle) is not Kept:
             handle.uses += 1
 
-    def is_param(self, t: torch.Tensor) -> bool:
-        return _is_param(t, self._param_storages)
+    @staticmethod
+    def is_stable_param(t: torch.Tensor) -> bool:
+        """A parameter (frozen or not) or a leaf that requires grad: not
+        modified during a forward pass, so a recipe may hold it as is."""
+        base = t._base if t._base is not None else t
+        return (base.requires_grad and base.is_leaf) or issubclass(type(base),
+                                                                  torch.nn.Parameter)
 
     def is_small(self, t: torch.Tensor) -> bool:
         return t.numel() * t.element_size() < self._off._min_bytes
 
     @staticmethod
     def keep_handle(t: torch.Tensor, *, clone: bool) -> Kept:
-        return Kept(t.detach().clone() if clone else t, "")
+        return Kept(exact_copy(t) if clone else t, "")
 
     def store_input(self, t: torch.Tensor) -> Any:
         """Store an input of a recipe that no one saved: through the policy,
         any tier but recompute; registered for dedup."""
         nbytes = t.numel() * t.element_size()
         module = current_module()
-        order = self._off._order if self._off._fixed is not None else (
-            self._ask_policy(t, module, nbytes))
+        order = current_block_order()
+        if order is None:
+            order = self._off._order if self._off._fixed is not None else (
+                self._ask_policy(t, module, nbytes))
         order = tuple(tier for tier in order if tier is not Tier.RECOMPUTE) or (Tier.KEEP,)
-        handle = self._off._put(order, t, self, module, nbytes)
-        entry = (StorageWeakRef(t.untyped_storage()), weakref.ref(handle))
-        if type(handle) is Kept:
-            # Autograd did not save ``t``, so the program may still modify it in
-            # place; the recipe needs its values of now: keep a private copy,
-            # shared by recipes only (a later save of ``t`` by autograd gets
-            # its own handle, with the in-place check).
-            handle = Kept(t.detach().clone(), module)
-            entry = (entry[0], weakref.ref(handle))
-            self._recipe_inputs[_dedup_key(t)] = entry
-        else:
-            self._dedup[_dedup_key(t)] = entry
+        # Autograd did not save ``t``, so the program may still modify it in
+        # place (also while a copy of it is in flight); the recipe needs its
+        # values of now: a private copy is stored, shared by recipes only (a
+        # later save of ``t`` by autograd gets its own handle, with the in-place
+        # check). NOTE [What a recipe holds].
+        handle = self._off._put(order, exact_copy(t), self, module, nbytes)
+        self._recipe_inputs[_dedup_key(t)] = (StorageWeakRef(t.untyped_storage()),
+                                              weakref.ref(handle))
         return handle
 
     @staticmethod
@@ -355,7 +359,8 @@ class Offloader:
         self._orders: dict = {}
         # Producer tracking costs a Python call per op of the forward: only
         # when a recipe may be needed or a callable policy may read info.op.
-        self._track_ops = self._fixed is None or Tier.RECOMPUTE in self._order
+        self._track_ops = (Tier.RECOMPUTE in self._order if self._order is not None
+                           else not getattr(self._policy_fn, "tiermem_builtin", False))
         self._min_bytes = cfg.min_offload_bytes
         budget = cfg.cpu_budget if cfg.cpu_budget is not None else default_cpu_budget_bytes()
         self.cpu_budget_bytes = budget

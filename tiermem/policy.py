@@ -98,6 +98,7 @@ def resolve_policy(policy: Union[str, PolicyFn, None], *, nvme_dir: Optional[str
 
         def default_policy(info: TensorInfo) -> Tier:
             return Tier.CPU if info.device.type == "cuda" else default_cpu_side
+        default_policy.tiermem_builtin = True   # reads no info.op: no producer tracking
         return None, default_policy
     if callable(policy) and not isinstance(policy, str):
         return None, policy

@@ -64,8 +64,13 @@ VIEW_OPS = _packets(
 RANDOM_OPS = _packets("native_dropout", "bernoulli", "rand_like", "randn_like",
                       "randint_like")
 
+#: Views that take an *absolute* storage offset or raw strides: replaying them
+#: on an input restored at another offset or with other strides (a copy) would
+#: read other elements, so they are named but never recomputed.
+_ABSOLUTE_VIEWS = _packets("as_strided", "_reshape_alias")
+
 #: Cheap, deterministic ops whose outputs the recompute tier may drop.
-RECOMPUTABLE_OPS = VIEW_OPS | RANDOM_OPS | _packets(
+RECOMPUTABLE_OPS = (VIEW_OPS - _ABSOLUTE_VIEWS) | RANDOM_OPS | _packets(
     # activations and pointwise math
     "relu", "gelu", "silu", "sigmoid", "tanh", "hardtanh", "leaky_relu", "elu", "celu",
     "selu", "softplus", "mish", "hardswish", "hardsigmoid", "glu", "log_sigmoid_forward",
@@ -87,8 +92,10 @@ def storage_key(t: torch.Tensor, storage=None) -> tuple:
     live storage hold the same elements (the dedup key of the Offloader)."""
     if storage is None:
         storage = t.untyped_storage()
+    # conj()/_neg_view() are lazy views with the very same storage geometry:
+    # their bits are part of what the values are.
     return (storage.data_ptr(), t.storage_offset(), tuple(t.size()), t.stride(), t.dtype,
-            t._version)
+            t._version, t.is_conj(), t.is_neg())
 
 
 class Ref:
@@ -157,6 +164,22 @@ class _OpInfo:
         self.recomputable = packet in RECOMPUTABLE_OPS and not func._schema.is_mutable
 
 
+class _Unsupported:
+    """Marks a tensor argument the recompute tier cannot hold (inference
+    tensors, sparse or other layouts, tensor subclasses)."""
+
+
+_UNSUPPORTED = _Unsupported()
+
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """A dense tensor (or parameter) of the base class with a version counter."""
+    return type(t) in _PLAIN_TYPES and t.layout == torch.strided and not t.is_inference()
+
+
 def _generator_for(device: torch.device, explicit) -> Optional[torch.Generator]:
     if explicit is not None:
         return explicit
@@ -204,15 +227,21 @@ class ProducerMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch.is_inference_mode_enabled():
+            return func(*args, **kwargs)   # inference tensors: nothing to record
         info = self._ops.get(func)
         if info is None:
             info = self._ops[func] = _OpInfo(func)
         rng = None
-        if info.recomputable:
+        recomputable = info.recomputable
+        if recomputable:
             # Arguments are captured before the op runs (their versions then).
             rargs = tuple(self._capture(a) for a in args)
             rkwargs = {k: self._capture(v) for k, v in kwargs.items()}
-            if info.random:
+            if any(a is _UNSUPPORTED for a in rargs) or any(
+                    v is _UNSUPPORTED for v in rkwargs.values()):
+                recomputable = False
+            elif info.random:
                 rng = self._capture_rng(args, kwargs)
         out = func(*args, **kwargs)
         values_op = info.name
@@ -223,11 +252,11 @@ class ProducerMode(TorchDispatchMode):
         multi = isinstance(out, (tuple, list))
         outs = out if multi else (out,)
         for i, o in enumerate(outs):
-            if not isinstance(o, torch.Tensor):
+            if not isinstance(o, torch.Tensor) or not _plain(o):
                 continue
             rec = Record(info.name, values_op)
             rec.version = o._version
-            if info.recomputable and (not info.random or rng is not None):
+            if recomputable and (not info.random or rng is not None):
                 rec.func, rec.args, rec.kwargs, rec.rng = func, rargs, rkwargs, rng
                 rec.out_index = i if multi else None
                 rec.is_view = info.view
@@ -236,8 +265,10 @@ class ProducerMode(TorchDispatchMode):
 
     def _capture(self, a: Any) -> Any:
         if isinstance(a, torch.Tensor):
-            return self._ref(a)
+            return self._ref(a) if _plain(a) else _UNSUPPORTED
         if isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a):
+            if not all(_plain(x) for x in a if isinstance(x, torch.Tensor)):
+                return _UNSUPPORTED
             return [self._ref(x) if isinstance(x, torch.Tensor) else x for x in a]
         return a
 

@@ -86,6 +86,24 @@ class Layout:
         return flat.as_strided(self.size, self.stride, flat.storage_offset() + self.pad)
 
 
+def exact_copy(t: torch.Tensor) -> torch.Tensor:
+    """A private copy of ``t`` with the same sizes, strides and storage offset
+    modulo 64 bytes (see NOTE [Layout of a moved tensor]): its storage span is
+    copied, so kernels see the same layout and alignment as on ``t``."""
+    t = t.detach()
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    size, stride = t.size(), t.stride()
+    if t.numel() == 0:
+        return t.clone()
+    span = 1 + sum((n - 1) * s for n, s in zip(size, stride))
+    offset = t.storage_offset()
+    pad = offset % max(1, _ALIGN_BYTES // t.element_size())
+    flat = torch.empty(pad + span, dtype=t.dtype, device=t.device)
+    flat[pad:].copy_(t.as_strided((span,), (1,), offset))
+    return flat.as_strided(size, stride, pad)
+
+
 class TierStore:
     """Interface of a tier. Subclasses set ``tier`` and implement the methods.
 

@@ -9,7 +9,9 @@ producer op and whose leaves are handles of tensors tiermem stores anyway.
 # For each tensor argument of a recorded op, in this order of preference:
 # 1. a tensor this step already saved (a dedup hit): its handle is shared, so
 #    the input costs nothing extra, whatever tier holds it;
-# 2. a parameter or buffer: held as is (it stays on the device anyway);
+# 2. a parameter (or a leaf that requires grad): held as is (it stays on the
+#    device anyway, and is not modified during a forward pass; buffers, which
+#    may be, such as BatchNorm's running statistics, go through 4);
 # 3. the argument's own recipe, when its producer is recomputable too (chains:
 #    views, casts, pointwise ops), if that costs fewer stored bytes than 4;
 # 4. the argument itself, stored through the policy (any tier but recompute),
@@ -19,8 +21,11 @@ producer op and whose leaves are handles of tensors tiermem stores anyway.
 # memory); otherwise, or if an input is gone (freed, or modified in place
 # since the op ran), it is not eligible and goes to the policy's next choice,
 # counted in ``stats.recompute_fallbacks`` by reason. Small arguments (under
-# ``min_offload_bytes``) are copied into the recipe (a clone costs little and
-# protects the recipe from later in-place writes).
+# ``min_offload_bytes``) are copied into the recipe, and so is every argument
+# of case 4 before it is stored: the program may still modify it in place
+# (autograd never saved it), and the copy keeps sizes, strides and alignment
+# (``exact_copy``). Gapped views (moved as dense copies by the moving tiers) are
+# not used as inputs: a view op replayed on a dense copy gives other strides.
 #
 # NOTE [Recompute is exact]
 # The op is run again on inputs equal to the originals in values, sizes,
@@ -45,7 +50,7 @@ import torch
 from ..errors import TierMemError
 from ..policy import Tier
 from ..producers import Record, Ref
-from .base import TierStore
+from .base import Layout, TierStore
 from .keep import Kept, check_version
 
 __all__ = ["RecomputeStore", "RecomputeHandle", "MAX_RECIPE_NODES"]
@@ -141,11 +146,11 @@ class RecomputeStore(TierStore):
             self._choose(ref, step, plan, depth)
 
     def _choose(self, ref: Ref, step, plan: _Plan, depth: int) -> None:
-        if step.lookup(ref) is not None:
+        if _usable(step.lookup(ref)):
             return
         x = ref.alive()
         if x is not None:
-            if step.is_param(x) or step.is_small(x):
+            if step.is_stable_param(x) or step.is_small(x):
                 return
         sub = ref.record
         if sub is not None and sub.func is not None and sub.version == ref.version:
@@ -162,6 +167,8 @@ class RecomputeStore(TierStore):
                 return
         if x is None:
             raise _Ineligible("an input was freed or modified in place")
+        if Layout.of(x).compact:
+            raise _Ineligible("an input is a gapped view")
         plan.store(x)
 
     def _build(self, rec: Record, step, stored: dict) -> _Node:
@@ -182,11 +189,11 @@ class RecomputeStore(TierStore):
         if h is not None:
             return _In(h)     # stored for this recipe: its first use is this one
         h = step.lookup(a)
-        if h is not None:
+        if _usable(h):
             step.share(h)
             return _In(h)
         if x is not None:
-            if step.is_param(x):
+            if step.is_stable_param(x):
                 return _In(step.keep_handle(x, clone=False))
             if step.is_small(x):
                 return _In(step.keep_handle(x, clone=True))
@@ -213,15 +220,18 @@ class RecomputeStore(TierStore):
             try:
                 with torch.no_grad(), _no_autocast():
                     out = _run(h.plan)
+                    if out.size() != h.size or out.dtype != h.dtype:
+                        raise RuntimeError(f"got {list(out.size())} {out.dtype}")
+                    if out.stride() != h.stride:
+                        # Same values; give backward the layout it saved.
+                        out = torch.empty_strided(h.size, h.stride, dtype=out.dtype,
+                                                  device=out.device).copy_(out)
             except TierMemError:
                 raise
             except Exception as e:
                 raise TierMemError(
                     f"tiermem: recomputing a saved tensor (shape {list(h.size)}, {h.dtype}"
                     f"{' in module ' + h.module if h.module else ''}) failed: {e}") from e
-            if out.stride() != h.stride and h.size == out.size():
-                out = torch.empty_strided(h.size, h.stride, dtype=out.dtype,
-                                          device=out.device).copy_(out)
             stats.recompute_count += 1
             stats.recompute_seconds += time.perf_counter() - t0
         h.taken += 1
@@ -230,6 +240,15 @@ class RecomputeStore(TierStore):
         else:
             h.taken, h.cached = 0, None
         return out
+
+
+def _usable(h: Any) -> bool:
+    """A saved handle a recipe can take its input from: not a gapped view that
+    a moving tier restores as a dense copy (other strides)."""
+    if h is None:
+        return False
+    layout = getattr(h, "layout", None)
+    return layout is None or not layout.compact
 
 
 def _value(a: Any) -> Any:
