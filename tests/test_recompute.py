@@ -582,3 +582,41 @@ def test_default_policy_does_not_track_producers():
         assert ctx.producers is None
     with tiermem.Offloader(policy=lambda info: "keep") as ctx:
         assert ctx.producers is not None      # a callable may read info.op
+
+
+def test_write_to_a_dropped_tensor_no_longer_referenced_still_raises():
+    """The saved tensor is modified in place and then let go of before
+    backward: autograd raises; so does the recompute tier (the mode saw the
+    write: NOTE [Writes to dropped tensors])."""
+    a = torch.randn(64, 64, requires_grad=True)
+    lin = nn.Linear(64, 64)
+    off = tiermem.Offloader(policy="recompute", min_offload_bytes=0)
+    with off:
+        y = a.tanh() * 2
+        z = lin(y)            # saves y, dropped (recomputable)
+        y.add_(1)
+        out = (z + y).sum()
+        del y
+    assert off.stats.count_by_tier["recompute"] >= 1
+    with pytest.raises(tiermem.TierMemError, match="in-place"):
+        out.backward()
+
+
+def test_writes_to_other_storages_do_not_taint():
+    torch.manual_seed(0)
+    model = Wide()
+    x = torch.randn(16, 64, requires_grad=True)
+
+    def fn(ctx):
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        with ctx:
+            out = model(x)
+            buf = torch.zeros_like(out)
+            buf.add_(1)                     # in-place writes elsewhere
+            loss = (out * buf).sum()
+        loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    stats = _same_as_plain(fn, "recompute", min_offload_bytes=0)
+    assert stats.count_by_tier["recompute"] > 0

@@ -154,14 +154,18 @@ class Record:
 
 
 class _OpInfo:
-    __slots__ = ("name", "recomputable", "random", "view")
+    __slots__ = ("name", "recomputable", "random", "view", "written")
 
     def __init__(self, func) -> None:
         packet = func.overloadpacket
         self.name = packet.__name__
         self.view = packet in VIEW_OPS
         self.random = packet in RANDOM_OPS
-        self.recomputable = packet in RECOMPUTABLE_OPS and not func._schema.is_mutable
+        schema = func._schema
+        self.recomputable = packet in RECOMPUTABLE_OPS and not schema.is_mutable
+        #: (position, name) of the arguments the op writes to (in-place, out=).
+        self.written = tuple((i, a.name) for i, a in enumerate(schema.arguments)
+                             if a.alias_info is not None and a.alias_info.is_write)
 
 
 class _Unsupported:
@@ -199,6 +203,9 @@ class ProducerMode(TorchDispatchMode):
         super().__init__()
         self._records: dict = {}    # id(tensor) -> (weakref to tensor, Record)
         self._ops: dict = {}        # OpOverload -> _OpInfo
+        #: storage cdata -> [weakref to a dropped tensor's handle]: see NOTE
+        #: [Writes to dropped tensors].
+        self._watched: dict = {}
 
     # -- lookup (pack hook) -----------------------------------------------------
     def record_of(self, t: torch.Tensor) -> Optional[Record]:
@@ -216,8 +223,40 @@ class ProducerMode(TorchDispatchMode):
             return None
         return hit[1].values_op
 
+    def watch(self, t: torch.Tensor, handle) -> None:
+        """Mark ``handle.tainted`` if an op of this forward writes to ``t``'s storage.
+
+        # NOTE [Writes to dropped tensors]
+        # A dropped (recompute) tensor is not held, so its version cannot be
+        # checked at unpack once the program has let go of it. Autograd raises
+        # when a saved tensor, or any view sharing its version counter, was
+        # written in place after the save; the mode sees every write of the
+        # forward, so it taints the handles of tensors on the written storage
+        # (views of one base share both), and unpack raises as autograd would.
+        """
+        # The weak storage ref is kept: it pins the storage object's address,
+        # so a later storage cannot be mistaken for this one.
+        ref = StorageWeakRef(t.untyped_storage())
+        entry = self._watched.get(ref.cdata)
+        if entry is None:
+            entry = self._watched[ref.cdata] = (ref, [])
+        entry[1].append(weakref.ref(handle))
+
+    def _note_writes(self, info: "_OpInfo", args, kwargs) -> None:
+        for i, name in info.written:
+            t = args[i] if i < len(args) else kwargs.get(name)
+            if not isinstance(t, torch.Tensor) or not _plain(t):
+                continue
+            entry = self._watched.get(StorageWeakRef(t.untyped_storage()).cdata)
+            if entry is not None:
+                for ref in entry[1]:
+                    h = ref()
+                    if h is not None:
+                        h.tainted = True
+
     def clear(self) -> None:
         self._records.clear()
+        self._watched.clear()
 
     # -- recording ----------------------------------------------------------------
     def _ref(self, t: torch.Tensor) -> Ref:
@@ -243,6 +282,8 @@ class ProducerMode(TorchDispatchMode):
                 recomputable = False
             elif info.random:
                 rng = self._capture_rng(args, kwargs)
+        if info.written and self._watched:
+            self._note_writes(info, args, kwargs)
         out = func(*args, **kwargs)
         values_op = info.name
         if info.view and args and isinstance(args[0], torch.Tensor):

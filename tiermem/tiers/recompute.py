@@ -78,7 +78,7 @@ class RecomputeHandle:
     """A dropped saved tensor and its recipe. Owned by autograd."""
 
     __slots__ = ("store", "step", "plan", "size", "stride", "dtype", "module", "nbytes",
-                 "version", "src_ref", "uses", "taken", "cached", "__weakref__")
+                 "version", "src_ref", "uses", "taken", "cached", "tainted", "__weakref__")
 
 
 class _Plan:
@@ -134,6 +134,8 @@ class RecomputeStore(TierStore):
         h.version = t._version
         h.src_ref = weakref.ref(t)
         h.uses, h.taken, h.cached = 1, 0, None
+        h.tainted = False
+        producers.watch(t, h)   # NOTE [Writes to dropped tensors] in producers.py
         return h
 
     def _check(self, rec: Record, step, plan: _Plan, depth: int) -> None:
@@ -202,15 +204,14 @@ class RecomputeStore(TierStore):
     # -- backward -----------------------------------------------------------------
     def get(self, h: RecomputeHandle) -> torch.Tensor:
         src = h.src_ref()
+        if h.tainted or (src is not None and src._version != h.version):
+            raise TierMemError(
+                f"tiermem: a tensor saved for backward (shape {list(h.size)}, {h.dtype}"
+                f"{' in module ' + h.module if h.module else ''}) was modified by an "
+                "in-place operation after it was saved; autograd would raise here too. "
+                "Clone it before modifying it, or do the in-place operation out of place.")
         if src is not None:
             # Still alive: nothing was freed. NOTE [Recompute is exact].
-            if src._version != h.version:
-                raise TierMemError(
-                    f"tiermem: a tensor saved for backward (shape {list(h.size)}, {h.dtype}"
-                    f"{' in module ' + h.module if h.module else ''}) was modified by an "
-                    f"in-place operation after it was saved (version {h.version} -> "
-                    f"{src._version}); autograd would raise here too. Clone it before "
-                    "modifying it, or do the in-place operation out of place.")
             return src.detach()
         if h.cached is not None:
             out = h.cached
