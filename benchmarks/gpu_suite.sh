@@ -179,9 +179,13 @@ else
 fi
 
 # --- build ---------------------------------------------------------------------------
+# With a CUDA build of torch the engine is built with its CUDA chain
+# (csrc/cuda_chain.cpp); that needs the toolkit (nvcc) under CUDA_HOME.
+if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
+    export CUDA_HOME=/usr/local/cuda
+fi
 build_engine() {
-    echo "note: the C++ I/O engine is built CPU-only for now (with_cuda=False);"
-    echo "      on a GPU the device<->pinned copies are issued from Python."
+    echo "CUDA_HOME=${CUDA_HOME:-unset}; TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-unset}"
     "$PY" -m tiermem build
 }
 export -f build_engine
@@ -205,7 +209,7 @@ gpu_tests() {
 }
 export HAVE_CUDA
 export -f gpu_tests
-run_part gpu-tests 120 300 gpu_tests
+run_part gpu-tests 180 300 gpu_tests
 
 # --- benchmarks ------------------------------------------------------------------------
 bench() {  # bench PRESET NAME
