@@ -358,3 +358,48 @@ def test_nvme_tier_exact_with_slow_chain_copies(eng, deterministic, tmp_path, mo
         assert torch.equal(g, r)
     assert off._stores[tiermem.Tier.NVME]._engine_cuda
     off.close()
+
+
+@pytest.mark.gpu
+def test_roundtrip_on_a_non_default_compute_stream_with_a_third_consumer(eng, streams,
+                                                                          tmp_path):
+    """Everything above runs with the default stream as the compute stream;
+    here the producer and the consumer run on streams of their own."""
+    producer, consumer = torch.cuda.Stream(), torch.cuda.Stream()
+    n = 1 << 20
+    with eng.open(str(tmp_path / "f.bin"), 4 * n) as f:
+        with torch.cuda.stream(producer):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            src = torch.arange(n, device="cuda", dtype=torch.float32)
+            fut = f.write_from_device(src, _pinned(4 * n).view(torch.float32), 0,
+                                      streams[0], producer)
+        fut.wait()
+        with torch.cuda.stream(consumer):
+            dst = torch.empty(n, device="cuda")
+            rfut = f.read_to_device(_pinned(4 * n).view(torch.float32), dst, 0, streams[1],
+                                    consumer)
+            rfut.stream_wait(consumer.cuda_stream)
+            total = dst.sum()
+        consumer.synchronize()
+    assert total.item() == float(n * (n - 1) // 2)
+
+
+@pytest.mark.gpu
+def test_engine_closed_with_slow_copies_in_flight(streams, tmp_path):
+    """Closing the engine while chained copies are still queued finishes or
+    fails them cleanly: no crash, no hang, and the written data is intact."""
+    if not engine_info()["cuda"]:
+        pytest.skip("the C++ engine has no CUDA chain")
+    eng = get_engine("cpp", 3)   # a thread count no other test uses: closed below
+    n = 1 << 18
+    srcs = [torch.full((n,), float(i), device="cuda") for i in range(4)]
+    with torch.cuda.stream(streams[0]):
+        torch.cuda._sleep(SLEEP_CYCLES)
+    f = eng.open(str(tmp_path / "f.bin"), 4 * n * len(srcs))
+    futs = [f.write_from_device(s, _pinned(4 * n).view(torch.float32), 4 * n * i, streams[0],
+                                torch.cuda.current_stream()) for i, s in enumerate(srcs)]
+    eng.close()
+    for fut in futs:
+        with contextlib.suppress(OSError):
+            fut.wait()
+    torch.cuda.synchronize()
