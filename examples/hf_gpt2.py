@@ -99,7 +99,8 @@ def compare(ref, got) -> List[str]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--policy", action="append", choices=("keep", "cpu", "nvme"),
+    p.add_argument("--policy", action="append",
+                   choices=("keep", "cpu", "nvme", "recompute", "recompute,cpu", "recompute,nvme"),
                    help="repeatable (default: keep and cpu)")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--layers", type=int, default=2)
@@ -134,7 +135,7 @@ def main(argv=None) -> int:
         if a.min_offload_bytes is not None:
             kw["min_offload_bytes"] = a.min_offload_bytes
         tmp = None
-        if policy == "nvme":
+        if "nvme" in policy:
             tmp = tempfile.TemporaryDirectory(prefix="tiermem-hf-") if not a.nvme_dir else None
             kw["nvme_dir"] = a.nvme_dir or tmp.name
         off = tiermem.Offloader(policy=policy, **kw)
