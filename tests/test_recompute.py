@@ -620,3 +620,46 @@ def test_writes_to_other_storages_do_not_taint():
 
     stats = _same_as_plain(fn, "recompute", min_offload_bytes=0)
     assert stats.count_by_tier["recompute"] > 0
+
+
+class LlamaMLPBlock(nn.Module):
+    """RMSNorm written out as Hugging Face's LLaMA does (pow/mean/rsqrt/mul and
+    casts) followed by a SwiGLU MLP: the pattern of today's LLMs."""
+
+    def __init__(self, d=64, h=172):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.gate, self.up, self.down = nn.Linear(d, h), nn.Linear(d, h), nn.Linear(h, d)
+
+    def norm(self, x):
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        variance = x.pow(2).mean(-1, keepdim=True)
+        x = x * torch.rsqrt(variance + 1e-6)
+        return self.weight * x.to(dtype)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_llama_style_rmsnorm_and_swiglu_recomputed_exactly(dtype):
+    torch.manual_seed(0)
+    model = LlamaMLPBlock().to(dtype)
+    x = torch.randn(8, 32, 64, dtype=dtype, requires_grad=True)
+
+    def fn(ctx):
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        with ctx:
+            out = model(model(x)).float().square().mean()
+        out.backward()
+        return {**{n: p.grad.clone() for n, p in model.named_parameters()}, "x": x.grad.clone()}
+
+    stats = _same_as_plain(fn, "recompute,cpu", min_offload_bytes=0)
+    # The RMSNorm output, its casts, silu(gate) and the SwiGLU product are dropped.
+    assert stats.count_by_tier["recompute"] >= 6, stats
+    # In bf16 the fp32 upcast of the second block's input is dropped by
+    # storing its bf16 input (half the bytes): stored < dropped.
+    assert stats.recompute_input_bytes < stats.bytes_by_tier["recompute"] / 4
