@@ -35,8 +35,9 @@ from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.checkpoint import checkpoint as _checkpoint
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+from .config import Config
 from .errors import ConfigError
-from .policy import Tier, tier_order
+from .policy import Tier, resolve_policy
 
 __all__ = ["wrap_blocks", "BlockWrapping", "SELECTIVE_SAVE_OPS", "current_block_order"]
 
@@ -185,15 +186,11 @@ def wrap_blocks(model: nn.Module, blocks: Selector, *, checkpoint: Union[bool, s
         raise ConfigError("tiermem.wrap_blocks: checkpoint='selective' needs use_reentrant=False")
     order = None
     if policy is not None:
-        items = policy.split(",") if isinstance(policy, str) else [
-            str(getattr(p, "value", p)) for p in policy]
-        names = [p.strip().lower() for p in items]
-        try:
-            order = tier_order(names, source="wrap_blocks")
-        except Exception:
-            raise ConfigError(f"tiermem.wrap_blocks: policy={policy!r} is not valid; use tier "
-                              f"names ({', '.join(t.value for t in Tier)}) or a list of them"
-                              ) from None
+        if callable(policy) and not isinstance(policy, str):
+            raise ConfigError("tiermem.wrap_blocks: policy must be a tier name or a list of "
+                              f"them, not a callable ({policy!r})")
+        # Parsed and checked as the Offloader's own policy setting is.
+        order, _ = resolve_policy(Config.from_env({}, policy=policy).policy, nvme_dir=None)
     if mode is None and order is None:
         raise ConfigError("tiermem.wrap_blocks: nothing to do (checkpoint=False and no policy)")
     match = _matcher(blocks)

@@ -103,15 +103,20 @@ def _is_param(t: torch.Tensor, param_storages: set) -> bool:
     storage count, not the Python type of ``t``. ``issubclass`` on the type,
     because ``isinstance(t, Parameter)`` goes through a slow metaclass hook.
     """
-    base = t._base
-    if base is None:
-        base = t
-    if base.requires_grad and base.is_leaf:
-        return True
-    if issubclass(type(base), torch.nn.Parameter):  # frozen parameters
+    if _is_stable_param(t):
         return True
     return (bool(param_storages) and type(t) is torch.Tensor
             and t.untyped_storage().data_ptr() in param_storages)
+
+
+def _is_stable_param(t: torch.Tensor) -> bool:
+    """A parameter (frozen or not, or a view of one) or a leaf that requires
+    grad: never modified during a forward pass."""
+    base = t._base
+    if base is None:
+        base = t
+    return (base.requires_grad and base.is_leaf) or issubclass(  # frozen parameters
+        type(base), torch.nn.Parameter)
 
 
 _opaque_hooks: dict = {}
@@ -268,13 +273,8 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         if type(handle) is not Kept:
             handle.uses += 1
 
-    @staticmethod
-    def is_stable_param(t: torch.Tensor) -> bool:
-        """A parameter (frozen or not) or a leaf that requires grad: not
-        modified during a forward pass, so a recipe may hold it as is."""
-        base = t._base if t._base is not None else t
-        return (base.requires_grad and base.is_leaf) or issubclass(type(base),
-                                                                  torch.nn.Parameter)
+    #: A recipe may hold these as they are (NOTE [What a recipe holds]).
+    is_stable_param = staticmethod(_is_stable_param)
 
     def is_small(self, t: torch.Tensor) -> bool:
         return t.numel() * t.element_size() < self._off._min_bytes

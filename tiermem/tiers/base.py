@@ -58,10 +58,10 @@ class Layout:
         size, stride = t.size(), t.stride()
         numel = t.numel()
         offset = t.storage_offset()
-        pad = offset % max(1, _ALIGN_BYTES // t.element_size()) if offset else 0
+        pad = _pad_elements(offset, t.element_size()) if offset else 0
         if t.is_contiguous() or numel == 0:
             return Layout(size, stride, t.dtype, t.device, numel, False, pad)
-        span = 1 + sum((n - 1) * s for n, s in zip(size, stride))
+        span = _span_elements(size, stride)
         if span > COMPACT_SPAN_RATIO * numel:
             return Layout(size, stride, t.dtype, t.device, numel, True, 0)
         return Layout(size, stride, t.dtype, t.device, span, False, pad)
@@ -86,6 +86,16 @@ class Layout:
         return flat.as_strided(self.size, self.stride, flat.storage_offset() + self.pad)
 
 
+def _span_elements(size, stride) -> int:
+    """Elements of storage a view touches, from its first to its last."""
+    return 1 + sum((n - 1) * s for n, s in zip(size, stride))
+
+
+def _pad_elements(offset: int, itemsize: int) -> int:
+    """Elements before the data that keep a storage offset's alignment modulo 64 bytes."""
+    return offset % max(1, _ALIGN_BYTES // itemsize)
+
+
 def exact_copy(t: torch.Tensor) -> torch.Tensor:
     """A private copy of ``t`` with the same sizes, strides and storage offset
     modulo 64 bytes (see NOTE [Layout of a moved tensor]): its storage span is
@@ -96,9 +106,9 @@ def exact_copy(t: torch.Tensor) -> torch.Tensor:
     size, stride = t.size(), t.stride()
     if t.numel() == 0:
         return t.clone()
-    span = 1 + sum((n - 1) * s for n, s in zip(size, stride))
+    span = _span_elements(size, stride)
     offset = t.storage_offset()
-    pad = offset % max(1, _ALIGN_BYTES // t.element_size())
+    pad = _pad_elements(offset, t.element_size())
     flat = torch.empty(pad + span, dtype=t.dtype, device=t.device)
     flat[pad:].copy_(t.as_strided((span,), (1,), offset))
     return flat.as_strided(size, stride, pad)
