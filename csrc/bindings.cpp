@@ -1,19 +1,27 @@
 // Python bindings of the tiermem I/O core. With cuda_chain.cpp (CUDA builds
 // only), the only files that include torch.
 //
-// Every call that can block (open, wait, resize, size, close) releases the GIL.
-// A submitted tensor is owned by the request until its last chunk has run
-// (see NOTE [Request lifetime] in io_engine.h), so dropping a future without
-// waiting cannot free memory the workers still use. IOError becomes OSError
-// with errno set (Python picks the subclass: FileNotFoundError, ...).
+// Every call that can block (open, wait, resize, size, close) releases the GIL
+// (wait only if the request is not done yet: taking the GIL back costs up to
+// a switch interval while another thread runs Python). A submitted tensor is
+// owned by the request until its last chunk has run (see NOTE [Request
+// lifetime] in io_engine.h), so dropping a future without waiting cannot free
+// memory the workers still use; the workers hand it back through
+// tensor_release.h (NOTE [Dropping tensors off the GIL]) and every call here
+// destroys what they handed back. IOError becomes OSError with errno set
+// (Python picks the subclass: FileNotFoundError, ...).
 #include <torch/extension.h>
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <sstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "io_engine.h"
+#include "tensor_release.h"
 
 namespace py = pybind11;
 
@@ -23,6 +31,53 @@ namespace tiermem {
 void register_cuda_chain(py::module_& m);
 }  // namespace tiermem
 #endif
+
+// ---------------------------------------------------------------- tensor_release.h
+
+namespace tiermem {
+namespace {
+
+std::mutex& buried_mutex() {
+  static std::mutex* mu = new std::mutex;  // never destroyed: used at exit by threads
+  return *mu;
+}
+
+std::vector<at::Tensor>& buried() {
+  static auto* v = new std::vector<at::Tensor>;  // never destroyed (no GIL at exit)
+  return *v;
+}
+
+}  // namespace
+
+void bury(at::Tensor&& t) {
+  if (!t.defined()) return;
+  if (PyGILState_Check()) {
+    at::Tensor dropped = std::move(t);
+    return;
+  }
+  std::lock_guard<std::mutex> lk(buried_mutex());
+  buried().push_back(std::move(t));
+}
+
+void drain_buried() {
+  std::vector<at::Tensor> dead;
+  {
+    std::lock_guard<std::mutex> lk(buried_mutex());
+    if (buried().empty()) return;
+    dead.swap(buried());
+  }
+  // Destroyed here, no lock held (a tensor's deallocation may run Python).
+}
+
+std::shared_ptr<void> hold(at::Tensor t) {
+  return std::shared_ptr<void>(new at::Tensor(std::move(t)), [](void* p) {
+    auto* owned = static_cast<at::Tensor*>(p);
+    bury(std::move(*owned));
+    delete owned;  // now undefined: deleting it touches no PyObject
+  });
+}
+
+}  // namespace tiermem
 
 namespace {
 
@@ -54,7 +109,7 @@ Buffer check_request(const at::Tensor& buf, std::int64_t offset, const char* op)
   }
   const std::size_t nbytes = static_cast<std::size_t>(buf.numel()) * buf.element_size();
   void* data = nbytes ? buf.data_ptr() : nullptr;
-  return {data, nbytes, std::make_shared<at::Tensor>(buf)};
+  return {data, nbytes, tiermem::hold(buf)};
 }
 
 }  // namespace
@@ -82,9 +137,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
 
   py::class_<tiermem::Future>(m, "Future")
-      .def("wait", &tiermem::Future::wait, py::call_guard<py::gil_scoped_release>(),
-           "Block until the request has completed; raise OSError if it failed.")
-      .def("done", &tiermem::Future::done, "True when the request has completed.");
+      .def(
+          "wait",
+          [](const tiermem::Future& f) {
+            if (!f.done()) {
+              py::gil_scoped_release nogil;
+              f.wait();
+            } else {
+              f.wait();  // raises the request's error, if any
+            }
+            tiermem::drain_buried();
+          },
+          "Block until the request has completed; raise OSError if it failed.")
+      .def(
+          "done",
+          [](const tiermem::Future& f) {
+            tiermem::drain_buried();
+            return f.done();
+          },
+          "True when the request has completed (the engine holds its buffer no more).");
 
   py::class_<tiermem::File, std::shared_ptr<tiermem::File>>(m, "File")
       .def_property_readonly("path", &tiermem::File::path)
@@ -92,6 +163,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "write",
           [](tiermem::File& f, const at::Tensor& buf, std::int64_t offset) {
+            tiermem::drain_buried();
             Buffer b = check_request(buf, offset, "write");
             return f.write(b.data, b.nbytes, static_cast<std::uint64_t>(offset),
                            std::move(b.owner));
@@ -100,6 +172,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "read",
           [](tiermem::File& f, const at::Tensor& buf, std::int64_t offset) {
+            tiermem::drain_buried();
             Buffer b = check_request(buf, offset, "read");
             return f.read(b.data, b.nbytes, static_cast<std::uint64_t>(offset),
                           std::move(b.owner));
@@ -108,7 +181,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("resize", &tiermem::File::resize, py::arg("size_bytes"),
            py::call_guard<py::gil_scoped_release>())
       .def("size", &tiermem::File::size, py::call_guard<py::gil_scoped_release>())
-      .def("close", &tiermem::File::close, py::call_guard<py::gil_scoped_release>());
+      .def(
+          "close",
+          [](tiermem::File& f) {
+            {
+              py::gil_scoped_release nogil;
+              f.close();
+            }
+            tiermem::drain_buried();
+          });
 
   py::class_<tiermem::Engine, std::shared_ptr<tiermem::Engine>>(m, "Engine")
       .def(py::init<int>(), py::arg("threads"))
@@ -116,7 +197,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("closed", &tiermem::Engine::closed)
       .def("open", &tiermem::Engine::open, py::arg("path"), py::arg("size_bytes") = 0,
            py::call_guard<py::gil_scoped_release>())
-      .def("close", &tiermem::Engine::close, py::call_guard<py::gil_scoped_release>());
+      .def(
+          "close",
+          [](tiermem::Engine& e) {
+            {
+              py::gil_scoped_release nogil;
+              e.close();
+            }
+            tiermem::drain_buried();
+          });
+  m.def("drain_buried", &tiermem::drain_buried,
+        "Destroy the tensors engine threads let go of since the last call (see "
+        "NOTE [Dropping tensors off the GIL]); every other call does this too.");
 
 #ifdef TIERMEM_WITH_CUDA
   tiermem::register_cuda_chain(m);  // after File: its methods take a File

@@ -68,6 +68,7 @@
 #include <utility>
 
 #include "io_engine.h"
+#include "tensor_release.h"
 
 namespace py = pybind11;
 
@@ -132,10 +133,11 @@ struct ChainState {
   OpQueue in;   // reads, for the in thread
 };
 
-// Drops the op's tensors (and file) with no lock held.
+// Lets go of the op's tensors (and file) with no lock held; on this thread
+// (no GIL) the tensors are only queued: NOTE [Dropping tensors off the GIL].
 void release(CudaOp& op) {
-  at::Tensor dev = std::move(op.device_tensor);
-  at::Tensor staging = std::move(op.staging);
+  bury(std::move(op.device_tensor));
+  bury(std::move(op.staging));
   std::shared_ptr<File> file = std::move(op.file);
 }
 
@@ -164,10 +166,12 @@ void run_write(CudaOp& op) {
     error = std::make_exception_ptr(
         cuda_error(op, "the device-to-host copy failed", "cudaEventSynchronize", e));
   } else {
+    // The copy has landed: the device memory can go now, before the pwrite.
+    bury(std::move(op.device_tensor));
     try {
       // The request's keepalive holds staging until the pwrite is done.
-      io = op.file->write(op.host, op.nbytes, op.offset,
-                          std::make_shared<at::Tensor>(std::move(op.staging)));
+      // Moved, not copied: a copy made here would take the GIL (tensor_release.h).
+      io = op.file->write(op.host, op.nbytes, op.offset, hold(std::move(op.staging)));
     } catch (...) {
       error = std::current_exception();  // IOError: the file or engine is closed
     }
@@ -494,7 +498,7 @@ class CudaChain {
     }
     // Submitted now, so that the disk works while the request waits its turn
     // on the in thread. Throws IOError if the file or the engine is closed.
-    op->io = file->read(op->host, nbytes, op->offset, std::make_shared<at::Tensor>(staging));
+    op->io = file->read(op->host, nbytes, op->offset, hold(staging));
     state_->in.ops.push_back(op);
     state_->in.cv.notify_one();
     return op;
@@ -574,33 +578,82 @@ void register_cuda_chain(py::module_& m) {
   py::class_<CudaOp, std::shared_ptr<CudaOp>>(
       m, "CudaFuture",
       "A request of CudaChain. Streams are passed as ints (torch.cuda.Stream.cuda_stream).")
-      .def("wait", &op_wait, py::call_guard<py::gil_scoped_release>(),
-           "Writes: block until the bytes are on disk. Reads: block until the bytes are "
-           "read and the host-to-device copy is issued (not complete). Raise OSError if "
-           "the request failed.")
-      .def("done", &op_done,
-           "True once everything has completed (reads: the copy too), or failed. Never blocks.")
-      .def("synchronize", &op_synchronize, py::call_guard<py::gil_scoped_release>(),
-           "wait(), then (reads) block until the copy has completed.")
-      .def("stream_wait", &op_stream_wait, py::arg("stream"),
-           py::call_guard<py::gil_scoped_release>(),
-           "wait(), then (reads) make `stream` wait for the copy without blocking the host.")
+      .def(
+          "wait",
+          [](CudaOp& op) {
+            {
+              py::gil_scoped_release nogil;
+              op_wait(op);
+            }
+            drain_buried();
+          },
+          "Writes: block until the bytes are on disk. Reads: block until the bytes are "
+          "read and the host-to-device copy is issued (not complete). Raise OSError if "
+          "the request failed.")
+      .def(
+          "done",
+          [](CudaOp& op) {
+            drain_buried();
+            return op_done(op);
+          },
+          "True once everything has completed (reads: the copy too), or failed. Never blocks.")
+      .def(
+          "synchronize",
+          [](CudaOp& op) {
+            {
+              py::gil_scoped_release nogil;
+              op_synchronize(op);
+            }
+            drain_buried();
+          },
+          "wait(), then (reads) block until the copy has completed.")
+      .def(
+          "stream_wait",
+          [](CudaOp& op, std::uintptr_t stream) {
+            {
+              py::gil_scoped_release nogil;
+              op_stream_wait(op, stream);
+            }
+            drain_buried();
+          },
+          py::arg("stream"),
+          "wait(), then (reads) make `stream` wait for the copy without blocking the host.")
       .def_property_readonly("is_write", [](const CudaOp& op) { return op.is_write; });
 
   py::class_<CudaChain, std::shared_ptr<CudaChain>>(
       m, "CudaChain", "Device <-> pinned staging <-> file requests; see NOTE [CUDA chain].")
       .def(py::init<>())
       .def_property_readonly("closed", &CudaChain::closed)
-      .def("write_from_device", &CudaChain::write_from_device, py::arg("file"),
+      .def("write_from_device",
+           [](CudaChain& c, const std::shared_ptr<File>& file, std::int64_t offset,
+              const at::Tensor& src, const at::Tensor& staging, std::uintptr_t stream,
+              std::uintptr_t after) {
+             drain_buried();
+             return c.write_from_device(file, offset, src, staging, stream, after);
+           },
+           py::arg("file"),
            py::arg("offset"), py::arg("src"), py::arg("staging"), py::arg("stream"),
            py::arg("after"),
            "Copy `src` (CUDA) to `staging` (pinned) on `stream` after `after`, then write "
            "staging at `offset` of `file`. Returns a CudaFuture at once.")
-      .def("read_to_device", &CudaChain::read_to_device, py::arg("file"), py::arg("offset"),
+      .def("read_to_device",
+           [](CudaChain& c, const std::shared_ptr<File>& file, std::int64_t offset,
+              const at::Tensor& staging, const at::Tensor& dst, std::uintptr_t stream,
+              std::uintptr_t after) {
+             drain_buried();
+             return c.read_to_device(file, offset, staging, dst, stream, after);
+           },
+           py::arg("file"), py::arg("offset"),
            py::arg("staging"), py::arg("dst"), py::arg("stream"), py::arg("after"),
            "Read `staging`'s bytes at `offset` of `file`, then copy them to `dst` (CUDA) on "
            "`stream` after `after`. Returns a CudaFuture at once.")
-      .def("close", &CudaChain::close, py::call_guard<py::gil_scoped_release>());
+      .def("close", [](CudaChain& c) {
+        {
+          py::gil_scoped_release nogil;
+          c.close();
+        }
+        drain_buried();
+      });
 }
 
 }  // namespace tiermem

@@ -274,6 +274,11 @@ void run_chunk(Chunk chunk, AlignedBuffer& bounce) {
     if (request_done) released = std::move(fut.keepalive);
   }
   if (!request_done) return;
+  released.reset();  // before finished: see NOTE [Request lifetime]; no lock held
+  {
+    std::lock_guard<std::mutex> lk(fut.mu);
+    fut.finished = true;
+  }
   fut.cv.notify_all();
   FileState& file = *req->file;
   {
@@ -281,7 +286,7 @@ void run_chunk(Chunk chunk, AlignedBuffer& bounce) {
     --file.inflight;
   }
   file.cv.notify_all();
-  // `req` (and with it possibly the caller's buffer) is released here, no lock held.
+  // `req` is released here, no lock held.
 }
 
 void worker_main(std::shared_ptr<Pool> pool) {
@@ -306,7 +311,7 @@ void worker_main(std::shared_ptr<Pool> pool) {
 void Future::wait() const {
   if (!state_) return;
   std::unique_lock<std::mutex> lk(state_->mu);
-  state_->cv.wait(lk, [&] { return state_->chunks_left == 0; });
+  state_->cv.wait(lk, [&] { return state_->finished; });
   if (state_->failed) {
     throw IOError(state_->err, state_->op, state_->path, state_->nbytes, state_->offset,
                   state_->detail);
@@ -316,7 +321,7 @@ void Future::wait() const {
 bool Future::done() const {
   if (!state_) return true;
   std::lock_guard<std::mutex> lk(state_->mu);
-  return state_->chunks_left == 0;
+  return state_->finished;
 }
 
 // ---------------------------------------------------------------- File
@@ -353,7 +358,10 @@ Future File::submit(bool is_write, void* buf, std::size_t nbytes, std::uint64_t 
   fut->path = state_->path;
   fut->nbytes = nbytes;
   fut->offset = offset;
-  if (nbytes == 0) return Future(fut);
+  if (nbytes == 0) {
+    fut->finished = true;  // nothing to run
+    return Future(fut);
+  }
   fut->keepalive = std::move(keepalive);
 
   // Split evenly over the workers, in aligned chunks of kMinChunkBytes..kMaxChunkBytes.

@@ -12,9 +12,12 @@
 //   - the FutureState, whose `keepalive` owns the caller's buffer (bindings.cpp
 //     puts the tensor there), so the memory cannot be freed while a worker
 //     still touches it, even if the caller drops the future without waiting.
-//   A worker marks its chunk complete (and wakes waiters) *before* it drops its
-//   references, and never holds a lock while dropping them: dropping the last
-//   reference to a tensor may need the Python GIL (see bindings.cpp).
+//   The worker that runs a request's last chunk lets go of `keepalive` first,
+//   then marks the request finished and wakes waiters: once done() is true the
+//   engine no longer holds the caller's buffer (callers count on it to know
+//   when memory is given back). No lock is held while a reference is dropped:
+//   dropping a tensor may need the Python GIL; bindings.cpp's owners defer
+//   that to a Python thread (NOTE [Dropping tensors off the GIL]).
 //
 // NOTE [Alignment]
 //   Offsets must be multiples of kAlignBytes (checked at submit). Lengths and
@@ -73,7 +76,8 @@ class IOError : public std::runtime_error {
 struct FutureState {
   std::mutex mu;
   std::condition_variable cv;
-  std::size_t chunks_left = 0;
+  std::size_t chunks_left = 0;          // chunks not yet run
+  bool finished = false;                // every chunk ran and keepalive is let go
   bool failed = false;
   int err = 0;
   std::string detail;                   // of the first failure ("" = strerror(err))

@@ -8,6 +8,8 @@ or read-only tmpfs) are skipped with the reason when ``mount`` is refused.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import errno
 import gc
 import logging
@@ -15,6 +17,9 @@ import mmap
 import os
 import shutil
 import subprocess
+import sys
+import time
+import weakref
 
 import pytest
 import torch
@@ -228,6 +233,59 @@ def test_future_keeps_the_buffer_alive(engine, tmp_path):
         f.read(back, i * 2 * MiB).wait()
         assert bool((back == i).all())
     f.close()
+
+
+def test_done_means_the_engine_let_go_of_the_buffer(engine, tmp_path):
+    """Once done() (or wait()) says a request finished, the engine holds its
+    buffer no more: memory is given back as the tiers count it."""
+    f = engine.open(str(tmp_path / "data"))
+    bufs = [torch.full((64 * 1024,), i, dtype=torch.uint8) for i in range(8)]
+    refs = [weakref.ref(b) for b in bufs]
+    futs = [f.write(b, i * 64 * 1024) for i, b in enumerate(bufs)]
+    del bufs
+    for i, fut in enumerate(futs):
+        if i % 2:
+            fut.wait()
+        else:
+            while not fut.done():
+                time.sleep(0.0005)
+        gc.collect()
+        assert refs[i]() is None, f"request {i} is done but its buffer is still held"
+    f.close()
+
+
+def test_cpp_requests_finish_while_python_holds_the_gil(tmp_path):
+    """NOTE [Dropping tensors off the GIL]: the C++ workers complete requests,
+    and let go of their buffers, while a Python thread holds the GIL. They used
+    to wait for the GIL to drop each buffer: up to a switch interval per
+    request while a training thread ran Python. The switch interval is made
+    huge so that a worker that needs the GIL cannot get it during the test."""
+    reason = _cpp_unavailable()
+    if reason:
+        pytest.skip(f"the C++ extension cannot be built: {reason}")
+    from tiermem.io.cpp import CppEngine
+    libc = ctypes.PyDLL(ctypes.util.find_library("c"))   # calls keep the GIL
+    engine = CppEngine(2)
+    f = engine.open(str(tmp_path / "data"))
+    n = 64 * 1024
+    bufs = [torch.full((n,), i, dtype=torch.uint8) for i in range(6)]
+    refs = [weakref.ref(b) for b in bufs]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)
+    try:
+        futs = [f.write(b, i * n) for i, b in enumerate(bufs)]
+        del bufs   # the engine holds the only references now
+        libc.usleep(500_000)   # the GIL stays with this thread
+        done = [fut.done() for fut in futs]   # (done() destroys what workers let go of)
+        alive = [r() is not None for r in refs]
+    finally:
+        sys.setswitchinterval(interval)
+    for fut in futs:
+        fut.wait()
+    f.close()
+    engine.close()
+    assert all(done), done
+    assert not any(alive), f"buffers still held by workers waiting for the GIL: {alive}"
 
 
 def test_objects_implement_the_interface(engine, tmp_path):

@@ -5,10 +5,13 @@
 // Several threads submit writes of odd sizes from unaligned buffers to one
 // file, wait, read back and compare; then requests are left in flight while
 // the file is closed, and the engine is destroyed with and without close().
+// Every request's keepalive must be let go before its future says done
+// (NOTE [Request lifetime]).
 // Exit status 0 and "stress_io: ok" on success.
 #include <unistd.h>
 
 #include <atomic>
+#include <memory>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -24,13 +27,32 @@ constexpr std::uint64_t kSlot = std::uint64_t(4) << 20;
 bool round_trips(tiermem::File& f, int t, int ops) {
   std::vector<std::vector<char>> bufs;
   std::vector<tiermem::Future> futs;
+  std::vector<std::shared_ptr<std::atomic<bool>>> released;
   for (int i = 0; i < ops; ++i) {
     const std::size_t n = 1 + (std::size_t(i) * 7919 + std::size_t(t) * 104729) % (3 << 20);
     bufs.emplace_back(n + 1);
     for (std::size_t k = 0; k < n; ++k) bufs.back()[k + 1] = char(k * 31 + i + t);
-    futs.push_back(f.write(bufs.back().data() + 1, n, std::uint64_t(t * ops + i) * kSlot));
+    auto flag = std::make_shared<std::atomic<bool>>(false);
+    released.push_back(flag);
+    std::shared_ptr<void> keepalive(new int(0), [flag](void* p) {
+      delete static_cast<int*>(p);
+      flag->store(true);
+    });
+    futs.push_back(f.write(bufs.back().data() + 1, n, std::uint64_t(t * ops + i) * kSlot,
+                           std::move(keepalive)));
   }
-  for (auto& fut : futs) fut.wait();
+  for (int i = 0; i < ops; ++i) {
+    if (i % 2) {
+      futs[i].wait();
+    } else {
+      while (!futs[i].done()) std::this_thread::yield();
+    }
+    if (!released[i]->load()) {
+      std::fprintf(stderr, "stress_io: thread %d op %d done with its keepalive held\n", t, i);
+      for (auto& fut : futs) fut.wait();  // the buffers must outlive the requests
+      return false;
+    }
+  }
   for (int i = 0; i < ops; ++i) {
     const std::size_t n = bufs[i].size() - 1;
     std::vector<char> back(n);

@@ -56,7 +56,7 @@ _CSRC = _find_csrc()
 SOURCES = [os.path.join(_CSRC, "io_engine.cpp"), os.path.join(_CSRC, "bindings.cpp")]
 #: ... and in its CUDA build. See NOTE [CUDA build of the engine].
 CUDA_SOURCES = SOURCES + [os.path.join(_CSRC, "cuda_chain.cpp")]
-_HEADERS = [os.path.join(_CSRC, "io_engine.h")]
+_HEADERS = [os.path.join(_CSRC, "io_engine.h"), os.path.join(_CSRC, "tensor_release.h")]
 _NAME = "tiermem_C"
 _CUDA_NAME = "tiermem_C_cuda"
 

@@ -1,0 +1,37 @@
+// Owning tensors from threads that do not hold the Python GIL.
+//
+// NOTE [Dropping tensors off the GIL]
+//   A tensor that Python also references keeps its PyObject alive while C++
+//   holds an extra reference; dropping that last extra reference decrements
+//   the PyObject and so takes the GIL (c10's intrusive_ptr, has_pyobject).
+//   An engine thread that dropped a buffer on completion therefore waited for
+//   the GIL once per request: while a training thread ran Python, up to the
+//   interpreter's switch interval (5 ms) per request, and the engine's
+//   throughput fell with it (taking a second reference to such a tensor
+//   takes the GIL too: threads without it only move tensors). So a tensor dropped on a thread without the GIL
+//   is queued here instead ("buried"), and destroyed by the next binding call
+//   that holds the GIL anyway (write, read, done, wait, close...; see
+//   bindings.cpp). Until then its memory stays allocated: the delay is
+//   bounded by the caller's next call into the engine, which the tiers make
+//   on every save, poll and restore.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <memory>
+
+namespace tiermem {
+
+// Drops `t` now if this thread holds the GIL, else queues it for the next
+// drain_buried(). An undefined tensor is ignored.
+void bury(at::Tensor&& t);
+
+// Destroys every queued tensor. Call with the GIL held (any binding call).
+void drain_buried();
+
+// A keepalive for the I/O core (std::shared_ptr<void>) owning `t`, whose
+// deleter bury()s it. Off the GIL pass an rvalue: copying a tensor that
+// Python references may take the GIL as dropping one does.
+std::shared_ptr<void> hold(at::Tensor t);
+
+}  // namespace tiermem
