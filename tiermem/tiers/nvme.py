@@ -20,6 +20,12 @@ Data path:
     Python chain thread waits for the copy's event and writes, or reads and
     then issues the copy.
 
+  If the engine's chain refuses a request at submit (a CUDA error, a closed
+  chain, an argument it rejects), that tensor and every later one of this
+  store go through the Python chain instead: one warning with the error,
+  kept in :attr:`NvmeStore.engine_chain_error`. Failures after submit (the
+  disk) are the tier's usual failures (see MovingStore).
+
 Landing, in-place safety, prefetch and release are :class:`~.moving.MovingStore`'s.
 An extent is given back to the arena only once the last I/O on it is done
 (``_deferred``), so a new write can never race a read still in flight.
@@ -169,6 +175,8 @@ class NvmeStore(MovingStore):
         self.engine = engine
         # See the module docstring: CUDA tensors through the engine's own chain.
         self._engine_cuda = bool(getattr(engine, "cuda_chain", False)) and not verify
+        #: Why the engine's CUDA chain was given up for the Python one (None: it wasn't).
+        self.engine_chain_error: Optional[str] = None
         self._file = engine.open(self.path, 0)
         self.arena = Arena(self._file.resize, budget_bytes, align=4096)
         self.verify = verify
@@ -219,7 +227,9 @@ class NvmeStore(MovingStore):
             return (offset, crc), _ChainJob(self._chain.submit(self._wrap(write_cpu, what)))
         view = staging[:nbytes].view(layout.dtype)
         if self._engine_cuda:
-            return self._store_out_engine(src, layout, t, staging, view, offset, what)
+            out = self._store_out_engine(src, layout, t, staging, view, offset, what)
+            if out is not None:
+                return out
         d2h = copier_for(t.device, self._copiers).copy_out(layout.source(src),
                                                             layout.dest_view(view))
         crc = [None]
@@ -235,20 +245,27 @@ class NvmeStore(MovingStore):
         job = _ChainJob(self._chain.submit(self._wrap(write_cuda, what)), side=d2h.side)
         return (offset, crc), job
 
+    def _give_up_engine_chain(self, what: str, e: BaseException) -> None:
+        """From now on this store uses the Python chain (see the module docstring)."""
+        self._engine_cuda = False
+        self.engine_chain_error = f"{type(e).__name__}: {e}"
+        _log.warning("tiermem: the C++ engine's CUDA chain refused %s (%s); this tensor "
+                     "and later ones go through the Python chain (shown once; "
+                     "NvmeStore.engine_chain_error)", what, self.engine_chain_error)
+
     def _store_out_engine(self, src, layout, t, staging, view, offset, what):
         """The engine's CUDA chain: D2H on the copier's side stream after the
-        compute stream, then the write, all issued and carried by the engine."""
+        compute stream, then the write, all issued and carried by the engine.
+        ``None`` if the chain refused it: the caller goes on with the Python
+        chain (same staging buffer and extent)."""
         copier = copier_for(t.device, self._copiers)
         try:
             fut = self._file.write_from_device(
                 layout.source(src), layout.dest_view(view), offset, copier.d2h,
                 torch.cuda.current_stream(t.device))
-        except Exception as e:   # CUDA error, closed engine, rejected argument
-            self._staging.release(staging, None, True)
-            self.arena.free(offset, layout.nbytes)
-            if isinstance(e, OSError):
-                raise TierMemError(f"tiermem: {what} failed: {e}") from e
-            raise
+        except Exception as e:   # CUDA error, closed chain, rejected argument
+            self._give_up_engine_chain(what, e)
+            return None
         job = _EngineCudaJob(fut, what)
         # Handed out again once the write is done (the engine holds it till then).
         self._staging.release(staging, job, True)
@@ -307,16 +324,13 @@ class NvmeStore(MovingStore):
             # queued on it since `dev` was allocated) and copies after it.
             try:
                 fut = self._file.read_to_device(view, dev[layout.pad:], offset, side, compute)
-            except Exception as e:   # CUDA error, closed engine, rejected argument
-                if pooled:
-                    self._staging.release(staging, None, True)
-                if isinstance(e, OSError):
-                    raise TierMemError(f"tiermem: {what} failed: {e}") from e
-                raise
-            job = _EngineCudaJob(fut, what, device, compute)
-            if pooled:   # handed out again once the copy is complete
-                self._staging.release(staging, job, True)
-            return dev, job
+            except Exception as e:   # CUDA error, closed chain, rejected argument
+                self._give_up_engine_chain(what, e)
+            else:
+                job = _EngineCudaJob(fut, what, device, compute)
+                if pooled:   # handed out again once the copy is complete
+                    self._staging.release(staging, job, True)
+                return dev, job
         allocated = torch.cuda.Event()
         allocated.record(compute)
 
