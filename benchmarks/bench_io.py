@@ -16,7 +16,12 @@ engine; the C++ engine is also measured with plain ``torch.empty`` buffers
 ``iodepth`` buffers, as ``cpp_hot`` (on the VM measured, touching more distinct
 memory made O_DIRECT slower: a DMA-mapping effect, not per-request cost).
 Engines submit all requests of a pass, then wait for all. A second sweep on
-tmpfs (``--overhead-dir``, memory speed) shows the engines' own CPU cost.
+tmpfs (``--overhead-dir``, memory speed) shows the engines' own CPU cost. A
+third, ``contended`` (on the disk), runs the engines while another Python
+thread runs pure-Python code, as a training loop's forward pass does while
+activations are written: it reports the engines' throughput and how fast the
+Python thread ran, relative to running alone (``busy_rate_vs_alone``). Engine
+threads that need the GIL wait up to a switch interval (5 ms) for it each time.
 
 Usage::
 
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -130,25 +136,70 @@ def _buffers(size: int, count: int, aligned: bool) -> list:
     return bufs
 
 
-def run_engine(engine, name: str, directory: str, size: int, total: int, bufs) -> dict:
-    """Write ``total`` bytes in requests of ``size``, then read them back: GB/s."""
+class BusyPython:
+    """A thread running pure-Python code (bytecode, no I/O) while the block runs;
+    ``rate`` is its loop iterations per second. Stands for the Python work of a
+    training step (module calls, hooks) that holds the GIL between ops."""
+
+    def __init__(self) -> None:
+        self.rate = None
+        self._stop = threading.Event()
+        self._count = 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        stop, n = self._stop, 0
+        while not stop.is_set():
+            acc = 0
+            for i in range(500):
+                acc += i
+            n += 1
+        self._count = n
+
+    def __enter__(self) -> "BusyPython":
+        self._t0 = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.rate = self._count / (time.perf_counter() - self._t0)
+
+    @classmethod
+    def alone(cls, seconds: float = 1.0) -> float:
+        """Iterations per second with nothing else running."""
+        with cls() as busy:
+            time.sleep(seconds)
+        return busy.rate
+
+
+def run_engine(engine, name: str, directory: str, size: int, total: int, bufs,
+               busy: bool = False) -> dict:
+    """Write ``total`` bytes in requests of ``size``, then read them back: GB/s
+    (with ``busy``, while a :class:`BusyPython` thread runs: its rate too)."""
     path = os.path.join(directory, f"bench-{name}-{os.getpid()}")
     f = engine.open(path, total)
+    ctx = BusyPython() if busy else contextlib.nullcontext()
     try:
         n = total // size
-        t0 = time.perf_counter()
-        futs = [f.write(bufs[i % len(bufs)], i * size) for i in range(n)]
-        for fut in futs:
-            fut.wait()
-        t1 = time.perf_counter()
-        futs = [f.read(bufs[i % len(bufs)], i * size) for i in range(n)]
-        for fut in futs:
-            fut.wait()
-        t2 = time.perf_counter()
+        with ctx:
+            t0 = time.perf_counter()
+            futs = [f.write(bufs[i % len(bufs)], i * size) for i in range(n)]
+            for fut in futs:
+                fut.wait()
+            t1 = time.perf_counter()
+            futs = [f.read(bufs[i % len(bufs)], i * size) for i in range(n)]
+            for fut in futs:
+                fut.wait()
+            t2 = time.perf_counter()
     finally:
         f.close()
         os.unlink(path)
-    return {"write_gbps": total / (t1 - t0) / 1e9, "read_gbps": total / (t2 - t1) / 1e9}
+    out = {"write_gbps": total / (t1 - t0) / 1e9, "read_gbps": total / (t2 - t1) / 1e9}
+    if busy:
+        out["busy_rate"] = ctx.rate
+    return out
 
 
 def run_fio(directory: str, size: int, total: int, iodepth: int, mem: str = "malloc") -> dict:
@@ -223,9 +274,11 @@ def _default_dir() -> str:
 
 
 def sweep(live: dict, runners: list, directory: str, sizes: list, total: int, repeats: int,
-          threads: int, label: str) -> list:
+          threads: int, label: str, busy: bool = False) -> list:
     """For each size: warm-up, then ``repeats`` interleaved runs of every runner;
-    one row of medians (and ratios to fio when it ran) per size."""
+    one row of medians (and ratios to fio when it ran) per size. ``busy``: the
+    engines run beside a :class:`BusyPython` thread (see the module docstring)."""
+    alone = BusyPython.alone() if busy else None
     engines = [n for n in runners if not n.startswith("fio")]
     fios = [n for n in runners if n.startswith("fio")]
     rows = []
@@ -248,7 +301,7 @@ def sweep(live: dict, runners: list, directory: str, sizes: list, total: int, re
                     samples[name].append(run_fio(directory, size, total, threads, mem))
                 else:
                     samples[name].append(run_engine(live[name], name, directory, size, total,
-                                                    bufs[name]))
+                                                    bufs[name], busy))
                 print(f"bench_io: {label} size {size} rep {rep} {name}: "
                       f"{ {k: round(v, 2) for k, v in samples[name][-1].items()} }",
                       file=sys.stderr)
@@ -257,7 +310,11 @@ def sweep(live: dict, runners: list, directory: str, sizes: list, total: int, re
         for name, runs in samples.items():
             row[name] = {k: round(statistics.median(r[k] for r in runs), 3)
                          for k in ("write_gbps", "read_gbps")}
-            row[name]["samples"] = [{k: round(v, 3) for k, v in r.items()} for r in runs]
+            if busy:
+                row[name]["busy_rate_vs_alone"] = round(
+                    statistics.median(r["busy_rate"] for r in runs) / alone, 3)
+            row[name]["samples"] = [{k: round(v, 3) for k, v in r.items()
+                                     if k != "busy_rate"} for r in runs]
         for name in engines:
             for ref in fios:
                 row[name][f"write_vs_{ref}"] = round(
@@ -292,12 +349,17 @@ def main(argv=None) -> int:
                    "is the engines' own cost); '' to skip it")
     p.add_argument("--overhead-sizes-kib", default="64,1024")
     p.add_argument("--overhead-total-mib", type=int, default=256)
+    p.add_argument("--contended-sizes-kib", default="64,1024,16384",
+                   help="sizes of the contended sweep (beside a busy Python thread); '' to "
+                   "skip it")
+    p.add_argument("--contended-total-mib", type=int, default=256)
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat (CI)")
     p.add_argument("--out", default=None, help="write the JSON here too")
     args = p.parse_args(argv)
     if args.smoke:
         args.total_mib, args.sizes_mib, args.repeats = 8, "1,4", 1
         args.overhead_total_mib, args.no_hugepages = 8, True
+        args.contended_sizes_kib, args.contended_total_mib = "64,1024", 8
 
     base = args.dir or _default_dir()
     fstype = _fs_type(base)
@@ -337,12 +399,17 @@ def main(argv=None) -> int:
             else:
                 fios.append("fio_hugepages")
     live = {name: _make_engine(name, args.threads) for name in engines}
-    overhead, overhead_fs = [], None
+    overhead, overhead_fs, contended = [], None, []
     directory = tempfile.mkdtemp(prefix="tiermem-bench-io-", dir=base)
     try:
         results = sweep(live, engines + fios, directory, sizes, args.total_mib * MiB,
                         args.repeats, args.threads, "disk")
         huge.__exit__()
+        if args.contended_sizes_kib:
+            contended = sweep(live, [e for e in engines if e in ("cpp", "python")], directory,
+                              [int(s) * 1024 for s in args.contended_sizes_kib.split(",")],
+                              args.contended_total_mib * MiB, args.repeats, args.threads,
+                              "contended", busy=True)
         if args.overhead_dir and os.path.isdir(args.overhead_dir):
             overhead_fs = _fs_type(args.overhead_dir)
             tmp = tempfile.mkdtemp(prefix="tiermem-bench-io-", dir=args.overhead_dir)
@@ -371,8 +438,12 @@ def main(argv=None) -> int:
                                 "buffers; cpp_hot: `threads` of those slots reused; "
                                 "cpp_unaligned: torch.empty",
                      "repeats": args.repeats, "engines": engines, "smoke": args.smoke,
-                     "overhead_dir": args.overhead_dir or None, "overhead_fs_type": overhead_fs},
-          "notes": notes, "results": results, "engine_overhead_tmpfs": overhead}, args.out)
+                     "overhead_dir": args.overhead_dir or None, "overhead_fs_type": overhead_fs,
+                     "contended": ("cpp and python engines on --dir beside a BusyPython thread "
+                                   "(pure-Python loop); busy_rate_vs_alone = its iterations/s "
+                                   "over its rate alone") if contended else None},
+          "notes": notes, "results": results, "engine_overhead_tmpfs": overhead,
+          "contended": contended}, args.out)
     return 0
 
 
