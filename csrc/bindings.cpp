@@ -12,6 +12,7 @@
 // (Python picks the subclass: FileNotFoundError, ...).
 #include <torch/extension.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -47,6 +48,22 @@ std::vector<at::Tensor>& buried() {
   return *v;
 }
 
+// A drain is queued with the interpreter (Py_AddPendingCall) and not yet run.
+std::atomic<bool> drain_scheduled{false};
+
+int drain_pending(void*) {
+  drain_buried();
+  return 0;
+}
+
+bool interpreter_running() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsInitialized() && !Py_IsFinalizing();
+#else
+  return Py_IsInitialized() && !_Py_IsFinalizing();
+#endif
+}
+
 }  // namespace
 
 void bury(at::Tensor&& t) {
@@ -55,11 +72,26 @@ void bury(at::Tensor&& t) {
     at::Tensor dropped = std::move(t);
     return;
   }
-  std::lock_guard<std::mutex> lk(buried_mutex());
-  buried().push_back(std::move(t));
+  try {
+    std::lock_guard<std::mutex> lk(buried_mutex());
+    buried().push_back(std::move(t));
+  } catch (const std::bad_alloc&) {
+    at::Tensor dropped = std::move(t);  // no memory to queue it: dropped here (takes the GIL)
+    return;
+  }
+  // Ask the main thread to drain at its next bytecode boundary, so that the
+  // memory comes back even when no engine call follows (the last restores of
+  // a backward pass). Never during finalization, when the call has no
+  // interpreter to go to; if the interpreter's queue is full, the next bury
+  // asks again (and every binding call drains anyway).
+  if (!drain_scheduled.exchange(true) && interpreter_running() &&
+      Py_AddPendingCall(&drain_pending, nullptr) != 0) {
+    drain_scheduled = false;
+  }
 }
 
 void drain_buried() {
+  drain_scheduled = false;  // a bury from now on schedules a new drain
   std::vector<at::Tensor> dead;
   {
     std::lock_guard<std::mutex> lk(buried_mutex());
@@ -140,20 +172,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "wait",
           [](const tiermem::Future& f) {
+            tiermem::DrainOnExit drain;  // also when wait() raises
             if (!f.done()) {
               py::gil_scoped_release nogil;
               f.wait();
             } else {
               f.wait();  // raises the request's error, if any
             }
-            tiermem::drain_buried();
           },
           "Block until the request has completed; raise OSError if it failed.")
       .def(
           "done",
           [](const tiermem::Future& f) {
-            tiermem::drain_buried();
-            return f.done();
+            const bool done = f.done();
+            tiermem::drain_buried();  // after: what a finished request let go of is gone
+            return done;
           },
           "True when the request has completed (the engine holds its buffer no more).");
 

@@ -353,7 +353,8 @@ class CudaChain {
   }
 
   // Like Engine::~Engine: the threads finish their queues and exit on their
-  // own (joining here could deadlock on the GIL, see io_engine.h).
+  // own (they may wait for the pool's requests, whose keepalives this file
+  // does not control).
   ~CudaChain() {
     stop();
     if (out_.joinable()) out_.detach();
@@ -581,11 +582,9 @@ void register_cuda_chain(py::module_& m) {
       .def(
           "wait",
           [](CudaOp& op) {
-            {
-              py::gil_scoped_release nogil;
-              op_wait(op);
-            }
-            drain_buried();
+            DrainOnExit drain;  // also when it raises
+            py::gil_scoped_release nogil;
+            op_wait(op);
           },
           "Writes: block until the bytes are on disk. Reads: block until the bytes are "
           "read and the host-to-device copy is issued (not complete). Raise OSError if "
@@ -593,28 +592,25 @@ void register_cuda_chain(py::module_& m) {
       .def(
           "done",
           [](CudaOp& op) {
-            drain_buried();
-            return op_done(op);
+            const bool done = op_done(op);
+            drain_buried();  // after: what a finished request let go of is gone
+            return done;
           },
           "True once everything has completed (reads: the copy too), or failed. Never blocks.")
       .def(
           "synchronize",
           [](CudaOp& op) {
-            {
-              py::gil_scoped_release nogil;
-              op_synchronize(op);
-            }
-            drain_buried();
+            DrainOnExit drain;  // also when it raises
+            py::gil_scoped_release nogil;
+            op_synchronize(op);
           },
           "wait(), then (reads) block until the copy has completed.")
       .def(
           "stream_wait",
           [](CudaOp& op, std::uintptr_t stream) {
-            {
-              py::gil_scoped_release nogil;
-              op_stream_wait(op, stream);
-            }
-            drain_buried();
+            DrainOnExit drain;  // also when it raises
+            py::gil_scoped_release nogil;
+            op_stream_wait(op, stream);
           },
           py::arg("stream"),
           "wait(), then (reads) make `stream` wait for the copy without blocking the host.")

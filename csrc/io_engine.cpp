@@ -457,8 +457,9 @@ Engine::Engine(int threads) : threads_(threads), pool_(std::make_shared<Pool>())
 
 Engine::~Engine() {
   // Not joined here: the destructor may run with the Python GIL held, and a
-  // worker dropping the last reference to a buffer may need that lock. The
-  // workers own the pool, finish the queue and exit on their own.
+  // caller's keepalive may need that lock when a worker lets go of it (the
+  // bindings' keepalives do not, see tensor_release.h, but this core does not
+  // assume it). The workers own the pool, finish the queue and exit on their own.
   {
     std::lock_guard<std::mutex> lk(pool_->mu);
     pool_->stopping = true;

@@ -7,13 +7,18 @@
 //   An engine thread that dropped a buffer on completion therefore waited for
 //   the GIL once per request: while a training thread ran Python, up to the
 //   interpreter's switch interval (5 ms) per request, and the engine's
-//   throughput fell with it (taking a second reference to such a tensor
-//   takes the GIL too: threads without it only move tensors). So a tensor dropped on a thread without the GIL
-//   is queued here instead ("buried"), and destroyed by the next binding call
-//   that holds the GIL anyway (write, read, done, wait, close...; see
-//   bindings.cpp). Until then its memory stays allocated: the delay is
-//   bounded by the caller's next call into the engine, which the tiers make
-//   on every save, poll and restore.
+//   throughput fell with it. (Taking a second reference to such a tensor
+//   takes the GIL too: threads without it only move tensors.) So a tensor
+//   dropped on a thread without the GIL is queued here instead ("buried"),
+//   and destroyed by the next binding call that holds the GIL anyway (write,
+//   read, done, wait, close...; see bindings.cpp), or by a drain that the
+//   first bury() since the last drain asks the main thread to run at its next
+//   bytecode boundary (Py_AddPendingCall), whichever comes first. So memory
+//   comes back about as soon as before, and also when no engine call follows
+//   (the last restores of a backward pass).
+//   Limit: with sub-interpreters, CPython's PyGILState_Check() says yes on
+//   every thread; tensors are then dropped on engine threads, correct but
+//   slow as before (torch does not support sub-interpreters either).
 #pragma once
 
 #include <torch/extension.h>
@@ -28,6 +33,15 @@ void bury(at::Tensor&& t);
 
 // Destroys every queued tensor. Call with the GIL held (any binding call).
 void drain_buried();
+
+// Calls drain_buried() when it goes out of scope, also when an exception
+// leaves the scope (a failed wait). Construct it with the GIL held.
+struct DrainOnExit {
+  DrainOnExit() = default;
+  DrainOnExit(const DrainOnExit&) = delete;
+  DrainOnExit& operator=(const DrainOnExit&) = delete;
+  ~DrainOnExit() { drain_buried(); }
+};
 
 // A keepalive for the I/O core (std::shared_ptr<void>) owning `t`, whose
 // deleter bury()s it. Off the GIL pass an rvalue: copying a tensor that

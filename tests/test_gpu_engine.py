@@ -406,12 +406,14 @@ def test_engine_closed_with_slow_copies_in_flight(streams, tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("error", [RuntimeError, ValueError])
 @pytest.mark.parametrize("which", ["write_from_device", "read_to_device"])
 def test_refused_chain_submit_falls_back_to_the_python_chain(eng, deterministic, tmp_path,
-                                                             monkeypatch, caplog, which):
-    """A request the engine's chain refuses at submit (here: an injected CUDA
-    error) goes through the Python chain, as does every later one; one warning;
-    gradients exact; nothing raised into the training step."""
+                                                             monkeypatch, caplog, which, error):
+    """A request the engine's chain refuses at submit goes through the Python
+    chain; after a CUDA error (RuntimeError) every later one does too, after a
+    rejected argument (ValueError) only that one; one warning; gradients exact;
+    nothing raised into the training step."""
     from tiermem.io import cpp
 
     model = _model()
@@ -421,7 +423,7 @@ def test_refused_chain_submit_falls_back_to_the_python_chain(eng, deterministic,
 
     def refuse(self, *args, **kwargs):
         calls.append(which)
-        raise RuntimeError("CUDA error: injected by the test")
+        raise error("refusal injected by the test")
     monkeypatch.setattr(cpp._CppFile, which, refuse)
     off = _nvme(tmp_path)
     with caplog.at_level("WARNING", logger="tiermem"):
@@ -431,8 +433,13 @@ def test_refused_chain_submit_falls_back_to_the_python_chain(eng, deterministic,
             for g, r in zip(grads, ref[1]):
                 assert torch.equal(g, r)
     store = off._stores[tiermem.Tier.NVME]
-    assert len(calls) == 1, calls           # given up after the first refusal
-    assert not store._engine_cuda and "injected by the test" in store.engine_chain_error
+    if error is RuntimeError:
+        assert len(calls) == 1, calls       # given up after the first refusal
+        assert not store._engine_cuda
+    else:
+        assert len(calls) > 1, calls        # refused per tensor, chain kept
+        assert store._engine_cuda
+    assert "injected by the test" in store.engine_chain_error
     assert sum("CUDA chain refused" in r.getMessage() for r in caplog.records) == 1
     assert off.stats.count_by_tier["nvme"] > 0
     off.close()

@@ -288,6 +288,30 @@ def test_cpp_requests_finish_while_python_holds_the_gil(tmp_path):
     assert not any(alive), f"buffers still held by workers waiting for the GIL: {alive}"
 
 
+def test_cpp_buffers_come_back_without_another_engine_call(tmp_path):
+    """A buffer the C++ workers let go of off the GIL is destroyed by a drain
+    the main thread runs at its next bytecode boundary, not only at the next
+    engine call (the last restores of a backward pass have none after them)."""
+    reason = _cpp_unavailable()
+    if reason:
+        pytest.skip(f"the C++ extension cannot be built: {reason}")
+    from tiermem.io.cpp import CppEngine
+    engine = CppEngine(2)
+    f = engine.open(str(tmp_path / "data"))
+    buf = torch.full((64 * 1024,), 1, dtype=torch.uint8)
+    ref = weakref.ref(buf)
+    fut = f.write(buf, 0)
+    del buf
+    deadline = time.monotonic() + 10.0
+    while ref() is not None and time.monotonic() < deadline:
+        time.sleep(0.001)   # no engine call here
+    released = ref() is None
+    fut.wait()
+    f.close()
+    engine.close()
+    assert released, "the buffer was held until the next engine call"
+
+
 def test_objects_implement_the_interface(engine, tmp_path):
     f = engine.open(str(tmp_path / "data"))
     fut = f.write(torch.ones(3), 0)

@@ -20,11 +20,12 @@ Data path:
     Python chain thread waits for the copy's event and writes, or reads and
     then issues the copy.
 
-  If the engine's chain refuses a request at submit (a CUDA error, a closed
-  chain, an argument it rejects), that tensor and every later one of this
-  store go through the Python chain instead: one warning with the error,
-  kept in :attr:`NvmeStore.engine_chain_error`. Failures after submit (the
-  disk) are the tier's usual failures (see MovingStore).
+  If the engine's chain refuses a request at submit, that tensor goes through
+  the Python chain instead (same staging buffer and extent), and so does
+  every later one of this store unless the refusal was about the arguments
+  (``ValueError``/``TypeError``: that tensor only). One warning with the
+  error, kept in :attr:`NvmeStore.engine_chain_error`. Failures after submit
+  (the disk) are the tier's usual failures (see MovingStore).
 
 Landing, in-place safety, prefetch and release are :class:`~.moving.MovingStore`'s.
 An extent is given back to the arena only once the last I/O on it is done
@@ -175,8 +176,9 @@ class NvmeStore(MovingStore):
         self.engine = engine
         # See the module docstring: CUDA tensors through the engine's own chain.
         self._engine_cuda = bool(getattr(engine, "cuda_chain", False)) and not verify
-        #: Why the engine's CUDA chain was given up for the Python one (None: it wasn't).
+        #: Why the engine's CUDA chain refused a request (None: it never did).
         self.engine_chain_error: Optional[str] = None
+        self._chain_error_lock = threading.Lock()   # forward and autograd threads
         self._file = engine.open(self.path, 0)
         self.arena = Arena(self._file.resize, budget_bytes, align=4096)
         self.verify = verify
@@ -230,8 +232,13 @@ class NvmeStore(MovingStore):
             out = self._store_out_engine(src, layout, t, staging, view, offset, what)
             if out is not None:
                 return out
-        d2h = copier_for(t.device, self._copiers).copy_out(layout.source(src),
-                                                            layout.dest_view(view))
+        try:
+            d2h = copier_for(t.device, self._copiers).copy_out(layout.source(src),
+                                                                layout.dest_view(view))
+        except BaseException:
+            self._staging.release(staging, None, True)
+            self.arena.free(offset, nbytes)
+            raise
         crc = [None]
 
         def write_cuda():
@@ -246,12 +253,20 @@ class NvmeStore(MovingStore):
         return (offset, crc), job
 
     def _give_up_engine_chain(self, what: str, e: BaseException) -> None:
-        """From now on this store uses the Python chain (see the module docstring)."""
-        self._engine_cuda = False
-        self.engine_chain_error = f"{type(e).__name__}: {e}"
-        _log.warning("tiermem: the C++ engine's CUDA chain refused %s (%s); this tensor "
-                     "and later ones go through the Python chain (shown once; "
-                     "NvmeStore.engine_chain_error)", what, self.engine_chain_error)
+        """The chain refused a request: this one goes through the Python chain,
+        and later ones too unless ``e`` is about the arguments (see the module
+        docstring). Warns once per store."""
+        permanent = not isinstance(e, (ValueError, TypeError))
+        with self._chain_error_lock:
+            if permanent:
+                self._engine_cuda = False
+            first = self.engine_chain_error is None
+            self.engine_chain_error = f"{type(e).__name__}: {e}"
+        if first:
+            _log.warning("tiermem: the C++ engine's CUDA chain refused %s (%s); %s through "
+                         "the Python chain (shown once; NvmeStore.engine_chain_error)", what,
+                         self.engine_chain_error,
+                         "this tensor and later ones go" if permanent else "this tensor goes")
 
     def _store_out_engine(self, src, layout, t, staging, view, offset, what):
         """The engine's CUDA chain: D2H on the copier's side stream after the
@@ -335,17 +350,21 @@ class NvmeStore(MovingStore):
         allocated.record(compute)
 
         def read_cuda():
-            self._file.read(view, offset).wait()
-            self._check(view, expected, what)
-            with torch.cuda.device(device), torch.cuda.stream(side):
-                side.wait_event(allocated)
-                dev[layout.pad:].copy_(view, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(side)
-            dev.record_stream(side)
-            if pooled:
-                self._staging.release(staging, _EventJob(done), True)
-            return done
+            done = None
+            try:
+                self._file.read(view, offset).wait()
+                self._check(view, expected, what)
+                with torch.cuda.device(device), torch.cuda.stream(side):
+                    side.wait_event(allocated)
+                    dev[layout.pad:].copy_(view, non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record(side)
+                dev.record_stream(side)
+                return done
+            finally:   # also when the read or the check failed: back to the pool
+                if pooled:
+                    self._staging.release(staging, None if done is None else _EventJob(done),
+                                          True)
         job = _ChainJob(self._chain.submit(self._wrap(read_cuda, what)), device=device,
                         stream=compute, side=side)
         return dev, job
