@@ -31,6 +31,14 @@ Landing, in-place safety, prefetch and release are :class:`~.moving.MovingStore`
 An extent is given back to the arena only once the last I/O on it is done
 (``_deferred``), so a new write can never race a read still in flight.
 
+A full disk: the arena grows with fallocate, so ENOSPC shows there first and
+the arena stops growing (:class:`~tiermem.arena.Arena`); later tensors go to
+the policy's next tier. On a filesystem without fallocate it shows at a write
+instead: that tensor stays on its device (exact, counted in
+``budget_fallbacks``), and the store takes no new tensor for the rest of its
+life (NvmeStore.disk_full), one warning. Any other error at submit also sends
+the tensor to the next tier.
+
 With ``verify``, a CRC32 of each tensor's bytes is taken before the write and
 checked after the read; a mismatch (or a short read: the file was changed
 underneath) raises :class:`~tiermem.TierMemError` naming the tensor and file.
@@ -40,6 +48,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import errno
 import os
 import logging
 import threading
@@ -66,6 +75,19 @@ _log = logging.getLogger("tiermem")
 
 def _describe(layout: Layout) -> str:
     return f"tensor of shape {list(layout.size)} ({layout.dtype})"
+
+
+_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def _os_errno(error: Optional[BaseException]) -> Optional[int]:
+    """The errno of the first OSError in ``error``'s cause chain, if any."""
+    seen = 0
+    while error is not None and seen < 8:
+        if isinstance(error, OSError) and error.errno is not None:
+            return error.errno
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return None
 
 
 def _crc(t: torch.Tensor) -> int:
@@ -179,6 +201,8 @@ class NvmeStore(MovingStore):
         #: Why the engine's CUDA chain refused a request (None: it never did).
         self.engine_chain_error: Optional[str] = None
         self._chain_error_lock = threading.Lock()   # forward and autograd threads
+        #: The disk was found full at a write: no new tensor is taken (module docstring).
+        self.disk_full = False
         self._file = engine.open(self.path, 0)
         self.arena = Arena(self._file.resize, budget_bytes, align=4096)
         self.verify = verify
@@ -202,6 +226,8 @@ class NvmeStore(MovingStore):
 
     # -- move out -----------------------------------------------------------------
     def _store_out(self, src: torch.Tensor, layout: Layout, t: torch.Tensor):
+        if self.disk_full:
+            return None
         nbytes = layout.nbytes
         staging = None
         if t.is_cuda:
@@ -220,7 +246,13 @@ class NvmeStore(MovingStore):
             # (a bit on the tensor, not in memory) must be materialised first.
             data = data.resolve_conj().resolve_neg().reshape(-1)
             if not self.verify:
-                return (offset, [None]), _FutureJob(self._file.write(data, offset), what)
+                try:
+                    fut = self._file.write(data, offset)
+                except OSError as e:   # refused at submit (closed file, full disk...)
+                    self.arena.free(offset, nbytes)
+                    self._refused(TierMemError(f"tiermem: {what} failed: {e}"), e)
+                    return None
+                return (offset, [None]), _FutureJob(fut, what)
             crc = [None]
 
             def write_cpu():
@@ -251,6 +283,30 @@ class NvmeStore(MovingStore):
                 self._staging.release(staging, d2h, True)
         job = _ChainJob(self._chain.submit(self._wrap(write_cuda, what)), side=d2h.side)
         return (offset, crc), job
+
+    def _refused(self, error: BaseException, cause: OSError) -> None:
+        """A write refused at submit: its tensor goes to the next tier."""
+        error.__cause__ = cause
+        if _os_errno(error) in _DISK_FULL_ERRNOS:
+            self._note_disk_full(error, "this tensor goes to the next tier")
+        elif not self._warned_failure:
+            self._warned_failure = True
+            _log.warning("%s; the tensor goes to the next tier (shown once)", error)
+
+    def _note_disk_full(self, error: BaseException, this: str) -> None:
+        if self.disk_full:
+            return
+        self.disk_full = True
+        _log.warning("%s: the disk is full; %s, and the nvme tier takes no new tensors from "
+                     "now on (they go to the policy's next tier; counted in "
+                     "stats.budget_fallbacks; shown once)", error, this)
+
+    def _on_failure(self, h: MovedHandle, error: BaseException) -> None:
+        if _os_errno(error) in _DISK_FULL_ERRNOS:
+            h.step.stats.budget_fallbacks += 1
+            self._note_disk_full(error, "this tensor stays on its device")
+            return
+        super()._on_failure(h, error)
 
     def _give_up_engine_chain(self, what: str, e: BaseException) -> None:
         """The chain refused a request: this one goes through the Python chain,
