@@ -317,6 +317,8 @@ def test_retain_graph_two_backwards(tier):
         torch.manual_seed(5)
         with ctx:
             loss = case.loss()
+        for store in getattr(ctx, "_movers", ()):
+            store.drain()   # every move has landed: the prefetch counts below are exact
         loss.backward(retain_graph=True)
         g1 = {n: p.grad.clone() for n, p in case.model.named_parameters()}
         case.model.zero_grad(set_to_none=True)
