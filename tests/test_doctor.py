@@ -1,6 +1,7 @@
 """`python -m tiermem doctor` and `build` run and report what they promise."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -37,3 +38,36 @@ def test_doctor_without_dir_still_reports():
     r = _run("doctor")
     assert r.returncode == 0, r.stderr
     assert "I/O engine:" in r.stdout and "NVMe dir: not set" in r.stdout
+
+
+def test_o_direct_probe_leaves_no_file_when_refused(tmp_path, monkeypatch):
+    """ramfs creates the probe file, then refuses O_DIRECT: the file is removed."""
+    import errno
+
+    from tiermem import doctor
+
+    real_open = os.open
+
+    def refusing(path, flags, mode=0o777, **kw):
+        if flags & os.O_DIRECT:
+            os.close(real_open(path, flags & ~os.O_DIRECT, mode))
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, mode, **kw)
+    monkeypatch.setattr(doctor.os, "open", refusing)
+    assert doctor._o_direct(str(tmp_path)) == "no (Invalid argument)"
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == []
+
+
+def test_build_prints_the_extension_and_whether_it_has_the_cuda_chain():
+    from tiermem.io import engine_info
+    if engine_info()["engine"] != "cpp":
+        # The same failure `build` must report: it exits non-zero with the reason.
+        r = _run("build")
+        assert r.returncode != 0 and r.stderr.strip()
+        return
+    r = _run("build")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert any(line.endswith(".so") and os.path.isfile(line) for line in lines), r.stdout
+    assert any(line.startswith("CUDA chain: ") for line in lines), r.stdout

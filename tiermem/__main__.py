@@ -21,6 +21,8 @@ import logging
 import sys
 from typing import Callable, Optional, Sequence
 
+from .errors import ConfigError, TierMemError
+
 __all__ = ["main", "build_parser"]
 
 
@@ -94,6 +96,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         logging.getLogger("tiermem").setLevel(logging.INFO)
     try:
         return int(args.handler(args) or 0)
+    except (TierMemError, ConfigError) as e:   # a message for the user, no traceback
+        print(f"{e}", file=sys.stderr)
+        return 2
     except BrokenPipeError:  # e.g. `python -m tiermem env-table | head`
         sys.stdout = None  # nothing more can be written; keep interpreter exit quiet
         return 0

@@ -10,7 +10,9 @@ then read back; the file is removed). ``--json`` prints a JSON object instead.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import errno
 import json
 import os
 import platform
@@ -57,6 +59,10 @@ def _o_direct(path: str) -> str:
     try:
         fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
     except OSError as e:
+        if e.errno != errno.EEXIST:
+            # Some filesystems (ramfs) create the file before refusing O_DIRECT.
+            with contextlib.suppress(OSError):
+                os.unlink(probe)
         return f"no ({e.strerror})"
     os.close(fd)
     os.unlink(probe)
