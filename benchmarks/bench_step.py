@@ -29,6 +29,7 @@ import argparse
 import copy
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -251,15 +252,22 @@ def main() -> None:
     if bad:
         p.error(f"unknown config(s) {bad}; choose from {CONFIGS}")
     device = pick_device(args.device)
-    if args.nvme_dir is None:
-        args.nvme_dir = tempfile.mkdtemp(prefix="tiermem-bench-", dir="/tmp")
     if args.child:
+        if args.nvme_dir is None:   # run by hand: the parent passes its own
+            args.nvme_dir = tempfile.mkdtemp(prefix="tiermem-bench-", dir="/tmp")
         print(json.dumps(memory_child(args, device)))
         return
+    made_dir = args.nvme_dir is None
+    if made_dir:   # passed on to the children; removed at the end
+        args.nvme_dir = tempfile.mkdtemp(prefix="tiermem-bench-", dir="/tmp")
     mach = machine()  # before the runs, so the commit recorded is the one measured
     t0 = time.perf_counter()
-    timing = time_steps(args, device)
-    memory = memory_cuda(args, device) if device.type == "cuda" else memory_cpu(args)
+    try:
+        timing = time_steps(args, device)
+        memory = memory_cuda(args, device) if device.type == "cuda" else memory_cpu(args)
+    finally:
+        if made_dir:
+            shutil.rmtree(args.nvme_dir, ignore_errors=True)
     model = TinyGPT(_model_cfg(args))
     emit({"benchmark": "step", "device": str(device),
           "model": {**_model_cfg(args).__dict__, "parameters": model.num_parameters(),

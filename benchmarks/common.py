@@ -69,6 +69,9 @@ def machine() -> dict:
         "cuda_device": None,
         # Other processes compete for the cores: compare with load_average_end.
         "load_average_1_5_15min": list(os.getloadavg()),
+        # Settings that change the figures (tiermem's, glibc malloc's, threads).
+        "environment": {k: v for k, v in sorted(os.environ.items())
+                        if k.startswith(("TIERMEM_", "MALLOC_", "OMP_", "MKL_"))},
     }
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
