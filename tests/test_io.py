@@ -569,6 +569,19 @@ def test_engine_info_says_which_engine_and_why():
         assert get_engine("auto").name == "cpp"
 
 
+def test_engine_info_follows_tiermem_engine(monkeypatch):
+    monkeypatch.setenv("TIERMEM_ENGINE", " Python ")
+    info = tio.engine_info()
+    assert info["engine"] == "python" and "TIERMEM_ENGINE is 'python'" in info["reason"]
+    assert info["extension_path"] is None and info["cuda"] is False
+    monkeypatch.setenv("TIERMEM_ENGINE", "rust")
+    with pytest.raises(tiermem.ConfigError, match="TIERMEM_ENGINE='rust'"):
+        tio.engine_info()
+    assert tio.engine_info("python")["engine"] == "python"   # an argument wins
+    with pytest.raises(ValueError, match="'rust'"):
+        tio.engine_info("rust")
+
+
 def _broken_build(monkeypatch):
     from tiermem.io import cpp
     from torch.utils import cpp_extension
@@ -594,6 +607,13 @@ def test_auto_falls_back_to_python_with_one_warning(monkeypatch, caplog):
     assert "error: boom" in tio.engine_info()["reason"]
     for e in engines:
         e.close()
+
+
+def test_engine_info_for_cpp_when_it_cannot_build_says_none(monkeypatch):
+    _broken_build(monkeypatch)
+    info = tio.engine_info("cpp")
+    assert info["engine"] == "none" and "error: boom" in info["reason"]
+    assert "'cpp'" in info["reason"]
 
 
 def test_cpp_kind_raises_with_the_compiler_output(monkeypatch):

@@ -115,7 +115,7 @@ def diagnose(nvme_dir=None, mib: int = 256) -> dict:
         "gpu": _gpu(),
     }
     from .io import engine_info
-    report["engine"] = engine_info()
+    report["engine"] = engine_info(cfg.engine)   # the engine this configuration uses
     path = nvme_dir or cfg.nvme_dir
     if path:
         nv = {"dir": path}

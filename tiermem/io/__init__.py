@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 from ..errors import TierMemError
 from .base import ALIGN_BYTES, IOEngine, IOFile, IOFuture, aligned_empty
@@ -81,19 +82,39 @@ def get_engine(kind: str = "auto", threads: int = 4) -> IOEngine:
             return _cached("python", threads)
 
 
-def engine_info() -> dict:
-    """Which engine ``get_engine("auto")`` gives, and why (builds the extension if needed).
+def engine_info(kind: Optional[str] = None) -> dict:
+    """Which engine the setting ``kind`` gives, and why (builds the extension if needed).
 
-    ``{"engine": "cpp" | "python", "reason": str, "extension_path": str | None,
-    "cuda": bool}``. ``cuda``: the engine moves CUDA tensors itself (the C++
-    engine built with CUDA, see NOTE [CUDA build of the engine] in
-    :mod:`tiermem.io.cpp`); ``reason`` then also says why it does or does not.
+    ``kind``: ``"auto"``, ``"cpp"`` or ``"python"``; by default the
+    ``TIERMEM_ENGINE`` setting (else ``"auto"``), i.e. what an Offloader
+    configured from the environment uses (a bad value raises ConfigError).
+
+    ``{"engine": "cpp" | "python" | "none", "reason": str, "extension_path":
+    str | None, "cuda": bool}``. ``"none"``: ``cpp`` was asked for and the
+    C++ engine is unavailable (an Offloader with that setting raises; the
+    reason carries the compiler's output). ``cuda``: the engine moves CUDA
+    tensors itself (the C++ engine built with CUDA, see NOTE [CUDA build of
+    the engine] in :mod:`tiermem.io.cpp`); ``reason`` then also says why it
+    does or does not.
     """
     from . import cpp
 
+    if kind is None:
+        from ..config import Config
+        kind, source = Config.from_env({k: v for k, v in os.environ.items()
+                                        if k == "TIERMEM_ENGINE"}).engine, "TIERMEM_ENGINE"
+    else:
+        _check(kind, 1)
+        source = "the engine setting"
+    if kind == "python":
+        return {"engine": "python", "reason": f"{source} is 'python': the Python engine",
+                "extension_path": None, "cuda": False}
     try:
         cpp.load_extension()
     except TierMemError as e:
+        if kind == "cpp":
+            return {"engine": "none", "extension_path": None, "cuda": False,
+                    "reason": f"{source} is 'cpp', and the C++ engine is unavailable: {e}"}
         return {"engine": "python", "reason": f"the C++ engine is unavailable: {e}",
                 "extension_path": None, "cuda": False}
     cuda, why = cpp.cuda_status()
