@@ -289,8 +289,35 @@ def test_missing_nvme_dir_is_created(tmp_path):
 
 def test_read_only_nvme_dir_is_a_config_error(tmp_path):
     with _tmpfs(tmp_path / "ro", "ro,size=64k") as mnt:
-        with pytest.raises(tiermem.ConfigError, match="read-only"):
+        with pytest.raises(tiermem.ConfigError, match="read-only") as e:
             _off(mnt)
+        assert repr(mnt) in str(e.value)
+
+
+def test_unwritable_nvme_dir_is_a_config_error(tmp_path):
+    """Not writable even by root: an immutable directory (chattr +i)."""
+    d = tmp_path / "immutable"
+    d.mkdir()
+    r = subprocess.run(["chattr", "+i", str(d)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot make a directory immutable here: {r.stderr.strip()}")
+    try:
+        with pytest.raises(tiermem.ConfigError, match="not writable") as e:
+            _off(str(d))
+        assert repr(str(d)) in str(e.value) and "TIERMEM_NVME_DIR" in str(e.value)
+    finally:
+        subprocess.run(["chattr", "-i", str(d)], capture_output=True)
+
+
+def test_private_dir_that_cannot_be_made_is_a_config_error(nvme_dir, monkeypatch):
+    from tiermem.tiers import nvme
+
+    def refuse(root):
+        raise PermissionError(errno.EACCES, "Permission denied", root)
+    monkeypatch.setattr(nvme, "PrivateDir", refuse)
+    with pytest.raises(tiermem.ConfigError, match="Permission denied") as e:
+        _off(nvme_dir)
+    assert repr(nvme_dir) in str(e.value)
 
 
 def test_policy_nvme_without_dir_is_a_config_error():

@@ -78,7 +78,11 @@ def _make_nvme_store(cfg: Config):
     # Pinned staging for CUDA tensors' writes and reads in flight; when it is
     # full, further tensors go to the next tier rather than waiting.
     staging = max(cfg.prefetch_bytes or 0, 256 << 20)
-    return NvmeStore(root, engine, budget, staging, cfg.verify, cfg.io_threads)
+    try:
+        return NvmeStore(root, engine, budget, staging, cfg.verify, cfg.io_threads)
+    except OSError as e:   # the private directory or the arena file could not be made
+        raise ConfigError(f"tiermem: TIERMEM_NVME_DIR={root!r}: cannot create tiermem's "
+                          f"private directory or arena file there: {e}") from e
 
 
 def default_cpu_budget_bytes() -> int:
