@@ -259,6 +259,51 @@ def test_directory_of_a_killed_process_is_removed_at_next_start(nvme_dir):
         alive.wait()
 
 
+_HOLD_LOCK = textwrap.dedent("""
+    import fcntl, os, sys, time
+    fd = os.open(sys.argv[1], os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    print("locked", flush=True)
+    time.sleep(60)
+""")
+
+
+def test_directory_whose_lock_is_held_is_kept_whatever_its_pid(nvme_dir):
+    """An owner in another PID namespace (or on another NFS host) has a pid we
+    cannot see: its flock on owner.lock keeps its directory; once it is gone
+    (the kernel drops the lock), the directory is removed."""
+    from tiermem.spilldir import remove_stale_dirs
+
+    d = os.path.join(nvme_dir, "tiermem-999999999-1-abcdef01")   # no such pid here
+    os.makedirs(d, 0o700)
+    lock = os.path.join(d, "owner.lock")
+    open(lock, "w").close()
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, lock], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert remove_stale_dirs(nvme_dir) == [] and os.path.isdir(d)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert remove_stale_dirs(nvme_dir) == [d] and not os.path.exists(d)
+
+
+def test_own_directory_holds_its_lock(nvme_dir):
+    import fcntl
+
+    off = _off(nvme_dir)
+    (d,) = os.listdir(nvme_dir)
+    fd = os.open(os.path.join(nvme_dir, d, "owner.lock"), os.O_RDONLY)
+    try:
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
+    off.close()
+    assert os.listdir(nvme_dir) == []
+
+
 def test_directory_removed_at_interpreter_exit(nvme_dir):
     code = _CHILD.replace("time.sleep(60)", "")
     assert code != _CHILD

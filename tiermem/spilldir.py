@@ -4,14 +4,22 @@ directories of processes that were killed.
 
 A private directory is named ``tiermem-<pid>-<start>-<random>`` where
 ``<start>`` is the owner's process start time (ms since the epoch, from
-psutil): a directory is stale when no process with that pid exists, or one
-does but started at another time (the pid was reused). Stale directories are
-removed at the next start; directories of live processes are left alone.
+psutil), and holds ``owner.lock``, on which the owner keeps an exclusive
+``flock`` for its whole life (the kernel lets go of it when the process
+dies, however it dies). A directory is stale when nobody holds its lock and
+no process with that pid exists, or one does but started at another time
+(the pid was reused). The lock keeps a live owner's directory even where its
+pid means nothing to us (another PID namespace: containers sharing a disk,
+or another host on NFS); the pid check covers the moment between creating
+the directory and locking, and directories without a lock file. Stale
+directories are removed at the next start; live owners' are left alone.
 """
 
 from __future__ import annotations
 
 import atexit
+import errno
+import fcntl
 import logging
 import os
 import secrets
@@ -69,6 +77,25 @@ def _parse(name: str):
         return None
 
 
+_LOCK_NAME = "owner.lock"
+
+
+def _lock_held(directory: str) -> bool:
+    """True if some process holds the owner lock of ``directory``."""
+    try:
+        fd = os.open(os.path.join(directory, _LOCK_NAME),
+                     os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False   # no lock file (not yet made, or an older tiermem)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        return e.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
+    finally:
+        os.close(fd)   # also lets go of the lock if we took it
+    return False
+
+
 def remove_stale_dirs(root: str) -> list:
     """Remove the private directories under ``root`` whose owner process is
     gone; return their paths. Only real directories owned by this user are
@@ -85,6 +112,8 @@ def remove_stale_dirs(root: str) -> list:
         pid, start = owner
         if pid == os.getpid() or _start_ms(pid) is not None and abs(_start_ms(pid) - start) < 1000:
             continue  # alive (allow for clock rounding of the start time)
+        if _lock_held(entry.path):
+            continue  # alive, though not as a pid we can see
         try:
             st = os.lstat(entry.path)
         except OSError:
@@ -116,6 +145,18 @@ class PrivateDir:
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
             raise ConfigError(f"tiermem: {self.path} is not a private directory; this is a bug")
         self._removed = False
+        # Held until remove() or death: see the module docstring.
+        try:
+            self._lock_fd = os.open(
+                self.file(_LOCK_NAME),
+                os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError:
+            shutil.rmtree(self.path, ignore_errors=True)
+            raise
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:   # no flock here: the pid check alone decides
+            pass
         atexit.register(self.remove)
 
     def file(self, name: str) -> str:
@@ -128,4 +169,8 @@ class PrivateDir:
                 return
             self._removed = True
         shutil.rmtree(self.path, ignore_errors=True)
+        try:
+            os.close(self._lock_fd)
+        except OSError:
+            pass
         atexit.unregister(self.remove)
