@@ -71,3 +71,10 @@ def test_build_prints_the_extension_and_whether_it_has_the_cuda_chain():
     lines = r.stdout.strip().splitlines()
     assert any(line.endswith(".so") and os.path.isfile(line) for line in lines), r.stdout
     assert any(line.startswith("CUDA chain: ") for line in lines), r.stdout
+
+
+def test_a_bad_setting_is_one_line_on_stderr_and_exit_2():
+    r = _run("demo", "--steps", "1", "--no-progress", env_extra={"TIERMEM_ENGINE": "rust"})
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert r.stderr.strip().splitlines() == [
+        "tiermem: TIERMEM_ENGINE='rust' is not valid; choose one of auto, cpp, python"], r.stderr

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import traceback
 from typing import Callable, Optional, Sequence
 
 from .errors import ConfigError, TierMemError
@@ -96,9 +97,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         logging.getLogger("tiermem").setLevel(logging.INFO)
     try:
         return int(args.handler(args) or 0)
-    except (TierMemError, ConfigError) as e:   # a message for the user, no traceback
-        print(f"{e}", file=sys.stderr)
-        return 2
+    except (TierMemError, ConfigError) as e:
+        # A message for the user (the traceback with -v): exit 2 for a bad
+        # setting, like argparse's usage errors, 1 for a failure at run time.
+        if args.verbose:
+            traceback.print_exc()
+        else:
+            print(f"{e}", file=sys.stderr)
+        return 2 if isinstance(e, ConfigError) else 1
     except BrokenPipeError:  # e.g. `python -m tiermem env-table | head`
         sys.stdout = None  # nothing more can be written; keep interpreter exit quiet
         return 0

@@ -16,6 +16,7 @@ import errno
 import json
 import os
 import platform
+import secrets
 import shutil
 import tempfile
 import time
@@ -55,7 +56,7 @@ def _gpu() -> dict:
 
 
 def _o_direct(path: str) -> str:
-    probe = os.path.join(path, f".tiermem-probe-{os.getpid()}")
+    probe = os.path.join(path, f".tiermem-probe-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
     except OSError as e:

@@ -27,6 +27,7 @@ tier.get -> tensor; autograd dropping a handle -> buffers back to the pools.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -67,6 +68,11 @@ def default_nvme_budget_bytes(path: str) -> int:
     return int(psutil.disk_usage(path).free * 0.8)
 
 
+# Errors of making files in the NVMe dir that are about the dir (a ConfigError).
+_BAD_DIR_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR,
+                   errno.ENOSPC, errno.EDQUOT)
+
+
 def _make_nvme_store(cfg: Config):
     from .io import get_engine
     from .spilldir import check_nvme_dir
@@ -81,8 +87,10 @@ def _make_nvme_store(cfg: Config):
     try:
         return NvmeStore(root, engine, budget, staging, cfg.verify, cfg.io_threads)
     except OSError as e:   # the private directory or the arena file could not be made
+        if e.errno not in _BAD_DIR_ERRNOS:
+            raise
         raise ConfigError(f"tiermem: TIERMEM_NVME_DIR={root!r}: cannot create tiermem's "
-                          f"private directory or arena file there: {e}") from e
+                          f"private directory or arena file there: {e}") from None
 
 
 def default_cpu_budget_bytes() -> int:
@@ -485,7 +493,8 @@ class Offloader:
             if handle is None:
                 if candidate is not Tier.RECOMPUTE:   # counted by reason in the store
                     stats.budget_fallbacks += 1
-                    self._warn_full(candidate)
+                    if not getattr(store, "explained_refusals", False):
+                        self._warn_full(candidate)
                 continue
             stats.record(candidate.value, nbytes)
             return handle

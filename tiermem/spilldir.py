@@ -11,8 +11,9 @@ no process with that pid exists, or one does but started at another time
 (the pid was reused). The lock keeps a live owner's directory even where its
 pid means nothing to us (another PID namespace: containers sharing a disk,
 or another host on NFS); the pid check covers the moment between creating
-the directory and locking, and directories without a lock file. Stale
-directories are removed at the next start; live owners' are left alone.
+the directory and locking, and directories without a lock file. (NFS
+mounted with ``nolock`` or ``local_lock=flock`` keeps locks to one host.)
+Stale directories are removed at the next start; live owners' are left alone.
 """
 
 from __future__ import annotations
@@ -88,7 +89,11 @@ def _lock_held(directory: str) -> bool:
     except OSError:
         return False   # no lock file (not yet made, or an older tiermem)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # Shared: it conflicts with the owner's exclusive lock, and unlike an
+        # exclusive one it needs no write access (NFS emulates flock with
+        # POSIX locks, where it would). Any other failure (no locking here):
+        # unknown, the pid check decides.
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError as e:
         return e.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
     finally:
@@ -154,21 +159,26 @@ class PrivateDir:
             shutil.rmtree(self.path, ignore_errors=True)
             raise
         try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # Blocking: a checker may hold a shared lock for an instant.
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
         except OSError:   # no flock here: the pid check alone decides
             pass
+        self._owner_pid = pid
         atexit.register(self.remove)
 
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
 
     def remove(self) -> None:
-        """Delete the directory and its files (idempotent)."""
+        """Delete the directory and its files (idempotent). In a process forked
+        from the owner (whose exit runs the inherited atexit hooks) only its
+        copy of the lock's fd is closed: the directory is the parent's."""
         with PrivateDir._lock:
             if self._removed:
                 return
             self._removed = True
-        shutil.rmtree(self.path, ignore_errors=True)
+        if os.getpid() == self._owner_pid:
+            shutil.rmtree(self.path, ignore_errors=True)
         try:
             os.close(self._lock_fd)
         except OSError:

@@ -203,7 +203,13 @@ class NvmeStore(MovingStore):
         self._chain_error_lock = threading.Lock()   # forward and autograd threads
         #: The disk was found full at a write: no new tensor is taken (module docstring).
         self.disk_full = False
-        self._file = engine.open(self.path, 0)
+        #: This store warned why it refuses tensors (the Offloader then need not).
+        self.explained_refusals = False
+        try:
+            self._file = engine.open(self.path, 0)
+        except BaseException:
+            self._finalizer()   # no half-made store keeps its directory
+            raise
         self.arena = Arena(self._file.resize, budget_bytes, align=4096)
         self.verify = verify
         self._staging = HostPool(staging_bytes)
@@ -286,6 +292,7 @@ class NvmeStore(MovingStore):
 
     def _refused(self, error: BaseException, cause: OSError) -> None:
         """A write refused at submit: its tensor goes to the next tier."""
+        self.explained_refusals = True
         error.__cause__ = cause
         if _os_errno(error) in _DISK_FULL_ERRNOS:
             self._note_disk_full(error, "this tensor goes to the next tier")
@@ -296,7 +303,7 @@ class NvmeStore(MovingStore):
     def _note_disk_full(self, error: BaseException, this: str) -> None:
         if self.disk_full:
             return
-        self.disk_full = True
+        self.disk_full = self.explained_refusals = True
         _log.warning("%s: the disk is full; %s, and the nvme tier takes no new tensors from "
                      "now on (they go to the policy's next tier; counted in "
                      "stats.budget_fallbacks; shown once)", error, this)
@@ -314,9 +321,10 @@ class NvmeStore(MovingStore):
         docstring). Warns once per store."""
         permanent = not isinstance(e, (ValueError, TypeError))
         with self._chain_error_lock:
+            # Warned at the first refusal, and again when the chain is given up.
+            first = self.engine_chain_error is None or (permanent and self._engine_cuda)
             if permanent:
                 self._engine_cuda = False
-            first = self.engine_chain_error is None
             self.engine_chain_error = f"{type(e).__name__}: {e}"
         if first:
             _log.warning("tiermem: the C++ engine's CUDA chain refused %s (%s); %s through "
