@@ -663,3 +663,31 @@ def test_llama_style_rmsnorm_and_swiglu_recomputed_exactly(dtype):
     # In bf16 the fp32 upcast of the second block's input is dropped by
     # storing its bf16 input (half the bytes): stored < dropped.
     assert stats.recompute_input_bytes < stats.bytes_by_tier["recompute"] / 4
+
+
+def test_callable_policy_sees_only_the_tensors_autograd_saves():
+    """Private inputs of recipes are stored where the planned tensor's later
+    choices say; the policy is not asked about them, so ``info.index`` counts
+    saved tensors only, as with any other policy."""
+    torch.manual_seed(0)
+    base, proj = torch.randn(64, 8, requires_grad=True), torch.randn(8, 16)
+    lin = nn.Linear(16, 4)
+
+    def run(answer):
+        seen = []
+
+        def policy(info):
+            seen.append(info.index)
+            return answer
+        off = tiermem.Offloader(policy=policy, min_offload_bytes=0)
+        with off:
+            x = (base @ proj).to(torch.bfloat16)   # saved by no one: a private input
+            y = lin(x.float())                    # saves x.float(), recomputed from x
+        y.square().sum().backward()
+        return seen, off.stats
+    plain, _ = run("keep")
+    seen, stats = run(["recompute", "cpu"])
+    assert stats.count_by_tier["recompute"] >= 1
+    assert stats.recompute_input_bytes == 64 * 16 * 2          # x, stored in cpu
+    assert stats.bytes_by_tier["cpu"] >= 64 * 16 * 2
+    assert seen == plain == list(range(len(plain)))

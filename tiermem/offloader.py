@@ -179,6 +179,9 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         self._index = 0
         self._dedup: dict = {}
         self._recipe_inputs: dict = {}   # kept copies made for recipes only
+        # Tiers after recompute in the order of the tensor whose recipe is being
+        # planned: where its recipe's private inputs go (see store_input).
+        self._input_order: Optional[tuple] = None
         self._param_storages: set = set()
         self._seen_roots: set = set()
         self._modules = ModuleStack(on_root=self._on_root)
@@ -296,14 +299,16 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         return Kept(exact_copy(t) if clone else t, "")
 
     def store_input(self, t: torch.Tensor) -> Any:
-        """Store an input of a recipe that no one saved: through the policy,
-        any tier but recompute; registered for dedup."""
+        """Store an input of a recipe that no one saved, registered for dedup:
+        in the tiers the saved tensor being planned would go to if it were not
+        recomputed (its policy's later choices). A callable policy is not asked
+        again: it sees the tensors autograd saves, and ``TensorInfo.index``
+        counts those only."""
         nbytes = t.numel() * t.element_size()
         module = current_module()
-        order = current_block_order()
-        if order is None:
-            order = self._off._order if self._off._fixed is not None else (
-                self._ask_policy(t, module, nbytes))
+        order = self._input_order
+        if order is None:   # not while planning (not expected): the tier order in force
+            order = current_block_order() or self._off._order or (Tier.KEEP,)
         order = tuple(tier for tier in order if tier is not Tier.RECOMPUTE) or (Tier.KEEP,)
         # Autograd did not save ``t``, so the program may still modify it in
         # place (also while a copy of it is in flight); the recipe needs its
@@ -485,11 +490,18 @@ class Offloader:
     def _put(self, order: tuple, t: torch.Tensor, ctx: OffloadContext, module: str,
              nbytes: int):
         stats = ctx.stats
-        for candidate in order:
+        for i, candidate in enumerate(order):
             store = self._stores.get(candidate)
             if store is None:
                 continue
-            handle = store.put(t, ctx, module)   # keep never refuses
+            if candidate is Tier.RECOMPUTE:
+                ctx._input_order = order[i + 1:]
+                try:
+                    handle = store.put(t, ctx, module)
+                finally:
+                    ctx._input_order = None
+            else:
+                handle = store.put(t, ctx, module)   # keep never refuses
             if handle is None:
                 if candidate is not Tier.RECOMPUTE:   # counted by reason in the store
                     stats.budget_fallbacks += 1

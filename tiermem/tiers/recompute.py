@@ -14,8 +14,9 @@ producer op and whose leaves are handles of tensors tiermem stores anyway.
 #    may be, such as BatchNorm's running statistics, go through 4);
 # 3. the argument's own recipe, when its producer is recomputable too (chains:
 #    views, casts, pointwise ops), if that costs fewer stored bytes than 4;
-# 4. the argument itself, stored through the policy (any tier but recompute),
-#    and registered for dedup so that later saves of it share it.
+# 4. the argument itself, stored in the tiers the planned tensor's policy
+#    lists after recompute (keep if none; the policy is not asked again), and
+#    registered for dedup so that later saves of it share it.
 # The bytes of case 4 are what the recipe costs. A tensor is dropped only if
 # its recipe costs fewer bytes than the tensor itself (so dropping frees
 # memory); otherwise, or if an input is gone (freed, or modified in place
