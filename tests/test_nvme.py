@@ -132,9 +132,9 @@ def test_no_files_left_after_close_and_arena_stable_over_50_steps(nvme_dir):
     assert os.listdir(nvme_dir) == []
 
 
-def test_tiny_nvme_budget_falls_back_to_cpu_exactly(nvme_dir, caplog):
+def test_tiny_nvme_budget_falls_back_to_cpu_exactly(nvme_dir, caplog, engine):
     ref = reference_steps("mlp", 3)
-    off = _off(nvme_dir, nvme_budget=4096 * 4)
+    off = _off(nvme_dir, nvme_budget=4096 * 4, engine=engine)
     with caplog.at_level(logging.WARNING, logger="tiermem"):
         compare_records(train_steps(make_case("mlp"), lambda: off, 3), ref, "mlp")
     s = off.stats
@@ -202,9 +202,10 @@ class _FullDiskFile:
 
 
 @pytest.mark.parametrize("when", ["submit", "write"])
-def test_enospc_at_a_write_falls_back_exactly_and_stops_the_tier(nvme_dir, caplog, when):
+def test_enospc_at_a_write_falls_back_exactly_and_stops_the_tier(nvme_dir, caplog, when,
+                                                                 engine):
     ref = reference_steps("mlp", 3)
-    off = _off(nvme_dir)
+    off = _off(nvme_dir, engine=engine)
     store = off._stores[tiermem.Tier.NVME]
     store._file = _FullDiskFile(store._file, when)
     with caplog.at_level(logging.WARNING, logger="tiermem"):
@@ -388,8 +389,8 @@ def test_policy_nvme_without_dir_is_a_config_error():
         tiermem.Offloader(policy="nvme")
 
 
-def _saved_to_disk(nvme_dir, verify):
-    off = _off(nvme_dir, verify=verify)
+def _saved_to_disk(nvme_dir, verify, engine="python"):
+    off = _off(nvme_dir, verify=verify, engine=engine)
     x = torch.randn(1 << 16, requires_grad=True)
     with off:
         z = (x * 2).sin()
@@ -399,8 +400,8 @@ def _saved_to_disk(nvme_dir, verify):
     return off, store, z
 
 
-def test_verify_detects_a_file_changed_underneath(nvme_dir):
-    off, store, z = _saved_to_disk(nvme_dir, verify=True)
+def test_verify_detects_a_file_changed_underneath(nvme_dir, engine):
+    off, store, z = _saved_to_disk(nvme_dir, verify=True, engine=engine)
     with open(store.path, "r+b") as f:
         f.seek(100)
         f.write(b"\xff" * 64)
@@ -410,8 +411,8 @@ def test_verify_detects_a_file_changed_underneath(nvme_dir):
     off.close()
 
 
-def test_short_read_names_the_file(nvme_dir):
-    off, store, z = _saved_to_disk(nvme_dir, verify=False)
+def test_short_read_names_the_file(nvme_dir, engine):
+    off, store, z = _saved_to_disk(nvme_dir, verify=False, engine=engine)
     os.truncate(store.path, 0)
     with pytest.raises(tiermem.TierMemError) as err:
         z.sum().backward()
