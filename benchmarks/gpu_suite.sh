@@ -14,7 +14,8 @@
 #   env       nvidia-smi, torch/CUDA versions, RAM, disks (log only)
 #   wheels    if .whl/ holds wheels (e.g. torchtune, torchao, deepspeed carried
 #             to a machine without network): installed with pip --target
-#   build     python -m tiermem build (the C++ I/O engine; built CPU-only for now)
+#   build     python -m tiermem build (the C++ I/O engine, with its CUDA chain when
+#             CUDA_HOME has nvcc; prints which)
 #   gpu-tests python -m pytest -m gpu tests/
 #   size-a    benchmarks/suite.py --preset gpu-a: the baseline fits, activations dominate
 #   size-b    benchmarks/suite.py --preset gpu-b: a 24 GiB budget the baseline does not fit
