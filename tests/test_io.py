@@ -630,3 +630,22 @@ def test_cpp_kind_raises_with_the_compiler_output(monkeypatch):
     _broken_build(monkeypatch)
     with pytest.raises(tiermem.TierMemError, match="error: boom"):
         get_engine("cpp")
+
+
+def test_stale_build_lock_is_removed_only_where_its_existence_is_the_lock(tmp_path,
+                                                                         monkeypatch):
+    """torch <= 2.13 (FileBaton): an old lock file is a killed build's, removed;
+    torch >= 2.14 (FileLock, an OS lock on a file that stays): left alone."""
+    import types
+
+    from tiermem.io import cpp
+
+    lock = tmp_path / "lock"
+    old = time.time() - 3600
+    baton = types.SimpleNamespace(_get_build_directory=lambda name, verbose: str(tmp_path))
+    for torch_kind, kept in ((baton, False),
+                             (types.SimpleNamespace(**vars(baton), FileLock=object), True)):
+        lock.write_text("")
+        os.utime(lock, (old, old))
+        cpp._clear_stale_lock(torch_kind, "tiermem_C")
+        assert lock.exists() is kept

@@ -187,7 +187,12 @@ _STALE_LOCK_SECONDS = 600
 
 
 def _clear_stale_lock(cpp_extension, name: str) -> None:
-    """Remove the build lock of a killed build: torch waits on it forever."""
+    """Remove the build lock of a killed build: torch (up to 2.13: a lock file
+    whose existence is the lock, ``FileBaton``) waits on it forever. Newer
+    torch holds an OS lock on a file that stays (``FileLock``): never stale,
+    and removing that file under a running build would let a second one in."""
+    if getattr(cpp_extension, "FileLock", None) is not None:
+        return
     try:
         build_dir = cpp_extension._get_build_directory(name, False)  # private API
         lock = os.path.join(build_dir, "lock")
