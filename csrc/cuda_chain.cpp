@@ -16,7 +16,8 @@
 //   The out thread takes requests in order (one D2H stream completes its
 //   copies in order), sleeps in cudaEventSynchronize(C) (C is a blocking-sync
 //   event), lets go of `src` and submits the pwrite of staging to the engine's
-//   pool. The future is done() when the pwrite is done.
+//   pool. The future is copied() from then on, and done() when the pwrite
+//   is done.
 //   Read (backward, `CudaChain.read_to_device`): on the calling thread, event
 //   A recorded on `after` (the stream `dst` was allocated on) and the pread
 //   into staging submitted to the pool at once. The in thread takes requests
@@ -597,6 +598,19 @@ void register_cuda_chain(py::module_& m) {
             return done;
           },
           "True once everything has completed (reads: the copy too), or failed. Never blocks.")
+      .def(
+          "copied",
+          [](CudaOp& op) {
+            bool copied;
+            {
+              std::lock_guard<std::mutex> lk(op.mu);
+              copied = op.is_write && op.issued && !op.error;
+            }
+            drain_buried();  // the device tensor, let go of once copied
+            return copied;
+          },
+          "Writes: true once the device-to-host copy has landed in staging and the "
+          "write is submitted (the device tensor is no longer needed). Never blocks.")
       .def(
           "synchronize",
           [](CudaOp& op) {

@@ -443,3 +443,53 @@ def test_refused_chain_submit_falls_back_to_the_python_chain(eng, deterministic,
     assert sum("CUDA chain refused" in r.getMessage() for r in caplog.records) == 1
     assert off.stats.count_by_tier["nvme"] > 0
     off.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("verify", [False, True])   # True: the Python chain
+def test_device_memory_is_freed_once_copied_to_staging(eng, deterministic, tmp_path, verify):
+    """NOTE [Staged moves]: a saved tensor's device memory goes once its copy
+    to pinned staging has landed, before its write; with the Python chain the
+    writes are held back to show it, and backward then runs from staging."""
+    import threading
+    import time
+
+    model = _model()
+    x = torch.randn(8, 64, 256, device="cuda")
+    ref = _step(model, x, contextlib.nullcontext())
+    off = _nvme(tmp_path, verify=verify)
+    _step(model, x, off)   # warm-up: pools, streams
+    store = off._stores[tiermem.Tier.NVME]
+    gate = threading.Event()
+    if verify:
+        inner = store._file
+
+        class Gated:
+            def __getattr__(self, name):
+                return getattr(inner, name)
+
+            def write(self, buf, offset):
+                assert gate.wait(30)
+                return inner.write(buf, offset)
+        store._file = Gated()
+    else:
+        gate.set()
+    model.zero_grad(set_to_none=True)
+    with off:
+        loss = model(x).square().mean()
+    handles = [r() for r, _ in store._pending]
+    assert handles
+    torch.cuda.synchronize()
+    deadline = time.monotonic() + 10
+    while any(h is not None and h.src is not None for h in handles):
+        assert time.monotonic() < deadline, "sources kept after their copies landed"
+        off._poll()
+        time.sleep(0.002)
+    if verify:
+        assert all(h.host is not None for h in handles)   # writes held back
+    loss.backward()
+    gate.set()
+    assert torch.equal(loss.detach(), ref[0])
+    for p, r in zip(model.parameters(), ref[1]):
+        assert torch.equal(p.grad, r)
+    off.close()

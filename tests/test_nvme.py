@@ -12,6 +12,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import pytest
 import torch
@@ -469,4 +471,140 @@ def test_layout_roundtrip_through_nvme(name, landed, nvme_dir):
     else:
         assert u.stride() == t.stride()
         assert u.data_ptr() % 64 == t.data_ptr() % 64
+    off.close()
+
+
+# -- staged moves (NOTE [Staged moves] in tiermem/tiers/moving.py) -----------------
+# CUDA tensors go device -> staging -> disk, and their device memory is freed
+# once the bytes are in staging. Here CPU tensors take the same path
+# (NvmeStore._stage_cpu), so that its logic runs in CI.
+
+def _staged(nvme_dir, **kw):
+    off = _off(nvme_dir, **kw)
+    off._stores[tiermem.Tier.NVME]._stage_cpu = True
+    return off
+
+
+@pytest.mark.parametrize("model_name", MODEL_NAMES)
+def test_staged_writes_gradients_bit_identical(model_name, nvme_dir, engine):
+    ref = reference_steps(model_name, 3)
+    off = _staged(nvme_dir, engine=engine)
+    compare_records(train_steps(make_case(model_name), lambda: off, 3), ref, model_name)
+    assert off.stats.count_by_tier["nvme"] > 0
+    off.close()
+    assert os.listdir(nvme_dir) == []
+
+
+class _GatedFile:
+    """The store's file; writes wait for ``gate`` (or fail with EIO if ``fail``)."""
+
+    def __init__(self, f, fail: bool = False) -> None:
+        self._f, self.fail = f, fail
+        self.gate = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def write(self, buf, offset):
+        assert self.gate.wait(30), "the test never opened the gate"
+        if self.fail:
+            raise OSError(errno.EIO, "Input/output error (injected)")
+        return self._f.write(buf, offset)
+
+
+def _chain(x):
+    return (x * 2).sin().cos().exp()
+
+
+def _until(cond, what):
+    deadline = time.monotonic() + 10
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.002)
+
+
+def test_staged_source_is_freed_once_copied_and_served_from_staging(nvme_dir):
+    torch.manual_seed(0)
+    x = torch.randn(1 << 16, requires_grad=True)
+    _chain(x).sum().backward()
+    ref, x.grad = x.grad.clone(), None
+
+    off = _staged(nvme_dir)
+    store = off._stores[tiermem.Tier.NVME]
+    store._file = gated = _GatedFile(store._file)
+    with off:
+        a = x * 2
+        b = a.sin()
+        c = b.cos()
+        out = c.exp()
+    handles = [ref_() for ref_, _ in store._pending]
+    assert len(handles) >= 3 and all(h is not None for h in handles)
+    freed = StorageWeakRef(a.untyped_storage())
+    del a, b, c
+    gc.collect()
+
+    def all_staged():
+        off._poll()
+        return all(h.host is not None and h.src is None for h in handles)
+    _until(all_staged, "the copies to staging never landed")
+    assert freed.expired(), "the source was kept after its copy to staging landed"
+    assert not gated.gate.is_set() and all(not job.done() for _, job in store._pending)
+    out.sum().backward()                 # every write still held back: from staging
+    assert torch.equal(x.grad, ref)
+    gated.gate.set()
+    off.close()
+    assert os.listdir(nvme_dir) == []
+
+
+def test_staged_write_failing_after_the_source_was_freed_loses_nothing(nvme_dir, caplog):
+    """The bytes are then only in staging: the handle keeps that buffer (its
+    pool does not hand it out again) and backward restores from it."""
+    torch.manual_seed(0)
+    xs = [torch.randn(1 << 15, requires_grad=True) for _ in range(2)]
+    refs = []
+    for x in xs:
+        _chain(x).sum().backward()
+        refs.append(x.grad.clone())
+        x.grad = None
+    off = _staged(nvme_dir)
+    store = off._stores[tiermem.Tier.NVME]
+    outs = []
+    with caplog.at_level(logging.WARNING, logger="tiermem"):
+        for x in xs:   # the second step must not be handed the first one's buffers
+            store._file = gated = _GatedFile(getattr(store._file, "_f", store._file),
+                                             fail=True)
+            with off:
+                outs.append(_chain(x))
+            handles = [r() for r, _ in store._pending]
+
+            def all_staged():
+                off._poll()
+                return all(h.host is not None and h.src is None for h in handles)
+            _until(all_staged, "the copies to staging never landed")
+            gated.gate.set()             # now the writes fail, the sources are gone
+            store.drain()
+            assert all(h.failed and h.host is not None for h in handles)
+    assert off.stats.budget_fallbacks > 0
+    assert any("Input/output error" in r.getMessage() for r in caplog.records)
+    for out, x, ref in zip(reversed(outs), reversed(xs), reversed(refs)):
+        out.sum().backward()
+        assert torch.equal(x.grad, ref)
+    del outs
+    gc.collect()
+    assert store._staging.in_use_bytes == 0, "a staging buffer was never given back"
+    off.close()
+
+
+def test_staged_in_place_write_before_the_copy_landed_raises(nvme_dir):
+    off = _staged(nvme_dir)
+    store = off._stores[tiermem.Tier.NVME]
+    store._file = gated = _GatedFile(store._file)
+    x = torch.randn(1 << 16, requires_grad=True)
+    with off:
+        a = x * 2
+        b = a.sin()                      # saves a
+        a.add_(1)                        # before the forward thread saw its copy land
+    gated.gate.set()
+    with pytest.raises((tiermem.TierMemError, RuntimeError), match="in-place|inplace"):
+        b.sum().backward()
     off.close()

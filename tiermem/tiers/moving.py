@@ -12,7 +12,9 @@ landing check, in-place safety, prefetch, release):
 
 Forward (``put``): start moving out and return at once. The forward thread
 checks finished jobs at every pack (``poll``) and then drops the source:
-device memory is freed when the copy lands, not at backward.
+device memory is freed when the copy lands, not at backward. A store whose
+move goes through a host staging buffer first (nvme, CUDA tensors) drops the
+source earlier, once the bytes are in staging: see NOTE [Staged moves].
 
 Backward (``get``): the restore was usually started ahead of need by the
 :class:`~tiermem.prefetch.Prefetcher`; ``get`` orders the consumer after it
@@ -31,6 +33,22 @@ and returns the rebuilt tensor.
 # [In-place check] in keep.py). The check must run on the thread that issues
 # the forward ops, never on the copy worker: a worker cannot tell a finished
 # in-place kernel from one still running.
+
+# NOTE [Staged moves]
+# A job with a ``host_view`` (a tensor) moves the bytes through that host
+# buffer: ``copied()`` says they are all in it, ``done()`` that the move as a
+# whole (the disk write) is over. At ``poll`` (the forward thread, as in NOTE
+# [Copy landed]) a copied move's source is dropped after the same version
+# check, and ``h.host`` holds the staging view until the move lands:
+# - until then the handle counts as not landed (no prefetch from the disk, which
+#   may not hold the bytes yet); ``get`` copies the bytes back from ``h.host``
+#   (a blocking copy: the buffer may be reused right after);
+# - if the move then fails, ``h.host`` stays as the tensor's only copy, and
+#   ``get`` restores from it, so nothing is lost;
+# - the staging buffer goes back to its pool through ``h.lease`` (a job whose
+#   ``done()`` the store controls: ``free`` and the move's job done), set free
+#   when the move lands without needing it, or when the handle dies. The pool
+#   never hands it out while a handle may still read it.
 """
 
 from __future__ import annotations
@@ -58,8 +76,8 @@ class MovedHandle:
     when autograd drops it, the store gets its slot back."""
 
     __slots__ = ("store", "step", "layout", "nbytes", "slot", "version", "module", "src",
-                 "last_job", "restore", "gen", "taken", "uses", "cached", "tainted",
-                 "failed", "order_pos", "__weakref__")
+                 "host", "lease", "last_job", "restore", "gen", "taken", "uses", "cached",
+                 "tainted", "failed", "order_pos", "__weakref__")
 
     def __del__(self) -> None:
         store = getattr(self, "store", None)
@@ -101,6 +119,8 @@ class MovingStore(TierStore):
         h.slot, job = out
         h.layout, h.nbytes = layout, layout.nbytes
         h.version, h.module, h.src = t._version, module, src
+        h.host = None
+        h.lease = getattr(job, "lease", None)
         h.restore = h.cached = None
         h.gen = -1
         h.taken = 0
@@ -123,21 +143,49 @@ class MovingStore(TierStore):
             pending = self._pending
             while pending and pending[0][1].done():
                 self._landed(*pending.popleft())
+            if pending and self.staged:
+                self._drop_copied_sources()
+
+    #: True in stores whose jobs may be staged (NOTE [Staged moves]).
+    staged = False
+
+    def _drop_copied_sources(self) -> None:
+        """NOTE [Staged moves]: drop the sources already copied to staging."""
+        for ref, job in self._pending:
+            host = getattr(job, "host_view", None)
+            if host is None:
+                continue
+            if not job.copied():
+                break   # one side stream completes its copies in order
+            h = ref()
+            if h is None or h.src is None or h.host is not None:
+                continue
+            if h.src._version != h.version:
+                h.tainted = True
+            h.host = host
+            h.src = None
 
     def _landed(self, ref, job) -> None:
         h = ref()
-        if h is None or h.src is None:   # died (see _release) or already landed
+        if h is None or (h.src is None and h.host is None):   # died, or already landed
             return
         error = job.failed()
         if error is not None:
             # The move failed (e.g. EIO): the source is still here, so the
-            # tensor simply stays on its device, as if kept.
+            # tensor simply stays on its device, as if kept; or only its staged
+            # copy is (NOTE [Staged moves]), and stays with the handle.
             h.failed = True
+            if h.host is None and h.lease is not None:
+                h.lease.free = True
             self._on_failure(h, error)
             return
-        if h.src._version != h.version:
-            h.tainted = True
-        h.src = None
+        if h.src is not None:
+            if h.src._version != h.version:
+                h.tainted = True
+            h.src = None
+        h.host = None
+        if h.lease is not None:
+            h.lease.free = True
 
     def _on_failure(self, h: MovedHandle, error: BaseException) -> None:
         h.step.stats.budget_fallbacks += 1
@@ -161,8 +209,17 @@ class MovingStore(TierStore):
 
     def _wait_landed(self, h: MovedHandle) -> None:
         with self._lock:
-            while h.src is not None:
+            while h.src is not None and not h.failed and self._pending:
                 self._land_first()
+
+    @staticmethod
+    def _from_host(h: MovedHandle) -> torch.Tensor:
+        """The tensor rebuilt from its staged copy ``h.host`` (NOTE [Staged moves]).
+        Blocking: the staging buffer may go back to its pool right after."""
+        layout = h.layout
+        dev = torch.empty(layout.pad + layout.numel, dtype=layout.dtype, device=layout.device)
+        dev[layout.pad:].copy_(h.host)
+        return layout.rebuild(dev)
 
     # -- backward -----------------------------------------------------------
     def prefetch(self, h: MovedHandle) -> Optional[bool]:
@@ -172,7 +229,7 @@ class MovingStore(TierStore):
         prefetcher waits there rather than skipping it)."""
         if h.failed or h.tainted or h.restore is not None or h.cached is not None:
             return False
-        if h.src is not None:
+        if h.src is not None or h.host is not None:
             return None
         if h.gen == h.step.prefetcher.gen:
             return False
@@ -190,10 +247,7 @@ class MovingStore(TierStore):
         prefetcher = step.prefetcher
         with prefetcher.lock:
             self.poll()
-            if h.failed:
-                check_version(h.src, h.version, h.module)
-                return h.src
-            if h.src is not None:
+            if h.src is not None and not h.failed:
                 if h.src._version == h.version:
                     # Not landed yet: the original is still here and unchanged.
                     # A compact copy is dense: give a dense copy of the original,
@@ -201,6 +255,9 @@ class MovingStore(TierStore):
                     prefetcher.advance(h)
                     return h.src.contiguous() if h.layout.compact else h.src
                 self._wait_landed(h)
+            if h.failed and h.src is not None:
+                check_version(h.src, h.version, h.module)
+                return h.src
             if h.tainted:
                 raise TierMemError(
                     f"tiermem: a tensor saved for backward (shape {list(h.layout.size)}, "
@@ -208,6 +265,10 @@ class MovingStore(TierStore):
                     "modified by an in-place operation while tiermem was moving it to the "
                     f"{self.tier.value} tier; autograd would raise here too. Clone it "
                     "before modifying it.")
+            if h.host is not None:
+                # Staged, and its move failed or has not landed: NOTE [Staged moves].
+                prefetcher.advance(h)
+                return self._from_host(h)
             prefetcher.begin_get(h)
             if h.cached is not None:   # a tensor saved by several ops: restored once
                 out = h.cached
@@ -238,6 +299,9 @@ class MovingStore(TierStore):
         if h.src is not None:      # died before its move out landed (last_job is that move)
             h.last_job.abandon(h.src)
             h.src = None
+        h.host = None
+        if h.lease is not None:    # the pool may reuse it once the move is over
+            h.lease.free = True
         h.cached = None
         if h.restore is not None:  # prefetched, never consumed
             dev, job = h.restore

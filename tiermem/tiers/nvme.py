@@ -6,8 +6,11 @@ Data path:
   future holds the tensor), and reads straight into the restored tensor.
 - CUDA tensors: device -> pooled pinned staging buffer on the D2H side stream
   of the device's :class:`~tiermem.copier.CudaCopier`, then the write once
-  that copy's event has completed; the staging buffer returns to its pool when
-  the write has landed. Backward reverses it: read into staging, then the H2D
+  that copy's event has completed. The device memory is freed once the copy
+  has landed (the forward thread sees it at its next pack), the staging
+  buffer once the write has; until then the staging buffer is the tensor's
+  copy, and stays so if the write fails (NOTE [Staged moves] in moving.py).
+  Backward reverses it: read into staging, then the H2D
   copy into a tensor allocated on the compute stream, with an event the
   consumer's stream waits on. The forward thread and the compute stream never
   wait for the disk. Two implementations, same streams and ordering:
@@ -138,6 +141,48 @@ class _FutureJob(Job):
         """Nothing: the engine's future holds the buffer until the I/O is done."""
 
 
+class _StagingLease(Job):
+    """A staging buffer's way back to its pool (NOTE [Staged moves] in
+    moving.py): done once the store has set ``free`` and the move is over."""
+
+    __slots__ = ("job", "free")
+
+    def __init__(self, job) -> None:
+        self.job = job
+        self.free = False
+
+    def done(self) -> bool:
+        return self.free and self.job.done()
+
+
+class _StagedJob(Job):
+    """A write through a staging buffer (NOTE [Staged moves]): ``job`` is the
+    whole move; ``copied()`` is true once the bytes are in ``host_view``."""
+
+    __slots__ = ("job", "copied", "host_view", "lease")
+
+    def __init__(self, job, copied, host_view: torch.Tensor) -> None:
+        self.job = job
+        self.copied = copied
+        self.host_view = host_view
+        self.lease = _StagingLease(job)
+
+    def done(self) -> bool:
+        return self.job.done()
+
+    def wait_host(self) -> None:
+        self.job.wait_host()
+
+    def failed(self):
+        return self.job.failed()
+
+    def order_before_use(self, tensor=None) -> None:
+        self.job.order_before_use(tensor)
+
+    def abandon(self, tensor) -> None:
+        self.job.abandon(tensor)
+
+
 class _ChainJob(Job):
     """Work on a chain thread, maybe followed by a CUDA copy (``event``)."""
 
@@ -186,6 +231,7 @@ class NvmeStore(MovingStore):
     """
 
     tier = Tier.NVME
+    staged = True   # CUDA writes go through staging: NOTE [Staged moves] in moving.py
 
     def __init__(self, root: str, engine, budget_bytes: int, staging_bytes: int,
                  verify: bool, io_threads: int) -> None:
@@ -203,6 +249,9 @@ class NvmeStore(MovingStore):
         self._chain_error_lock = threading.Lock()   # forward and autograd threads
         #: The disk was found full at a write: no new tensor is taken (module docstring).
         self.disk_full = False
+        # Tests: CPU tensors through staging and the Python chain as CUDA ones
+        # go (NOTE [Staged moves] runs in CI), instead of straight from memory.
+        self._stage_cpu = False
         #: This store warned why it refuses tensors (the Offloader then need not).
         self.explained_refusals = False
         try:
@@ -236,14 +285,14 @@ class NvmeStore(MovingStore):
             return None
         nbytes = layout.nbytes
         staging = None
-        if t.is_cuda:
-            staging = self._staging.acquire(nbytes, pinned=True)
+        if t.is_cuda or self._stage_cpu:
+            staging = self._staging.acquire(nbytes, pinned=t.is_cuda)
             if staging is None:
                 return None
         offset = self.arena.alloc(nbytes)
         if offset is None:
             if staging is not None:
-                self._staging.release(staging, None, True)
+                self._staging.release(staging, None, t.is_cuda)
             return None
         what = f"writing a {_describe(layout)} to {self.path} at offset {offset}"
         if staging is None:
@@ -266,7 +315,7 @@ class NvmeStore(MovingStore):
                 self._file.write(data, offset).wait()
             return (offset, crc), _ChainJob(self._chain.submit(self._wrap(write_cpu, what)))
         view = staging[:nbytes].view(layout.dtype)
-        if self._engine_cuda:
+        if self._engine_cuda and t.is_cuda:
             out = self._store_out_engine(src, layout, t, staging, view, offset, what)
             if out is not None:
                 return out
@@ -274,20 +323,20 @@ class NvmeStore(MovingStore):
             d2h = copier_for(t.device, self._copiers).copy_out(layout.source(src),
                                                                 layout.dest_view(view))
         except BaseException:
-            self._staging.release(staging, None, True)
+            self._staging.release(staging, None, t.is_cuda)
             self.arena.free(offset, nbytes)
             raise
         crc = [None]
 
-        def write_cuda():
-            try:
-                d2h.wait_host()
-                if self.verify:
-                    crc[0] = _crc(view)
-                self._file.write(view, offset).wait()
-            finally:
-                self._staging.release(staging, d2h, True)
-        job = _ChainJob(self._chain.submit(self._wrap(write_cuda, what)), side=d2h.side)
+        def write_staged():
+            d2h.wait_host()
+            if self.verify:
+                crc[0] = _crc(view)
+            self._file.write(view, offset).wait()
+        job = _StagedJob(_ChainJob(self._chain.submit(self._wrap(write_staged, what)),
+                                   side=getattr(d2h, "side", None)), d2h.done, view)
+        # Back to the pool through the lease: NOTE [Staged moves] in moving.py.
+        self._staging.release(staging, job.lease, t.is_cuda)
         return (offset, crc), job
 
     def _refused(self, error: BaseException, cause: OSError) -> None:
@@ -345,9 +394,10 @@ class NvmeStore(MovingStore):
         except Exception as e:   # CUDA error, closed chain, rejected argument
             self._give_up_engine_chain(what, e)
             return None
-        job = _EngineCudaJob(fut, what)
-        # Handed out again once the write is done (the engine holds it till then).
-        self._staging.release(staging, job, True)
+        job = _StagedJob(_EngineCudaJob(fut, what), fut.copied, view)
+        # Back to the pool through the lease (the engine holds it until the write
+        # is done): NOTE [Staged moves] in moving.py.
+        self._staging.release(staging, job.lease, True)
         return (offset, [None]), job
 
     @staticmethod
