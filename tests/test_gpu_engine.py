@@ -98,6 +98,30 @@ def _roundtrip(f, src, offset, streams):
 
 
 @pytest.mark.gpu
+def test_copied_says_when_a_write_no_longer_needs_its_device_tensor(eng, streams, tmp_path):
+    """NOTE [Staged moves]: CudaFuture.copied() is true once the D2H copy has
+    landed (the pwrite may still run), never for reads."""
+    d2h, h2d = streams
+    compute = torch.cuda.current_stream()
+    src = torch.randn(1 << 20, device="cuda")
+    with eng.open(str(tmp_path / "f.bin"), 8 << 20) as f:
+        with torch.cuda.stream(d2h):
+            torch.cuda._sleep(SLEEP_CYCLES)           # the copy waits behind this
+        fut = f.write_from_device(src, _pinned(src.numel() * 4).view(torch.float32), 0, d2h,
+                                  compute)
+        assert not fut.copied()
+        fut.wait()
+        assert fut.copied() and fut.done()
+        dst = torch.empty_like(src)
+        rfut = f.read_to_device(_pinned(src.numel() * 4).view(torch.float32), dst, 0, h2d,
+                                compute)
+        rfut.synchronize()
+        assert not rfut.copied()
+        rfut.stream_wait(compute.cuda_stream)
+        assert torch.equal(dst, src)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.uint8])
 @pytest.mark.parametrize("numel", [1, 1023, 4096, (3 << 20) + 5, 9 << 20])
 def test_roundtrip_is_bit_identical(eng, streams, tmp_path, dtype, numel):

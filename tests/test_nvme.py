@@ -589,7 +589,9 @@ def test_staged_write_failing_after_the_source_was_freed_loses_nothing(nvme_dir,
     for out, x, ref in zip(reversed(outs), reversed(xs), reversed(refs)):
         out.sum().backward()
         assert torch.equal(x.grad, ref)
+    assert store._staging.in_use_bytes > 0   # the failed handles still hold theirs
     del outs
+    handles.clear()
     gc.collect()
     assert store._staging.in_use_bytes == 0, "a staging buffer was never given back"
     off.close()
@@ -607,4 +609,38 @@ def test_staged_in_place_write_before_the_copy_landed_raises(nvme_dir):
     gated.gate.set()
     with pytest.raises((tiermem.TierMemError, RuntimeError), match="in-place|inplace"):
         b.sum().backward()
+    off.close()
+
+
+def test_staged_tensor_saved_twice_retain_graph_from_staging(nvme_dir):
+    """A tensor saved twice (dedup: one handle, two uses), two backward passes,
+    while its write is held back: each pass restores it from staging once."""
+    torch.manual_seed(0)
+    x = torch.randn(1 << 15, requires_grad=True)
+
+    def f(x):
+        y = (x * 2).sin()
+        return (y * y).sum()     # mul saves y twice
+    f(x).backward()
+    ref, x.grad = x.grad.clone(), None
+    off = _staged(nvme_dir)
+    store = off._stores[tiermem.Tier.NVME]
+    store._file = gated = _GatedFile(store._file)
+    with off:
+        out = f(x)
+    handles = [r() for r, _ in store._pending]
+    assert any(h.uses == 2 for h in handles)
+
+    def all_staged():
+        off._poll()
+        return all(h.host is not None for h in handles)
+    _until(all_staged, "the copies to staging never landed")
+    for _ in range(2):
+        out.backward(retain_graph=True)
+        assert torch.equal(x.grad, ref)
+        x.grad = None
+        assert all(h.cached is None for h in handles), "a restored tensor outlived its pass"
+    gated.gate.set()
+    del out
+    handles.clear()
     off.close()

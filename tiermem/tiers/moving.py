@@ -42,13 +42,14 @@ and returns the rebuilt tensor.
 # check, and ``h.host`` holds the staging view until the move lands:
 # - until then the handle counts as not landed (no prefetch from the disk, which
 #   may not hold the bytes yet); ``get`` copies the bytes back from ``h.host``
-#   (a blocking copy: the buffer may be reused right after);
+#   (on CUDA on the current stream, the lease holding the buffer until then);
 # - if the move then fails, ``h.host`` stays as the tensor's only copy, and
 #   ``get`` restores from it, so nothing is lost;
-# - the staging buffer goes back to its pool through ``h.lease`` (a job whose
-#   ``done()`` the store controls: ``free`` and the move's job done), set free
-#   when the move lands without needing it, or when the handle dies. The pool
-#   never hands it out while a handle may still read it.
+# - the staging buffer goes back to its pool through ``h.lease``: only when
+#   ``h.lease.release()`` is called (the move landed without needing it, the
+#   copy was torn, or the handle died), and the pool reuses it once the move
+#   and every copy out of it are done. The pool never hands it out while a
+#   handle may still read it, and counts it in use until then.
 """
 
 from __future__ import annotations
@@ -85,6 +86,11 @@ class MovedHandle:
             store._release(self)
 
 
+def _where_kept(h: "MovedHandle") -> str:
+    """Where a tensor whose move failed stays (NOTE [Staged moves])."""
+    return "on its device" if h.host is None else "in its pinned staging buffer"
+
+
 class MovingStore(TierStore):
     """Base of the cpu and nvme tiers; see the module docstring."""
 
@@ -92,6 +98,8 @@ class MovingStore(TierStore):
         # (weakref to handle, move-out job), in submission order. Weak: a handle
         # whose graph is dropped before its copy lands frees its slot at once.
         self._pending: collections.deque = collections.deque()
+        # Staged moves whose copy to staging was not seen landed yet, in order.
+        self._uncopied: collections.deque = collections.deque()
         self._lock = threading.RLock()
         self._warned_failure = False
 
@@ -130,7 +138,10 @@ class MovingStore(TierStore):
         h.last_job = job
         h.store = self
         with self._lock:
-            self._pending.append((weakref.ref(h), job))
+            ref = weakref.ref(h)
+            self._pending.append((ref, job))
+            if getattr(job, "host_view", None) is not None:
+                self._uncopied.append((ref, job))
         step.prefetcher.add(h)
         self._note_put(step.stats)
         return h
@@ -143,26 +154,30 @@ class MovingStore(TierStore):
             pending = self._pending
             while pending and pending[0][1].done():
                 self._landed(*pending.popleft())
-            if pending and self.staged:
+            if self._uncopied:
                 self._drop_copied_sources()
 
-    #: True in stores whose jobs may be staged (NOTE [Staged moves]).
-    staged = False
-
     def _drop_copied_sources(self) -> None:
-        """NOTE [Staged moves]: drop the sources already copied to staging."""
-        for ref, job in self._pending:
-            host = getattr(job, "host_view", None)
-            if host is None:
-                continue
-            if not job.copied():
-                break   # one side stream completes its copies in order
+        """NOTE [Staged moves]: drop the sources already copied to staging (in
+        order: one side stream completes its copies in order)."""
+        uncopied = self._uncopied
+        while uncopied:
+            ref, job = uncopied[0]
             h = ref()
-            if h is None or h.src is None or h.host is not None:
-                continue
+            if h is not None and h.src is not None and not job.copied():
+                if not job.done():
+                    return   # not copied yet
+                # Over without a copy (it failed): landing decides.
+            uncopied.popleft()
+            if h is None or h.src is None or job.done():
+                continue     # gone, or landed (or about to: _landed decides)
             if h.src._version != h.version:
+                # Torn copy: backward raises; the staging is not needed.
                 h.tainted = True
-            h.host = host
+                if h.lease is not None:
+                    h.lease.release()
+            else:
+                h.host = job.host_view
             h.src = None
 
     def _landed(self, ref, job) -> None:
@@ -176,7 +191,7 @@ class MovingStore(TierStore):
             # copy is (NOTE [Staged moves]), and stays with the handle.
             h.failed = True
             if h.host is None and h.lease is not None:
-                h.lease.free = True
+                h.lease.release()
             self._on_failure(h, error)
             return
         if h.src is not None:
@@ -185,14 +200,14 @@ class MovingStore(TierStore):
             h.src = None
         h.host = None
         if h.lease is not None:
-            h.lease.free = True
+            h.lease.release()
 
     def _on_failure(self, h: MovedHandle, error: BaseException) -> None:
         h.step.stats.budget_fallbacks += 1
         if not self._warned_failure:
             self._warned_failure = True
-            _log.warning("%s; the tensor stays on its device (counted in "
-                         "stats.budget_fallbacks; shown once)", error)
+            _log.warning("%s; the tensor stays %s (counted in stats.budget_fallbacks; "
+                         "shown once)", error, _where_kept(h))
 
     def _land_first(self) -> None:
         ref, job = self._pending.popleft()
@@ -213,12 +228,20 @@ class MovingStore(TierStore):
                 self._land_first()
 
     @staticmethod
-    def _from_host(h: MovedHandle) -> torch.Tensor:
-        """The tensor rebuilt from its staged copy ``h.host`` (NOTE [Staged moves]).
-        Blocking: the staging buffer may go back to its pool right after."""
+    def _from_host(h: MovedHandle, host: torch.Tensor) -> torch.Tensor:
+        """The tensor rebuilt from its staged copy ``host`` (NOTE [Staged moves]).
+        On CUDA the copy is queued on the current stream (where the tensor is
+        allocated and consumed), and the staging buffer's lease holds it back
+        from its pool until that copy is done."""
         layout = h.layout
         dev = torch.empty(layout.pad + layout.numel, dtype=layout.dtype, device=layout.device)
-        dev[layout.pad:].copy_(h.host)
+        if dev.is_cuda:
+            dev[layout.pad:].copy_(host, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            h.lease.hold_until(done)
+        else:
+            dev[layout.pad:].copy_(host)
         return layout.rebuild(dev)
 
     # -- backward -----------------------------------------------------------
@@ -265,15 +288,19 @@ class MovingStore(TierStore):
                     "modified by an in-place operation while tiermem was moving it to the "
                     f"{self.tier.value} tier; autograd would raise here too. Clone it "
                     "before modifying it.")
-            if h.host is not None:
-                # Staged, and its move failed or has not landed: NOTE [Staged moves].
-                prefetcher.advance(h)
-                return self._from_host(h)
             prefetcher.begin_get(h)
             if h.cached is not None:   # a tensor saved by several ops: restored once
                 out = h.cached
                 if h.taken >= h.uses:
                     h.cached = None
+                return out
+            host = h.host
+            if host is not None:
+                # Staged, and its move failed or has not landed: NOTE [Staged moves].
+                prefetcher.advance(h)
+                out = self._from_host(h, host)
+                if h.taken < h.uses:
+                    h.cached = out
                 return out
             if h.restore is None:
                 step.stats.prefetch_misses += 1
@@ -301,7 +328,7 @@ class MovingStore(TierStore):
             h.src = None
         h.host = None
         if h.lease is not None:    # the pool may reuse it once the move is over
-            h.lease.free = True
+            h.lease.release()
         h.cached = None
         if h.restore is not None:  # prefetched, never consumed
             dev, job = h.restore

@@ -69,7 +69,7 @@ from ..io import aligned_empty
 from ..policy import Tier
 from ..spilldir import PrivateDir, remove_stale_dirs
 from .base import Layout
-from .moving import MovedHandle, MovingStore
+from .moving import MovedHandle, MovingStore, _where_kept
 
 __all__ = ["NvmeStore"]
 
@@ -141,18 +141,42 @@ class _FutureJob(Job):
         """Nothing: the engine's future holds the buffer until the I/O is done."""
 
 
-class _StagingLease(Job):
-    """A staging buffer's way back to its pool (NOTE [Staged moves] in
-    moving.py): done once the store has set ``free`` and the move is over."""
+class _StagingLease:
+    """A staging buffer lent to one staged move (NOTE [Staged moves] in
+    moving.py): given back to ``pool`` at :meth:`release` (once; counted in
+    use until then), for reuse once the move and every copy out of it
+    (:meth:`hold_until`) are done."""
 
-    __slots__ = ("job", "free")
+    __slots__ = ("pool", "buf", "pinned", "job", "events")
+    _lock = threading.Lock()
 
-    def __init__(self, job) -> None:
-        self.job = job
-        self.free = False
+    def __init__(self, pool: HostPool, buf: torch.Tensor, pinned: bool) -> None:
+        self.pool, self.buf, self.pinned = pool, buf, pinned
+        self.job = None      # the move, set once it is submitted
+        self.events: list = []
+
+    def hold_until(self, event) -> None:
+        """Not reused before ``event`` (a copy out of the buffer) has completed."""
+        self.events.append(event)
+
+    def release(self) -> None:
+        with _StagingLease._lock:
+            buf, self.buf = self.buf, None
+        if buf is not None:
+            self.pool.release(buf, _AllDone(self.job, self.events), self.pinned)
+
+
+class _AllDone(Job):
+    """Done when ``job`` is (if any) and every CUDA event has completed."""
+
+    __slots__ = ("job", "events")
+
+    def __init__(self, job, events: list) -> None:
+        self.job, self.events = job, events
 
     def done(self) -> bool:
-        return self.free and self.job.done()
+        return ((self.job is None or self.job.done())
+                and all(e.query() for e in self.events))
 
 
 class _StagedJob(Job):
@@ -161,11 +185,12 @@ class _StagedJob(Job):
 
     __slots__ = ("job", "copied", "host_view", "lease")
 
-    def __init__(self, job, copied, host_view: torch.Tensor) -> None:
+    def __init__(self, job, copied, host_view: torch.Tensor, lease: _StagingLease) -> None:
         self.job = job
         self.copied = copied
         self.host_view = host_view
-        self.lease = _StagingLease(job)
+        self.lease = lease
+        lease.job = job
 
     def done(self) -> bool:
         return self.job.done()
@@ -333,10 +358,11 @@ class NvmeStore(MovingStore):
             if self.verify:
                 crc[0] = _crc(view)
             self._file.write(view, offset).wait()
-        job = _StagedJob(_ChainJob(self._chain.submit(self._wrap(write_staged, what)),
-                                   side=getattr(d2h, "side", None)), d2h.done, view)
+        chain = _ChainJob(self._chain.submit(self._wrap(write_staged, what)),
+                          side=getattr(d2h, "side", None))
         # Back to the pool through the lease: NOTE [Staged moves] in moving.py.
-        self._staging.release(staging, job.lease, t.is_cuda)
+        job = _StagedJob(chain, lambda: d2h.done() and d2h.failed() is None, view,
+                         _StagingLease(self._staging, staging, t.is_cuda))
         return (offset, crc), job
 
     def _refused(self, error: BaseException, cause: OSError) -> None:
@@ -360,7 +386,7 @@ class NvmeStore(MovingStore):
     def _on_failure(self, h: MovedHandle, error: BaseException) -> None:
         if _os_errno(error) in _DISK_FULL_ERRNOS:
             h.step.stats.budget_fallbacks += 1
-            self._note_disk_full(error, "this tensor stays on its device")
+            self._note_disk_full(error, f"this tensor stays {_where_kept(h)}")
             return
         super()._on_failure(h, error)
 
@@ -394,10 +420,10 @@ class NvmeStore(MovingStore):
         except Exception as e:   # CUDA error, closed chain, rejected argument
             self._give_up_engine_chain(what, e)
             return None
-        job = _StagedJob(_EngineCudaJob(fut, what), fut.copied, view)
         # Back to the pool through the lease (the engine holds it until the write
         # is done): NOTE [Staged moves] in moving.py.
-        self._staging.release(staging, job.lease, True)
+        job = _StagedJob(_EngineCudaJob(fut, what), fut.copied, view,
+                         _StagingLease(self._staging, staging, True))
         return (offset, [None]), job
 
     @staticmethod
