@@ -644,3 +644,41 @@ def test_staged_tensor_saved_twice_retain_graph_from_staging(nvme_dir):
     del out
     handles.clear()
     off.close()
+
+
+def test_staged_sources_dropped_when_writes_finish_out_of_order(nvme_dir):
+    """The first write is held back, the later ones finish: their sources go
+    (at copy) although their moves cannot land before the first one."""
+    off = _staged(nvme_dir, io_threads=4)
+    store = off._stores[tiermem.Tier.NVME]
+    inner = store._file
+    first = threading.Event()
+    calls = []
+
+    class FirstHeld:
+        def __getattr__(self, name):
+            return getattr(inner, name)
+
+        def write(self, buf, offset):
+            calls.append(offset)
+            if len(calls) == 1:
+                assert first.wait(30)
+            return inner.write(buf, offset)
+    store._file = FirstHeld()
+    x = torch.randn(1 << 15, requires_grad=True)
+    with off:
+        out = _chain(x)
+    handles = [r() for r, _ in store._pending]
+    assert len(handles) >= 3
+    _until(lambda: all(job.done() for _, job in list(store._pending)[1:]),
+           "the later writes never finished")
+
+    def later_dropped():
+        off._poll()
+        return all(h.src is None for h in handles[1:])
+    _until(later_dropped, "sources kept behind a write still in flight")
+    assert handles[0].host is not None or handles[0].src is not None   # not landed
+    first.set()
+    out.sum().backward()
+    handles.clear()
+    off.close()

@@ -149,6 +149,8 @@ class MovingStore(TierStore):
     def poll(self) -> None:
         """Finish every move that has landed, in order. See NOTE [Copy landed]."""
         if not self._pending:
+            if self._uncopied:
+                self._uncopied.clear()   # all landed
             return
         with self._lock:
             pending = self._pending
@@ -164,13 +166,17 @@ class MovingStore(TierStore):
         while uncopied:
             ref, job = uncopied[0]
             h = ref()
-            if h is not None and h.src is not None and not job.copied():
-                if not job.done():
+            copied = False
+            if h is not None and h.src is not None and not h.failed:
+                copied = job.copied()
+                if not copied and not job.done():
                     return   # not copied yet
-                # Over without a copy (it failed): landing decides.
             uncopied.popleft()
-            if h is None or h.src is None or job.done():
-                continue     # gone, or landed (or about to: _landed decides)
+            # Gone, landed, failed with its source kept, or over without a copy:
+            # landing decides. A copied move that is over but not landed yet
+            # (writes finish out of order) drops its source here all the same.
+            if h is None or h.src is None or h.failed or not copied:
+                continue
             if h.src._version != h.version:
                 # Torn copy: backward raises; the staging is not needed.
                 h.tainted = True
@@ -221,6 +227,7 @@ class MovingStore(TierStore):
         with self._lock:
             while self._pending:
                 self._land_first()
+            self._uncopied.clear()
 
     def _wait_landed(self, h: MovedHandle) -> None:
         with self._lock:
@@ -238,7 +245,7 @@ class MovingStore(TierStore):
         if dev.is_cuda:
             dev[layout.pad:].copy_(host, non_blocking=True)
             done = torch.cuda.Event()
-            done.record()
+            done.record(torch.cuda.current_stream(layout.device))
             h.lease.hold_until(done)
         else:
             dev[layout.pad:].copy_(host)
@@ -270,6 +277,8 @@ class MovingStore(TierStore):
         prefetcher = step.prefetcher
         with prefetcher.lock:
             self.poll()
+            # Every use of this pass counts, whichever way it is served.
+            prefetcher.begin_get(h)
             if h.src is not None and not h.failed:
                 if h.src._version == h.version:
                     # Not landed yet: the original is still here and unchanged.
@@ -288,17 +297,17 @@ class MovingStore(TierStore):
                     "modified by an in-place operation while tiermem was moving it to the "
                     f"{self.tier.value} tier; autograd would raise here too. Clone it "
                     "before modifying it.")
-            prefetcher.begin_get(h)
             if h.cached is not None:   # a tensor saved by several ops: restored once
                 out = h.cached
                 if h.taken >= h.uses:
                     h.cached = None
                 return out
-            host = h.host
-            if host is not None:
+            with self._lock:   # no landing may give the buffer back meanwhile
+                host = h.host
+                out = None if host is None else self._from_host(h, host)
+            if out is not None:
                 # Staged, and its move failed or has not landed: NOTE [Staged moves].
                 prefetcher.advance(h)
-                out = self._from_host(h, host)
                 if h.taken < h.uses:
                     h.cached = out
                 return out

@@ -157,6 +157,7 @@ class _StagingLease:
 
     def hold_until(self, event) -> None:
         """Not reused before ``event`` (a copy out of the buffer) has completed."""
+        self.events[:] = [e for e in self.events if not e.query()]   # the list is shared
         self.events.append(event)
 
     def release(self) -> None:
