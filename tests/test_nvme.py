@@ -523,6 +523,14 @@ def _until(cond, what):
         time.sleep(0.002)
 
 
+def _until_staged(off, handles):
+    """Poll until every handle's source is gone and its bytes are in staging."""
+    def staged():
+        off._poll()
+        return all(h.host is not None and h.src is None for h in handles)
+    _until(staged, "the copies to staging never landed")
+
+
 def test_staged_source_is_freed_once_copied_and_served_from_staging(nvme_dir):
     torch.manual_seed(0)
     x = torch.randn(1 << 16, requires_grad=True)
@@ -543,10 +551,7 @@ def test_staged_source_is_freed_once_copied_and_served_from_staging(nvme_dir):
     del a, b, c
     gc.collect()
 
-    def all_staged():
-        off._poll()
-        return all(h.host is not None and h.src is None for h in handles)
-    _until(all_staged, "the copies to staging never landed")
+    _until_staged(off, handles)
     assert freed.expired(), "the source was kept after its copy to staging landed"
     assert not gated.gate.is_set() and all(not job.done() for _, job in store._pending)
     out.sum().backward()                 # every write still held back: from staging
@@ -577,10 +582,7 @@ def test_staged_write_failing_after_the_source_was_freed_loses_nothing(nvme_dir,
                 outs.append(_chain(x))
             handles = [r() for r, _ in store._pending]
 
-            def all_staged():
-                off._poll()
-                return all(h.host is not None and h.src is None for h in handles)
-            _until(all_staged, "the copies to staging never landed")
+            _until_staged(off, handles)
             gated.gate.set()             # now the writes fail, the sources are gone
             store.drain()
             assert all(h.failed and h.host is not None for h in handles)
@@ -631,10 +633,7 @@ def test_staged_tensor_saved_twice_retain_graph_from_staging(nvme_dir):
     handles = [r() for r, _ in store._pending]
     assert any(h.uses == 2 for h in handles)
 
-    def all_staged():
-        off._poll()
-        return all(h.host is not None for h in handles)
-    _until(all_staged, "the copies to staging never landed")
+    _until_staged(off, handles)
     for _ in range(2):
         out.backward(retain_graph=True)
         assert torch.equal(x.grad, ref)

@@ -302,9 +302,11 @@ class MovingStore(TierStore):
                 if h.taken >= h.uses:
                     h.cached = None
                 return out
-            with self._lock:   # no landing may give the buffer back meanwhile
-                host = h.host
-                out = None if host is None else self._from_host(h, host)
+            out = None
+            if h.host is not None:
+                with self._lock:   # no landing may give the buffer back meanwhile
+                    host = h.host
+                    out = None if host is None else self._from_host(h, host)
             if out is not None:
                 # Staged, and its move failed or has not landed: NOTE [Staged moves].
                 prefetcher.advance(h)

@@ -257,7 +257,6 @@ class NvmeStore(MovingStore):
     """
 
     tier = Tier.NVME
-    staged = True   # CUDA writes go through staging: NOTE [Staged moves] in moving.py
 
     def __init__(self, root: str, engine, budget_bytes: int, staging_bytes: int,
                  verify: bool, io_threads: int) -> None:
