@@ -292,6 +292,25 @@ def test_directory_whose_lock_is_held_is_kept_whatever_its_pid(nvme_dir):
     assert remove_stale_dirs(nvme_dir) == [d] and not os.path.exists(d)
 
 
+def test_directory_of_an_earlier_process_with_our_pid_is_removed(nvme_dir):
+    """A restarted container's trainer often gets the same pid (pid 1) as the
+    run that was killed: a directory with our pid but another start time, and
+    nobody holding its lock, is stale. Our own live directory stays."""
+    from tiermem.spilldir import remove_stale_dirs
+
+    off = _off(nvme_dir)
+    try:
+        (own,) = os.listdir(nvme_dir)
+        d = os.path.join(nvme_dir, f"tiermem-{os.getpid()}-1000-deadbeef")
+        os.makedirs(d, 0o700)
+        open(os.path.join(d, "owner.lock"), "w").close()
+        open(os.path.join(d, "arena-0.bin"), "wb").close()
+        assert remove_stale_dirs(nvme_dir) == [d]
+        assert os.listdir(nvme_dir) == [own]
+    finally:
+        off.close()
+
+
 def test_own_directory_holds_its_lock(nvme_dir):
     import fcntl
 

@@ -8,7 +8,8 @@ psutil), and holds ``owner.lock``, on which the owner keeps an exclusive
 ``flock`` for its whole life (the kernel lets go of it when the process
 dies, however it dies). A directory is stale when nobody holds its lock and
 no process with that pid exists, or one does but started at another time
-(the pid was reused). The lock keeps a live owner's directory even where its
+(the pid was reused; this process's own pid too, which a restarted
+container's trainer often gets again). The lock keeps a live owner's directory even where its
 pid means nothing to us (another PID namespace: containers sharing a disk,
 or another host on NFS); the pid check covers the moment between creating
 the directory and locking, and directories without a lock file. (NFS
@@ -115,8 +116,13 @@ def remove_stale_dirs(root: str) -> list:
         if owner is None:
             continue
         pid, start = owner
-        if pid == os.getpid() or _start_ms(pid) is not None and abs(_start_ms(pid) - start) < 1000:
+        now_start = _start_ms(pid)
+        if now_start is None and pid == os.getpid():
+            continue  # ours, and our start time is unknown: cannot tell
+        if now_start is not None and abs(now_start - start) < 1000:
             continue  # alive (allow for clock rounding of the start time)
+        # Our own pid with another start time is an earlier process that had
+        # it (a container's trainer is often pid 1 at every restart).
         if _lock_held(entry.path):
             continue  # alive, though not as a pid we can see
         try:
