@@ -106,16 +106,21 @@ def test_saved_tensor_memory_is_freed_once_written(nvme_dir):
     off.close()
 
 
-def test_no_files_left_after_close_and_arena_stable_over_50_steps(nvme_dir):
+@pytest.mark.parametrize("settle", [True, False], ids=["settled", "free-running"])
+def test_no_files_left_after_close_and_arena_stable_over_50_steps(nvme_dir, settle):
+    """Same-shaped steps reuse the arena's extents. The file is grown by
+    exactly what is missing (the default 64 MiB steps would hide a leak).
+
+    settled: every I/O has finished between steps, so any growth after the
+    first step is a leaked extent. free-running: an extent is reused once its
+    last I/O is done, so a handle freed while its write is in flight can make
+    a step grow the file (timing, and the fragmentation it leaves): bounded,
+    where a leak of even one extent every few steps makes it grow again and
+    again (measured: 32 of 50 steps, 3.6x, leaking one free in 29)."""
     case = make_case("block")
     off = _off(nvme_dir)
     opt = torch.optim.SGD(case.model.parameters(), lr=1e-3)
     store = off._stores[tiermem.Tier.NVME]
-    # Grown by exactly what is missing: a step that did not reuse the last
-    # step's extents would grow the file (the default 64 MiB steps hide it).
-    # An extent is reused once its last I/O is done: a handle freed while its
-    # write is in flight may make a step grow a little (timing); a leak would
-    # make every step grow.
     store.arena.grow_bytes = store.arena.align
     sizes = []
     for _ in range(50):
@@ -124,11 +129,18 @@ def test_no_files_left_after_close_and_arena_stable_over_50_steps(nvme_dir):
         loss.backward()
         opt.step()
         opt.zero_grad()
+        if settle:
+            store.drain()
+            off._poll()
         sizes.append((store.arena.size_bytes, os.path.getsize(store.path)))
     assert sizes[0][0] > 0 and all(a == f for a, f in sizes)
     grew = [i for i in range(1, 50) if sizes[i] != sizes[i - 1]]
-    assert len(grew) <= 25 and sizes[-1][0] <= 4 * sizes[0][0], f"arena grew at steps {grew}: " \
-        f"{sizes[0][0]} -> {sizes[-1][0]} bytes"
+    detail = f"arena grew at steps {grew}: {sizes[0][0]} -> {sizes[-1][0]} bytes"
+    if settle:
+        assert grew == [], detail
+        assert store.arena.used_bytes == 0
+    else:
+        assert len(grew) <= 10 and sizes[-1][0] <= 2 * sizes[0][0], detail
     assert len(os.listdir(nvme_dir)) == 1
     off.close()
     assert os.listdir(nvme_dir) == []
