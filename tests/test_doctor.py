@@ -40,23 +40,31 @@ def test_doctor_without_dir_still_reports():
     assert "I/O engine:" in r.stdout and "NVMe dir: not set" in r.stdout
 
 
-def test_o_direct_probe_leaves_no_file_when_refused(tmp_path, monkeypatch):
-    """ramfs creates the probe file, then refuses O_DIRECT: the file is removed."""
-    import errno
+def test_o_direct_probe_answers_as_the_engines_and_leaves_no_file(tmp_path):
+    """ramfs creates the file, then refuses O_DIRECT: 'no', and the probe file
+    is gone; the doctor and the engine say the same thing."""
+    from mounts import mounted
 
     from tiermem import doctor
+    from tiermem.io import get_engine
 
-    real_open = os.open
-
-    def refusing(path, flags, mode=0o777, **kw):
-        if flags & os.O_DIRECT:
-            os.close(real_open(path, flags & ~os.O_DIRECT, mode))
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, mode, **kw)
-    monkeypatch.setattr(doctor.os, "open", refusing)
-    assert doctor._o_direct(str(tmp_path)) == "no (Invalid argument)"
-    monkeypatch.undo()
-    assert os.listdir(tmp_path) == []
+    with mounted(tmp_path / "ramfs", "ramfs", "mode=0700") as where:
+        assert doctor._o_direct(str(where)).startswith("no (")
+        assert os.listdir(where) == []
+        engine = get_engine("python", 1)
+        f = engine.open(str(where / "data"), 4096)
+        assert f.direct is False
+        f.close()
+        engine.close()
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    answer = doctor._o_direct(str(disk))
+    engine = get_engine("python", 1)
+    f = engine.open(str(disk / "data"), 4096)
+    assert answer == ("yes" if f.direct else "no (an aligned O_DIRECT write was refused)")
+    f.close()
+    engine.close()
+    assert os.listdir(disk) == ["data"]
 
 
 def test_build_prints_the_extension_and_whether_it_has_the_cuda_chain():

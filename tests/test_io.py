@@ -7,7 +7,6 @@ or read-only tmpfs) are skipped with the reason when ``mount`` is refused.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -27,6 +26,7 @@ import torch
 import tiermem
 import tiermem.io as tio
 from tiermem.io import ALIGN_BYTES, IOEngine, IOFile, IOFuture, aligned_empty, get_engine
+from mounts import mounted
 
 MiB = 1 << 20
 SIZES = [1, 4095, 4096, 4097, MiB + 3, 5 * MiB]
@@ -113,25 +113,6 @@ def _fs_takes_o_direct(directory) -> bool:
     finally:
         os.close(fd)
         os.unlink(path)
-
-
-@contextlib.contextmanager
-def _mounted(tmp_path, fstype: str, options: str):
-    """Mount a ``fstype`` at a fresh dir under ``tmp_path``; skip if refused."""
-    where = tmp_path / f"mnt-{fstype}"
-    where.mkdir()
-    cmd = ["mount", "-t", fstype, "-o", options, fstype, str(where)]
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError) as e:
-        pytest.skip(f"cannot mount a {fstype}: {e}")
-    if res.returncode != 0:
-        pytest.skip(f"`{' '.join(cmd)}` was refused: {res.stderr.strip() or res.returncode}")
-    try:
-        yield where
-    finally:
-        gc.collect()
-        subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30)
 
 
 # ------------------------------------------------------------------ round trips
@@ -366,13 +347,14 @@ def test_dev_shm_round_trips(engine):
 
 
 def test_o_direct_fallback_on_ramfs_logs_once(make_engine, tmp_path, caplog):
-    with _mounted(tmp_path, "ramfs", "mode=0700") as where:
+    with mounted(tmp_path / "mnt-ramfs", "ramfs", "mode=0700") as where:
         engine = make_engine(2)
-        with caplog.at_level(logging.INFO, logger="tiermem"):
+        with caplog.at_level(logging.WARNING, logger="tiermem"):
             files = [engine.open(str(where / f"f{i}"), 3 * ALIGN_BYTES) for i in range(2)]
         assert [f.direct for f in files] == [False, False]
         notes = [r for r in caplog.records if "O_DIRECT" in r.getMessage()]
-        assert len(notes) == 1, [r.getMessage() for r in caplog.records]
+        assert len(notes) == 1 and notes[0].levelno == logging.WARNING, \
+            [r.getMessage() for r in caplog.records]
         src = _random_bytes(MiB + 5)
         files[0].write(src, ALIGN_BYTES).wait()
         dst = torch.zeros(MiB + 6, dtype=torch.uint8)[1:]
@@ -468,7 +450,7 @@ def test_short_read_raises_oserror(engine, tmp_path):
 
 
 def test_full_disk_raises_enospc_with_path_op_and_offset(engine, tmp_path):
-    with _mounted(tmp_path, "tmpfs", "size=1m,mode=0700") as where:
+    with mounted(tmp_path / "mnt-tmpfs", "tmpfs", "size=1m,mode=0700") as where:
         f = engine.open(str(where / "data"))
         fut = f.write(_random_bytes(2 * MiB), 8 * ALIGN_BYTES)
         with pytest.raises(OSError) as e:
@@ -486,7 +468,7 @@ def test_full_disk_raises_enospc_with_path_op_and_offset(engine, tmp_path):
 
 
 def test_read_only_filesystem_raises_erofs(engine, tmp_path):
-    with _mounted(tmp_path, "tmpfs", "size=1m,ro") as where:
+    with mounted(tmp_path / "mnt-tmpfs", "tmpfs", "size=1m,ro") as where:
         with pytest.raises(OSError) as e:
             engine.open(str(where / "data"))
         assert e.value.errno == errno.EROFS and str(where / "data") in str(e.value)

@@ -3,7 +3,6 @@ no files left, a bounded arena, bad directories, checksums."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import gc
 import logging
@@ -20,6 +19,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import tiermem
+from mounts import mounted
 from models import MODEL_NAMES, compare_records, make_case, reference_steps, train_steps
 
 pytestmark = pytest.mark.usefixtures("clean_env")
@@ -158,24 +158,10 @@ def test_tiny_nvme_budget_falls_back_to_cpu_exactly(nvme_dir, caplog, engine):
     off.close()
 
 
-@contextlib.contextmanager
-def _tmpfs(path, options):
-    """A tmpfs mounted at ``path`` for the block (skips the test if mount is refused)."""
-    path.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs ({options}) here: {r.stderr.strip()}")
-    try:
-        yield str(path)
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
-
-
 def test_disk_full_on_a_small_tmpfs_falls_back(tmp_path):
-    with _tmpfs(tmp_path / "small", "size=32k") as mnt:
+    with mounted(tmp_path / "small", "tmpfs", "size=32k") as mnt:
         ref = reference_steps("block", 2)
-        off = _off(mnt, nvme_budget="1GiB")
+        off = _off(str(mnt), nvme_budget="1GiB")
         try:
             compare_records(train_steps(make_case("block"), lambda: off, 2), ref, "block")
             s = off.stats
@@ -385,7 +371,8 @@ def test_missing_nvme_dir_is_created(tmp_path):
 
 
 def test_read_only_nvme_dir_is_a_config_error(tmp_path):
-    with _tmpfs(tmp_path / "ro", "ro,size=64k") as mnt:
+    with mounted(tmp_path / "ro", "tmpfs", "ro,size=64k") as path:
+        mnt = str(path)
         with pytest.raises(tiermem.ConfigError, match="read-only") as e:
             _off(mnt)
         assert repr(mnt) in str(e.value)

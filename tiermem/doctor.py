@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import errno
 import json
 import os
 import platform
@@ -56,18 +55,21 @@ def _gpu() -> dict:
 
 
 def _o_direct(path: str) -> str:
+    """Whether files under ``path`` take O_DIRECT, probed as the engines do:
+    set it on a new file and write one aligned block (some filesystems accept
+    the flag at open and refuse the I/O)."""
+    from .io.pyengine import _enable_direct
     probe = os.path.join(path, f".tiermem-probe-{os.getpid()}-{secrets.token_hex(4)}")
     try:
-        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     except OSError as e:
-        if e.errno != errno.EEXIST:
-            # Some filesystems (ramfs) create the file before refusing O_DIRECT.
-            with contextlib.suppress(OSError):
-                os.unlink(probe)
-        return f"no ({e.strerror})"
-    os.close(fd)
-    os.unlink(probe)
-    return "yes"
+        return f"unknown (cannot create a file: {e.strerror})"
+    try:
+        return "yes" if _enable_direct(fd) else "no (an aligned O_DIRECT write was refused)"
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
 
 
 def _bandwidth(path: str, engine_kind: str, threads: int, mib: int) -> dict:

@@ -319,8 +319,9 @@ class CppEngine(IOEngine):
         f = _CppFile(self._engine.open(os.fspath(path), size_bytes), self)
         if not f.direct and not self._logged_fallback:
             self._logged_fallback = True
-            _log.info("tiermem: O_DIRECT is not supported for %s; the cpp I/O engine uses "
-                      "buffered I/O for such files (logged once per engine)", f.path)
+            _log.warning("tiermem: O_DIRECT is not supported for %s; the cpp I/O engine uses "
+                         "buffered I/O for such files (the page cache holds what it writes; "
+                         "logged once per engine)", f.path)
         return f
 
     def close(self) -> None:

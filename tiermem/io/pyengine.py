@@ -375,8 +375,9 @@ class PythonEngine(IOEngine):
     def _note_fallback(self, path: str) -> None:
         if not self._logged_fallback:
             self._logged_fallback = True
-            _log.info("tiermem: O_DIRECT is not supported for %s; the python I/O engine uses "
-                      "buffered I/O for such files (logged once per engine)", path)
+            _log.warning("tiermem: O_DIRECT is not supported for %s; the python I/O engine uses "
+                         "buffered I/O for such files (the page cache holds what it writes; "
+                         "logged once per engine)", path)
 
     def close(self) -> None:
         with self._lock:
