@@ -431,6 +431,21 @@ def test_verify_detects_a_file_changed_underneath(nvme_dir, engine):
     off.close()
 
 
+def test_read_errors_name_the_module_that_saved_the_tensor(nvme_dir):
+    off = _off(nvme_dir, verify=True)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU())
+    with off:
+        z = model(torch.randn(64, 256))
+    store = off._stores[tiermem.Tier.NVME]
+    store.drain()
+    with open(store.path, "r+b") as f:
+        f.write(b"\xff" * store.arena.size_bytes)
+    with pytest.raises(tiermem.TierMemError, match="checksum") as err:
+        z.sum().backward()
+    assert "saved in module Sequential." in str(err.value), str(err.value)
+    off.close()
+
+
 def test_short_read_names_the_file(nvme_dir, engine):
     off, store, z = _saved_to_disk(nvme_dir, verify=False, engine=engine)
     os.truncate(store.path, 0)

@@ -76,8 +76,9 @@ __all__ = ["NvmeStore"]
 _log = logging.getLogger("tiermem")
 
 
-def _describe(layout: Layout) -> str:
-    return f"tensor of shape {list(layout.size)} ({layout.dtype})"
+def _describe(layout: Layout, module: Optional[str] = None) -> str:
+    where = f" saved in module {module}" if module else ""
+    return f"tensor of shape {list(layout.size)} ({layout.dtype}){where}"
 
 
 _DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -440,11 +441,11 @@ class NvmeStore(MovingStore):
     def _start_restore(self, h: MovedHandle):
         if self.closed:
             raise TierMemError(
-                f"tiermem: the Offloader holding a saved {_describe(h.layout)} on NVMe was "
+                f"tiermem: the Offloader holding a {_describe(h.layout, h.module)} on NVMe was "
                 "closed before backward used it; close() only after backward")
         layout = h.layout
         offset, expected = h.slot[0], h.slot[1][0]
-        what = f"reading a {_describe(layout)} from {self.path} at offset {offset}"
+        what = f"reading a {_describe(layout, h.module)} from {self.path} at offset {offset}"
         if layout.device.type != "cuda":
             # Page-aligned: the engine reads whole blocks straight into it (no bounce).
             itemsize = layout.dtype.itemsize
