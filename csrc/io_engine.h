@@ -1,7 +1,9 @@
 // tiermem I/O core: a worker pool doing positional pread/pwrite (O_DIRECT when
 // the filesystem allows it) on behalf of non-blocking requests that return
-// futures. No torch and no Python here: bindings.cpp is the only file that
-// knows about tensors and the GIL.
+// futures. No torch and no Python here (csrc/tests/stress_io.cpp builds it
+// alone). Tensors and the GIL live in the binding layer: bindings.cpp, its
+// helper tensor_release.h, and, in CUDA builds, cuda_chain.cpp, which binds
+// its own classes into the same module.
 //
 // NOTE [Request lifetime]
 //   A request (one write or read call) is split into chunks of at least
