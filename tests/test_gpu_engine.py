@@ -20,6 +20,7 @@ import torch
 
 import tiermem
 from tiermem.io import ALIGN_BYTES, aligned_empty, engine_info, get_engine
+from gpu_checks import forbid_host_waits
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
@@ -339,18 +340,8 @@ def test_nvme_forward_on_the_chain_does_not_sync_the_host(eng, tmp_path, monkeyp
     torch.cuda.synchronize()
     assert off._stores[tiermem.Tier.NVME]._engine_cuda
 
-    def forbidden(*args, **kwargs):
-        raise AssertionError("host wait in the forward pass")
-    # set_sync_debug_mode does not see event waits: forbid them explicitly.
-    monkeypatch.setattr(nvme._EngineCudaJob, "wait_host", forbidden)
-    monkeypatch.setattr(torch.cuda.Event, "synchronize", forbidden)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with off:
-            loss = model(x).square().mean()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-        monkeypatch.undo()
+    with forbid_host_waits(monkeypatch, nvme._EngineCudaJob), off:
+        loss = model(x).square().mean()
     loss.backward()
     assert off.stats.count_by_tier["nvme"] > 0
     off.close()

@@ -1,0 +1,35 @@
+"""Checks shared by the GPU tests (they run only with a CUDA device)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+
+
+@contextlib.contextmanager
+def forbid_host_waits(monkeypatch, *job_classes):
+    """Inside the block, a host wait for the GPU on this thread fails the test:
+    torch's synchronizing calls raise (``set_sync_debug_mode("error")``), and
+    since that mode does not see event waits, ``torch.cuda.Event.synchronize``
+    and the ``wait_host`` of each of ``job_classes`` raise too when called on
+    this thread (worker threads may wait: that is their job). Undoes
+    ``monkeypatch`` on the way out."""
+    me = threading.get_ident()
+
+    def guarded(original):
+        def wait(*args, **kwargs):
+            if threading.get_ident() == me:
+                raise AssertionError("host wait in the forward pass")
+            return original(*args, **kwargs)
+        return wait
+    for cls in job_classes:
+        monkeypatch.setattr(cls, "wait_host", guarded(cls.wait_host))
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", guarded(torch.cuda.Event.synchronize))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        monkeypatch.undo()
