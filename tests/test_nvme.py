@@ -111,7 +111,8 @@ def test_no_files_left_after_close_and_arena_stable_over_50_steps(nvme_dir, sett
     """Same-shaped steps reuse the arena's extents. The file is grown by
     exactly what is missing (the default 64 MiB steps would hide a leak).
 
-    settled: every I/O has finished between steps, so any growth after the
+    settled: every write lands before backward (so backward reads from the
+    disk) and every I/O has finished between steps, so any growth after the
     first step is a leaked extent. free-running: an extent is reused once its
     last I/O is done, so a handle freed while its write is in flight can make
     a step grow the file (timing, and the fragmentation it leaves): bounded,
@@ -126,12 +127,13 @@ def test_no_files_left_after_close_and_arena_stable_over_50_steps(nvme_dir, sett
     for _ in range(50):
         with off:
             loss = case.loss_fn(case.model(*case.inputs))
+        if settle:
+            store.drain()
         loss.backward()
         opt.step()
         opt.zero_grad()
         if settle:
-            store.drain()
-            off._poll()
+            store.settle()
         sizes.append((store.arena.size_bytes, os.path.getsize(store.path)))
     assert sizes[0][0] > 0 and all(a == f for a, f in sizes)
     grew = [i for i in range(1, 50) if sizes[i] != sizes[i - 1]]
@@ -139,6 +141,7 @@ def test_no_files_left_after_close_and_arena_stable_over_50_steps(nvme_dir, sett
     if settle:
         assert grew == [], detail
         assert store.arena.used_bytes == 0
+        assert off.stats.prefetch_hits + off.stats.prefetch_misses > 0   # reads ran
     else:
         assert len(grew) <= 10 and sizes[-1][0] <= 2 * sizes[0][0], detail
     assert len(os.listdir(nvme_dir)) == 1

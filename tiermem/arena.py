@@ -28,8 +28,9 @@ class Arena:
 
     ``resize(new_size)`` is the file's resize (raises ``OSError``). ENOSPC
     while growing (after a retry with just the missing bytes) makes the arena
-    full at its current size for the rest of its life (``disk_full``; ``alloc``
-    returns ``None``) rather than failing. Thread-safe.
+    full at its current size for the rest of its life (``disk_full``: it no
+    longer grows; ``alloc`` still hands out freed extents and returns ``None``
+    for what they cannot hold) rather than failing. Thread-safe.
     """
 
     def __init__(self, resize: Callable[[int], None], budget_bytes: int, align: int = 4096,

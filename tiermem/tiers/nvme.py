@@ -35,8 +35,8 @@ An extent is given back to the arena only once the last I/O on it is done
 (``_deferred``), so a new write can never race a read still in flight.
 
 A full disk: the arena grows with fallocate, so ENOSPC shows there first and
-the arena stops growing (:class:`~tiermem.arena.Arena`); later tensors go to
-the policy's next tier. On a filesystem without fallocate it shows at a write
+the arena stops growing (:class:`~tiermem.arena.Arena`); later tensors its
+freed extents cannot hold go to the policy's next tier. On a filesystem without fallocate it shows at a write
 instead: that tensor stays on its device (exact, counted in
 ``budget_fallbacks``), and the store takes no new tensor for the rest of its
 life (NvmeStore.disk_full), one warning. Any other error at submit also sends
@@ -540,22 +540,25 @@ class NvmeStore(MovingStore):
         if self._deferred:
             self._free_finished()
 
+    def settle(self) -> None:
+        """Wait for every I/O in flight: writes land, and the extents of handles
+        released while their I/O was in flight go back to the arena."""
+        self.drain()
+        with self._deferred_lock:
+            deferred = list(self._deferred)
+        for job, _, _ in deferred:
+            try:
+                job.wait_host()
+            except Exception:
+                pass   # a failed write/read: the extent is free all the same
+        self._free_finished()
+
     def close(self) -> None:
         """Wait for I/O in flight, close the file and remove the directory."""
         if self.closed:
             return
         try:
-            self.drain()
-            # Extents of handles released while their I/O was in flight: give
-            # them back now that nothing will touch them again.
-            with self._deferred_lock:
-                deferred = list(self._deferred)
-            for job, _, _ in deferred:
-                try:
-                    job.wait_host()
-                except Exception:
-                    pass   # a failed write/read: the extent is free all the same
-            self._free_finished()
+            self.settle()
         finally:
             self.closed = True
             self._chain.shutdown(wait=True)
