@@ -236,6 +236,14 @@ _CHILD = textwrap.dedent("""
 """)
 
 
+def _age(path):
+    """Make a directory look older than spilldir.YOUNG_SECONDS (a directory
+    changed more recently is never removed as stale)."""
+    from tiermem.spilldir import YOUNG_SECONDS
+    old = time.time() - YOUNG_SECONDS - 5
+    os.utime(path, (old, old))
+
+
 def _spawn(nvme_dir):
     p = subprocess.Popen([sys.executable, "-c", _CHILD, nvme_dir], stdout=subprocess.PIPE,
                          text=True)
@@ -253,6 +261,8 @@ def test_directory_of_a_killed_process_is_removed_at_next_start(nvme_dir):
         dead.wait()
         dead_dir = [d for d in dirs if d.startswith(f"tiermem-{dead.pid}-")]
         assert dead_dir and os.path.isdir(os.path.join(nvme_dir, dead_dir[0]))
+        for d in dirs:
+            _age(os.path.join(nvme_dir, d))
         off = _off(nvme_dir)
         left = set(os.listdir(nvme_dir))
         assert dead_dir[0] not in left
@@ -282,6 +292,7 @@ def test_directory_whose_lock_is_held_is_kept_whatever_its_pid(nvme_dir):
     os.makedirs(d, 0o700)
     lock = os.path.join(d, "owner.lock")
     open(lock, "w").close()
+    _age(d)
     holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, lock], stdout=subprocess.PIPE,
                               text=True)
     try:
@@ -306,8 +317,45 @@ def test_directory_of_an_earlier_process_with_our_pid_is_removed(nvme_dir):
         os.makedirs(d, 0o700)
         open(os.path.join(d, "owner.lock"), "w").close()
         open(os.path.join(d, "arena-0.bin"), "wb").close()
+        _age(d)
         assert remove_stale_dirs(nvme_dir) == [d]
         assert os.listdir(nvme_dir) == [own]
+    finally:
+        off.close()
+
+
+def test_a_young_directory_is_kept_whatever_its_pid_says(nvme_dir):
+    """Its owner may be between creating it and locking it, in a PID namespace
+    where its pid means nothing to us."""
+    from tiermem.spilldir import remove_stale_dirs
+
+    d = os.path.join(nvme_dir, "tiermem-999999999-1-abcdef02")   # no such pid here
+    os.makedirs(d, 0o700)
+    assert remove_stale_dirs(nvme_dir) == [] and os.path.isdir(d)
+    _age(d)
+    assert remove_stale_dirs(nvme_dir) == [d] and not os.path.exists(d)
+
+
+def test_own_live_directory_is_never_removed_nor_probed(nvme_dir, monkeypatch):
+    """Even if our start time reads differently now (a stepped wall clock) and
+    locks say nothing (no flock; or NFS, where probing our own lock would
+    release it)."""
+    from tiermem import spilldir
+
+    off = _off(nvme_dir)
+    try:
+        (own,) = os.listdir(nvme_dir)
+        _age(os.path.join(nvme_dir, own))
+        monkeypatch.setattr(spilldir, "_start_ms", lambda pid: 12345)
+
+        def probed(path):
+            raise AssertionError(f"probed the lock of {path}")
+        monkeypatch.setattr(spilldir, "_lock_held", probed)
+        assert spilldir.remove_stale_dirs(nvme_dir) == []
+        assert os.listdir(nvme_dir) == [own]
+        off.close()
+        assert os.listdir(nvme_dir) == []
+        assert os.path.abspath(os.path.join(nvme_dir, own)) not in spilldir._LIVE_PATHS
     finally:
         off.close()
 

@@ -9,12 +9,14 @@ psutil), and holds ``owner.lock``, on which the owner keeps an exclusive
 dies, however it dies). A directory is stale when nobody holds its lock and
 no process with that pid exists, or one does but started at another time
 (the pid was reused; this process's own pid too, which a restarted
-container's trainer often gets again). The lock keeps a live owner's directory even where its
-pid means nothing to us (another PID namespace: containers sharing a disk,
-or another host on NFS); the pid check covers the moment between creating
-the directory and locking, and directories without a lock file. (NFS
-mounted with ``nolock`` or ``local_lock=flock`` keeps locks to one host.)
-Stale directories are removed at the next start; live owners' are left alone.
+container's trainer often gets again). The lock keeps a live owner's
+directory even where its pid means nothing to us (another PID namespace:
+containers sharing a disk, or another host on NFS). A directory changed in
+the last :data:`YOUNG_SECONDS` is left alone whatever its pid says (its owner
+may be between creating it and locking it), and this process never probes
+its own live directories. (NFS mounted with ``nolock`` or
+``local_lock=flock`` keeps locks to one host.) Stale directories are removed
+at the next start; live owners' are left alone.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import secrets
 import shutil
 import stat
 import threading
+import time
 from typing import Optional
 
 import psutil
@@ -102,6 +105,17 @@ def _lock_held(directory: str) -> bool:
     return False
 
 
+#: A directory changed less than this long ago is never removed as stale: its
+#: owner may be between creating it and taking its lock (a pid we cannot see,
+#: in another PID namespace, proves nothing then).
+YOUNG_SECONDS = 30.0
+
+#: Paths of this process's live private directories: never probed nor removed
+#: here (probing our own lock could even release it where flock is emulated
+#: with per-process POSIX locks, as on NFS). Guarded by PrivateDir._lock.
+_LIVE_PATHS: set = set()
+
+
 def remove_stale_dirs(root: str) -> list:
     """Remove the private directories under ``root`` whose owner process is
     gone; return their paths. Only real directories owned by this user are
@@ -115,10 +129,13 @@ def remove_stale_dirs(root: str) -> list:
         owner = _parse(entry.name)
         if owner is None:
             continue
+        with PrivateDir._lock:
+            if os.path.abspath(entry.path) in _LIVE_PATHS:
+                continue
         pid, start = owner
         now_start = _start_ms(pid)
         if now_start is None and pid == os.getpid():
-            continue  # ours, and our start time is unknown: cannot tell
+            continue  # our pid, and our start time is unknown: cannot tell
         if now_start is not None and abs(now_start - start) < 1000:
             continue  # alive (allow for clock rounding of the start time)
         # Our own pid with another start time is an earlier process that had
@@ -131,6 +148,8 @@ def remove_stale_dirs(root: str) -> list:
             continue
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
             continue
+        if time.time() - st.st_mtime < YOUNG_SECONDS:
+            continue  # its owner may not have locked it yet
         shutil.rmtree(entry.path, ignore_errors=True)
         removed.append(entry.path)
         _log.info("tiermem: removed %s, left by process %d which is gone", entry.path, pid)
@@ -151,6 +170,18 @@ class PrivateDir:
         start = _start_ms(pid) or 0
         name = f"{_PREFIX}{pid}-{start}-{secrets.token_hex(4)}"
         self.path = os.path.join(root, name)
+        with PrivateDir._lock:
+            _LIVE_PATHS.add(os.path.abspath(self.path))
+        try:
+            self._make()
+        except BaseException:
+            with PrivateDir._lock:
+                _LIVE_PATHS.discard(os.path.abspath(self.path))
+            raise
+        self._owner_pid = pid
+        atexit.register(self.remove)
+
+    def _make(self) -> None:
         os.mkdir(self.path, 0o700)        # fails if anything exists there
         st = os.lstat(self.path)
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
@@ -169,8 +200,6 @@ class PrivateDir:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
         except OSError:   # no flock here: the pid check alone decides
             pass
-        self._owner_pid = pid
-        atexit.register(self.remove)
 
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
@@ -185,6 +214,8 @@ class PrivateDir:
             self._removed = True
         if os.getpid() == self._owner_pid:
             shutil.rmtree(self.path, ignore_errors=True)
+            with PrivateDir._lock:
+                _LIVE_PATHS.discard(os.path.abspath(self.path))
         try:
             os.close(self._lock_fd)
         except OSError:
