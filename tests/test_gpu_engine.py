@@ -330,7 +330,7 @@ def test_nvme_tier_gradients_bit_identical_on_the_chain(eng, deterministic, tmp_
 
 
 @pytest.mark.gpu
-def test_nvme_forward_on_the_chain_does_not_sync_the_host(eng, tmp_path, monkeypatch):
+def test_nvme_forward_on_the_chain_does_not_sync_the_host(eng, tmp_path):
     from tiermem.tiers import nvme
 
     model = _model()
@@ -340,7 +340,7 @@ def test_nvme_forward_on_the_chain_does_not_sync_the_host(eng, tmp_path, monkeyp
     torch.cuda.synchronize()
     assert off._stores[tiermem.Tier.NVME]._engine_cuda
 
-    with forbid_host_waits(monkeypatch, nvme._EngineCudaJob), off:
+    with forbid_host_waits(nvme._EngineCudaJob), off:
         loss = model(x).square().mean()
     loss.backward()
     assert off.stats.count_by_tier["nvme"] > 0

@@ -59,6 +59,8 @@ def _o_direct(path: str) -> str:
     set it on a new file and write one aligned block (some filesystems accept
     the flag at open and refuse the I/O)."""
     from .io.pyengine import _enable_direct
+    if not hasattr(os, "O_DIRECT"):
+        return "no (this platform has no O_DIRECT)"
     probe = os.path.join(path, f".tiermem-probe-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
