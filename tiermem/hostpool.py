@@ -14,6 +14,20 @@ tier allocates nothing.
 A returned buffer carries the :class:`~tiermem.copier.Job` that last used it;
 it is handed out again only once that job is done. See NOTE [Stream lifetime].
 
+NOTE [Trimming pinned buffers]
+  Torch's caching host allocator keeps freed pinned blocks pinned, so a pinned
+  buffer we drop to make room under the budget is handed back to the OS
+  (``torch._C._host_emptyCache``): otherwise the budget would not bound the
+  pinned memory really held. That frees with ``cudaFreeHost``, which
+  synchronizes the whole device: a stall where it happens (forward or
+  backward), which ``set_sync_debug_mode`` does not see. So it is avoided
+  where it can be: a request is served by an idle buffer of its class, else
+  of a class up to twice as large, before anything is trimmed; trimming
+  happens only when the budget is full and the sizes asked for change, and
+  never when even dropping every idle buffer would not make room. The
+  rest is counted (``pinned_returns``) rather than hidden. It runs outside
+  the pool's lock, after the dropped buffers' last references are gone.
+
 The pool is thread-safe: buffers come back from whichever thread autograd frees
 a handle on.
 """
@@ -54,6 +68,9 @@ class HostPool:
         self.in_use_bytes = 0
         self.free_bytes = 0
         self.allocations = 0                  # buffers ever allocated (reuse check)
+        #: Times acquire() handed trimmed pinned memory back to the OS: on CUDA
+        #: each is a device-wide sync (NOTE [Trimming pinned buffers]).
+        self.pinned_returns = 0
         self._warned_alloc = False
 
     @property
@@ -65,21 +82,29 @@ class HostPool:
         return _pinned_class(nbytes) if pinned else nbytes
 
     def acquire(self, nbytes: int, pinned: bool) -> Optional[torch.Tensor]:
-        """A buffer of at least ``nbytes`` (its length is the class size), or
-        ``None`` when the budget has no room."""
+        """A buffer of at least ``nbytes`` (its length is its class size: the
+        request's class, or up to twice it when an idle buffer of such a class
+        is ready; callers slice it), or ``None`` when the budget has no room.
+        See NOTE [Trimming pinned buffers]."""
         cls = self.class_bytes(nbytes, pinned)
+        trimmed_pinned = False
         with self._lock:
-            buf = self._take_ready((pinned, cls))
+            buf = self._take_ready(pinned, cls)
             if buf is not None:
-                self.free_bytes -= cls
-                self.in_use_bytes += cls
+                self.free_bytes -= buf.numel()
+                self.in_use_bytes += buf.numel()
                 return buf
-            if self.held_bytes + cls > self.budget_bytes:
-                self._trim(self.held_bytes + cls - self.budget_bytes)
-                if self.held_bytes + cls > self.budget_bytes:
-                    return None
+            over = self.held_bytes + cls - self.budget_bytes
+            if over > 0:
+                if self._ready_idle_bytes() < over:
+                    return None   # trimming would drop buffers and still not make room
+                trimmed_pinned = self._trim(over)
             self.in_use_bytes += cls
             self.allocations += 1
+            if trimmed_pinned:
+                self.pinned_returns += 1
+        if trimmed_pinned:
+            _return_pinned_cache()   # outside the lock: it may wait for the device
         try:
             return torch.empty(cls, dtype=torch.uint8, pin_memory=pinned)
         except RuntimeError as e:   # torch.OutOfMemoryError included
@@ -106,35 +131,47 @@ class HostPool:
         """Drop every idle buffer (in-use ones are unaffected)."""
         with self._lock:
             self._trim(self.free_bytes)
+        # Also what torch's cache kept of pinned buffers dropped before
+        # (transient staging outside the pool).
         _return_pinned_cache()
 
-    def _take_ready(self, key: tuple) -> Optional[torch.Tensor]:
-        entries = self._free.get(key)
-        if not entries:
-            return None
-        for i, (buf, job) in enumerate(entries):
-            if job is None or job.done():
-                del entries[i]
-                return buf
+    def _take_ready(self, pinned: bool, cls: int) -> Optional[torch.Tensor]:
+        """An idle buffer whose last job is done, of class ``cls`` or else of
+        the smallest class up to ``2 * cls`` (rather than trim and allocate)."""
+        keys = [(pinned, cls)] + sorted(k for k in self._free
+                                        if k[0] == pinned and cls < k[1] <= 2 * cls)
+        for key in keys:
+            entries = self._free.get(key)
+            if not entries:
+                continue
+            for i, (buf, job) in enumerate(entries):
+                if job is None or job.done():
+                    del entries[i]
+                    return buf
         return None
 
-    def _trim(self, want_bytes: int) -> None:
-        """Free idle buffers until ``want_bytes`` are gone or none is idle and ready."""
+    def _ready_idle_bytes(self) -> int:
+        return sum(key[1] for key, entries in self._free.items()
+                   for _, job in entries if job is None or job.done())
+
+    def _trim(self, want_bytes: int) -> bool:
+        """Drop idle buffers (largest classes first) until ``want_bytes`` are
+        gone or none is idle and ready; True if pinned ones were dropped (the
+        caller then returns them to the OS, outside the lock)."""
         trimmed_pinned = False
         for key in sorted(self._free, key=lambda k: k[1], reverse=True):
             cls = key[1]
-            entries = self._free[key]
             keep = []
-            for buf, job in entries:
+            for entry in self._free[key]:
+                job = entry[1]
                 if want_bytes > 0 and (job is None or job.done()):
                     want_bytes -= cls
                     self.free_bytes -= cls
                     trimmed_pinned |= key[0]
                 else:
-                    keep.append((buf, job))
+                    keep.append(entry)
             self._free[key] = keep
-        if trimmed_pinned:
-            _return_pinned_cache()
+        return trimmed_pinned
 
 
 def _return_pinned_cache() -> None:
