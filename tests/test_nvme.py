@@ -765,3 +765,27 @@ def test_staged_sources_dropped_when_writes_finish_out_of_order(nvme_dir):
     out.sum().backward()
     handles.clear()
     off.close()
+
+
+@pytest.mark.parametrize("first", [0, 8, 16, 32, 48, 56])
+def test_restored_view_keeps_its_pointer_modulo_256(nvme_dir, first):
+    """Restores from disk go into page-aligned memory, so a view keeps its
+    address modulo 256 bytes (cuBLAS(Lt) picks kernels by alignment up to
+    256; see NOTE [Layout of a moved tensor])."""
+    from models import SaveIt
+
+    from tiermem.io import aligned_empty
+    base = aligned_empty(4 * (4096 + 64)).view(torch.float32)
+    base.copy_(torch.randn(4096 + 64))
+    t = base[first:first + 4096]
+    sink: list = []
+    w = torch.ones((), requires_grad=True)
+    off = _off(nvme_dir)
+    with off:
+        out = SaveIt.apply(t, w, sink)
+    off._stores[tiermem.Tier.NVME].drain()
+    out.backward()
+    (u,) = sink
+    assert torch.equal(u, t) and u.data_ptr() != t.data_ptr()
+    assert u.data_ptr() % 256 == t.data_ptr() % 256
+    off.close()

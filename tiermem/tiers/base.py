@@ -11,10 +11,15 @@ autograd drops one, the tier gets its buffers back (``release``). Adding a tier
 # and overlapping or gapped views. We move the *span* of storage it touches,
 # ``[storage_offset, storage_offset + 1 + sum((size_i - 1) * stride_i))``, and
 # restore with ``as_strided(size, stride)`` on the copy: sizes and strides are
-# exactly the original ones, and the storage offset keeps its value modulo 64
-# bytes (``pad``), so every kernel in backward sees the same layout and the
-# same pointer alignment (vectorized paths, hence reduction orders, depend on
-# it) and gradients stay bit-identical.
+# exactly the original ones, and the data keeps its address modulo 256 bytes
+# (``pad`` elements before it, in a buffer aligned to 256), so every kernel in
+# backward sees the same layout and the same pointer alignment (vectorized
+# paths, hence reduction orders, depend on it) and gradients stay
+# bit-identical. 256: cuBLAS(Lt) picks its kernels by
+# the operands' alignment up to 256 bytes (torch's _getAlignment); CUDA
+# allocations are 512-aligned, as are the nvme tier's host buffers, so those
+# restores keep the address modulo 256. Restores into host memory allocated
+# by torch (64-aligned) keep it modulo 64, all that CPU kernels look at.
 # When the span is much larger than the tensor (a column of a big matrix), we
 # move a dense copy instead (``compact``): same values and sizes, contiguous
 # strides. Contiguous tensors take the span path with span == numel.
@@ -33,8 +38,9 @@ from ..policy import Tier
 #: times its element count. See NOTE [Layout of a moved tensor].
 COMPACT_SPAN_RATIO = 2
 
-#: Restored tensors keep the original data pointer's alignment modulo this.
-_ALIGN_BYTES = 64
+#: Restored tensors keep the original data pointer's alignment modulo this
+#: (where their buffer is aligned to it; see NOTE [Layout of a moved tensor]).
+_ALIGN_BYTES = 256
 
 
 @dataclass(frozen=True)
@@ -57,8 +63,7 @@ class Layout:
     def of(t: torch.Tensor) -> "Layout":
         size, stride = t.size(), t.stride()
         numel = t.numel()
-        offset = t.storage_offset()
-        pad = _pad_elements(offset, t.element_size()) if offset else 0
+        pad = _pad_elements(t)
         if t.is_contiguous() or numel == 0:
             return Layout(size, stride, t.dtype, t.device, numel, False, pad)
         span = _span_elements(size, stride)
@@ -91,14 +96,22 @@ def _span_elements(size, stride) -> int:
     return 1 + sum((n - 1) * s for n, s in zip(size, stride))
 
 
-def _pad_elements(offset: int, itemsize: int) -> int:
-    """Elements before the data that keep a storage offset's alignment modulo 64 bytes."""
-    return offset % max(1, _ALIGN_BYTES // itemsize)
+def _pad_elements(t: torch.Tensor) -> int:
+    """Elements to put before the data of a copy of ``t`` so that, in a buffer
+    aligned to ``_ALIGN_BYTES``, it sits at ``t``'s address modulo
+    ``_ALIGN_BYTES`` (the address, not the storage offset: CPU storages are
+    only 64-aligned)."""
+    itemsize = t.element_size()
+    try:
+        address = t.data_ptr()
+    except RuntimeError:   # no real storage (fake or meta tensors)
+        address = t.storage_offset() * itemsize
+    return address % _ALIGN_BYTES // itemsize
 
 
 def exact_copy(t: torch.Tensor) -> torch.Tensor:
-    """A private copy of ``t`` with the same sizes, strides and storage offset
-    modulo 64 bytes (see NOTE [Layout of a moved tensor]): its storage span is
+    """A private copy of ``t`` with the same sizes, strides and address
+    modulo 256 bytes (see NOTE [Layout of a moved tensor]): its storage span is
     copied, so kernels see the same layout and alignment as on ``t``."""
     t = t.detach()
     if t.is_conj() or t.is_neg():
@@ -108,7 +121,7 @@ def exact_copy(t: torch.Tensor) -> torch.Tensor:
         return t.clone()
     span = _span_elements(size, stride)
     offset = t.storage_offset()
-    pad = _pad_elements(offset, t.element_size())
+    pad = _pad_elements(t)
     flat = torch.empty(pad + span, dtype=t.dtype, device=t.device)
     flat[pad:].copy_(t.as_strided((span,), (1,), offset))
     return flat.as_strided(size, stride, pad)
