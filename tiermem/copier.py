@@ -182,7 +182,9 @@ class CudaCopier:
             # Conj/neg views resolved on the device: a D2H copy_ of such a view
             # applies them on the host before the bytes land (pytorch#146286).
             dst.copy_(src.resolve_conj().resolve_neg(), non_blocking=True)
-            event = torch.cuda.Event()
+            # blocking: a host wait on it (a worker thread of the nvme tier,
+            # drain) sleeps instead of spinning a CPU core.
+            event = torch.cuda.Event(blocking=True)
             event.record(stream)
         return _CudaJob(event, self.device, compute, stream)
 

@@ -63,6 +63,7 @@ from typing import Optional
 
 import torch
 
+from ..copier import _CudaJob
 from ..errors import TierMemError
 from .base import Layout, TierStore
 from .keep import check_version
@@ -235,21 +236,23 @@ class MovingStore(TierStore):
                 self._land_first()
 
     @staticmethod
-    def _from_host(h: MovedHandle, host: torch.Tensor) -> torch.Tensor:
+    def _from_host(h: MovedHandle, host: torch.Tensor) -> tuple:
         """The tensor rebuilt from its staged copy ``host`` (NOTE [Staged moves]).
         On CUDA the copy is queued on the current stream (where the tensor is
         allocated and consumed), and the staging buffer's lease holds it back
         from its pool until that copy is done."""
         layout = h.layout
         dev = torch.empty(layout.pad + layout.numel, dtype=layout.dtype, device=layout.device)
-        if dev.is_cuda:
-            dev[layout.pad:].copy_(host, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(layout.device))
-            h.lease.hold_until(done)
-        else:
+        if not dev.is_cuda:
             dev[layout.pad:].copy_(host)
-        return layout.rebuild(dev)
+            return layout.rebuild(dev), None
+        stream = torch.cuda.current_stream(layout.device)
+        dev[layout.pad:].copy_(host, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+        h.lease.hold_until(done)
+        # For the other consumers of this pass (the first is on ``stream``).
+        return layout.rebuild(dev), _CudaJob(done, layout.device, stream, stream)
 
     # -- backward -----------------------------------------------------------
     def prefetch(self, h: MovedHandle) -> Optional[bool]:
@@ -297,31 +300,36 @@ class MovingStore(TierStore):
                     "modified by an in-place operation while tiermem was moving it to the "
                     f"{self.tier.value} tier; autograd would raise here too. Clone it "
                     "before modifying it.")
-            if h.cached is not None:   # a tensor saved by several ops: restored once
-                out = h.cached
+            cached = h.cached
+            if cached is not None:   # a tensor saved by several ops: restored once
                 if h.taken >= h.uses:
                     h.cached = None
-                return out
-            out = None
-            if h.host is not None:
+            elif h.host is not None:
                 with self._lock:   # no landing may give the buffer back meanwhile
                     host = h.host
-                    out = None if host is None else self._from_host(h, host)
-            if out is not None:
-                # Staged, and its move failed or has not landed: NOTE [Staged moves].
+                    cached = None if host is None else self._from_host(h, host)
+                if cached is not None:
+                    # Staged, and its move failed or has not landed: NOTE [Staged moves].
+                    prefetcher.advance(h)
+                    if h.taken < h.uses:
+                        h.cached = cached
+            if cached is None:
+                if h.restore is None:
+                    step.stats.prefetch_misses += 1
+                    h.restore = self._restore(h)
+                else:
+                    step.stats.prefetch_hits += 1
+                    prefetcher.consumed(h.nbytes)
+                dev, job = h.restore
+                h.restore = None
                 prefetcher.advance(h)
-                if h.taken < h.uses:
-                    h.cached = out
-                return out
-            if h.restore is None:
-                step.stats.prefetch_misses += 1
-                h.restore = self._restore(h)
-            else:
-                step.stats.prefetch_hits += 1
-                prefetcher.consumed(h.nbytes)
-            dev, job = h.restore
-            h.restore = None
-            prefetcher.advance(h)
+        if cached is not None:
+            # Each consumer is ordered after the copy, on its own stream (the
+            # consumers of one tensor may run on different streams).
+            out, job = cached
+            if job is not None:
+                job.order_before_use(out)
+            return out
         if not job.done():
             step.stats.late_restores += 1
         t0 = time.perf_counter()
@@ -329,7 +337,7 @@ class MovingStore(TierStore):
         step.stats.stall_seconds += time.perf_counter() - t0
         out = h.layout.rebuild(dev)
         if h.taken < h.uses:
-            h.cached = out   # kept for the other consumers of this pass
+            h.cached = (out, job)   # kept for the other consumers of this pass
         return out
 
     # -- release --------------------------------------------------------------

@@ -498,7 +498,7 @@ class NvmeStore(MovingStore):
                 with torch.cuda.device(device), torch.cuda.stream(side):
                     side.wait_event(allocated)
                     dev[layout.pad:].copy_(view, non_blocking=True)
-                    done = torch.cuda.Event()
+                    done = torch.cuda.Event(blocking=True)   # host waits sleep
                     done.record(side)
                 dev.record_stream(side)
                 return done
