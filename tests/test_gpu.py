@@ -282,8 +282,10 @@ def test_conjugate_view_moved_to_cpu_tier_keeps_its_values(monkeypatch):
     z = torch.randn(64, 1024, dtype=torch.complex64, device=DEV, requires_grad=True)
     off = tiermem.Offloader(policy="cpu", min_offload_bytes=0)
     with off:
-        y = (z.conj() * z.conj()).sum()    # mul saves both conj views
-    expected = torch.autograd.grad((z.conj() * z.conj()).sum(), z)[0]
+        w = z * 1                          # not a leaf: conj views of a leaf are kept
+        y = (w.conj() * w.conj()).real.sum()    # mul saves both conj views
+    w2 = z * 1
+    expected = torch.autograd.grad((w2.conj() * w2.conj()).real.sum(), z)[0]
     got = torch.autograd.grad(y, z)[0]
     assert off.stats.count_by_tier["cpu"] > 0
     assert torch.equal(got, expected)
