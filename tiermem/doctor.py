@@ -45,6 +45,7 @@ def _gpu() -> dict:
     out = {"available": True, "torch_cuda": torch.version.cuda, "count": torch.cuda.device_count(),
            "name": props.name, "memory_bytes": props.total_memory}
     try:
+        torch.zeros(1, device="cuda")   # the CUDA context first: not part of the timing
         t0 = time.perf_counter()
         buf = torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True)
         out["pinned_64MiB_alloc_ms"] = (time.perf_counter() - t0) * 1e3
