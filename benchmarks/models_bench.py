@@ -458,7 +458,13 @@ class Runner:
     def tiermem_stats(self) -> Optional[dict]:
         if self.off is None:
             return None
-        return self.off.stats.as_dict()
+        out = self.off.stats.as_dict()
+        # Since the Offloader was made: drops of pinned buffers from a full pool,
+        # each a device sync on CUDA (NOTE [Trimming pinned buffers]).
+        pools = [getattr(s, attr) for s in self.off._stores.values()
+                 for attr in ("pool", "_staging") if hasattr(s, attr)]
+        out["pinned_returns_total"] = sum(p.pinned_returns for p in pools)
+        return out
 
     def peer_stats(self) -> Optional[dict]:
         st = getattr(self.peer_ctx, "stats", None)

@@ -548,7 +548,8 @@ def _tiermem_step_record(stats: Optional[dict]) -> Optional[dict]:
     if stats is None:
         return None
     keep = ("stall_seconds", "late_restores", "prefetch_misses", "prefetch_hits",
-            "budget_fallbacks", "peak_host_bytes", "peak_disk_bytes", "dedup_hits")
+            "budget_fallbacks", "peak_host_bytes", "peak_disk_bytes", "dedup_hits",
+            "pinned_returns_total")
     return {k: stats.get(k) for k in keep}
 
 
