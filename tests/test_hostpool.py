@@ -3,6 +3,7 @@ and NOTE [Trimming pinned buffers]."""
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from tiermem import hostpool
 from tiermem.hostpool import HostPool
@@ -31,20 +32,62 @@ def test_a_released_buffer_is_reused_once_its_job_is_done():
     assert pool.in_use_bytes == 200 * KiB and pool.free_bytes == 0
 
 
-def test_an_idle_buffer_up_to_twice_the_size_serves_a_request():
+@pytest.fixture
+def fake_pinned(monkeypatch):
+    """CPU stand-in for pinned memory (no CUDA here): ``pin_memory`` ignored,
+    and emptying torch's pinned cache recorded instead of done."""
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda n, dtype, pin_memory: real_empty(n, dtype=dtype))
+    returns = []
+    monkeypatch.setattr(hostpool, "_return_pinned_cache", lambda: returns.append(1))
+    return returns
+
+
+def test_pinned_requests_take_an_idle_buffer_of_the_next_class(fake_pinned):
+    pool = HostPool(1 << 20)
+    b128 = pool.acquire(128 * KiB, pinned=True)
+    b512 = pool.acquire(512 * KiB, pinned=True)
+    page = pool.acquire(128 * KiB, pinned=False)
+    pool.release(b128, pinned=True)
+    pool.release(b512, pinned=True)
+    pool.release(page, pinned=False)
+    assert pool.allocations == 3
+    got = pool.acquire(50 * KiB, pinned=True)          # class 64 KiB: the 128 KiB one
+    assert got.data_ptr() == b128.data_ptr() and pool.allocations == 3
+    small = pool.acquire(100 * KiB, pinned=True)       # class 128 KiB: 512 is two up
+    assert small.numel() == 128 * KiB and pool.allocations == 4
+    pool.release(got, pinned=True)
+    assert pool.in_use_bytes == 128 * KiB and pool.free_bytes == (128 + 512 + 128) * KiB
+    big = pool.acquire(200 * KiB, pinned=True)         # class 256 KiB: the 512 one
+    assert big.data_ptr() == b512.data_ptr() and pool.allocations == 4
+    assert fake_pinned == []
+
+
+def test_pageable_requests_take_their_own_size_only():
     pool = HostPool(1 << 20)
     big = pool.acquire(150 * KiB, pinned=False)
-    huge = pool.acquire(400 * KiB, pinned=False)
     pool.release(big)
-    pool.release(huge)
-    got = pool.acquire(100 * KiB, pinned=False)        # 150 <= 2 * 100: reused
-    assert got.data_ptr() == big.data_ptr() and got.numel() == 150 * KiB
-    assert pool.allocations == 2
-    assert pool.in_use_bytes == 150 * KiB and pool.free_bytes == 400 * KiB
-    small = pool.acquire(100 * KiB, pinned=False)      # 400 > 2 * 100: a new one
-    assert small.numel() == 100 * KiB and pool.allocations == 3
-    pool.release(got)
-    assert pool.in_use_bytes == 100 * KiB and pool.free_bytes == 550 * KiB
+    got = pool.acquire(100 * KiB, pinned=False)
+    assert got.numel() == 100 * KiB and pool.allocations == 2
+
+
+def test_a_larger_buffer_still_in_use_by_its_job_is_skipped(fake_pinned):
+    pool = HostPool(1 << 20)
+    b = pool.acquire(128 * KiB, pinned=True)
+    job = _Job(False)
+    pool.release(b, job, pinned=True)
+    got = pool.acquire(64 * KiB, pinned=True)
+    assert got.data_ptr() != b.data_ptr() and got.numel() == 64 * KiB
+    job._done = True
+    assert pool.acquire(64 * KiB, pinned=True).data_ptr() == b.data_ptr()
+
+
+def test_a_pinned_request_is_never_served_by_pageable_memory(fake_pinned):
+    pool = HostPool(1 << 20)
+    page = pool.acquire(64 * KiB, pinned=False)
+    pool.release(page, pinned=False)
+    got = pool.acquire(64 * KiB, pinned=True)
+    assert got.data_ptr() != page.data_ptr() and pool.allocations == 2
 
 
 def test_full_budget_trims_idle_buffers_of_other_sizes_else_refuses():
@@ -61,40 +104,36 @@ def test_full_budget_trims_idle_buffers_of_other_sizes_else_refuses():
     assert pool.pinned_returns == 0
 
 
-def test_trimming_pinned_buffers_returns_them_and_is_counted(monkeypatch):
-    """CPU stand-in for pinned memory: the pool's bookkeeping, and that the
-    pinned cache is emptied (a device sync on CUDA) only when pinned buffers
-    were really dropped, outside the lock."""
-    real_empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda n, dtype, pin_memory: real_empty(n, dtype=dtype))
-    returns = []
-
-    def returned():
-        assert not pool._lock.locked()
-        returns.append(pool.free_bytes)
-    monkeypatch.setattr(hostpool, "_return_pinned_cache", returned)
+def test_trimming_pinned_buffers_returns_them_and_is_counted(fake_pinned):
+    """The pinned cache is emptied (a device sync on CUDA) only when pinned
+    buffers were really dropped, and the dropped buffers are gone by then."""
     pool = HostPool(256 * KiB)
     a = pool.acquire(64 * KiB, pinned=True)
     b = pool.acquire(64 * KiB, pinned=True)
     pool.release(a, pinned=True)
     pool.release(b, pinned=True)
-    # A class twice as large is served by a fresh buffer: 128 + 128 <= 256.
+    # Class 128 KiB: nothing idle of that class or the next: a new buffer,
+    # 128 + 128 <= 256.
     c = pool.acquire(100 * KiB, pinned=True)
-    assert c.numel() == 128 * KiB and returns == [] and pool.pinned_returns == 0
+    assert c.numel() == 128 * KiB and fake_pinned == [] and pool.pinned_returns == 0
     pool.release(c, pinned=True)
-    # Class 32 KiB: an idle 64 KiB buffer (<= 2x) serves it, nothing trimmed.
+    # Class 32 KiB: an idle 64 KiB buffer (the next class) serves it.
     d = pool.acquire(20 * KiB, pinned=True)
-    assert d.numel() == 64 * KiB and returns == [] and pool.pinned_returns == 0
+    assert d.numel() == 64 * KiB and fake_pinned == [] and pool.pinned_returns == 0
     # Class 256 KiB while d is in use: even trimming every idle buffer would
     # leave no room, so nothing is dropped (and the device is not synced).
     assert pool.acquire(200 * KiB, pinned=True) is None
-    assert pool.free_bytes == 192 * KiB and pool.pinned_returns == 0 and returns == []
+    assert pool.free_bytes == 192 * KiB and pool.pinned_returns == 0 and fake_pinned == []
+    refs = [StorageWeakRef(t.untyped_storage()) for t in (a, b, c)]
     pool.release(d, pinned=True)
+    del a, b, c, d
     f = pool.acquire(200 * KiB, pinned=True)           # trimming all makes room now
     assert f.numel() == 256 * KiB and pool.free_bytes == 0
-    assert pool.pinned_returns == 1 and returns == [0]
+    assert pool.pinned_returns == 1 and fake_pinned == [1]
+    assert all(r.expired() for r in refs)              # really freed, not just forgotten
+    assert pool._free == {}
     pool.clear()
-    assert len(returns) == 2
+    assert len(fake_pinned) == 2
 
 
 @pytest.mark.parametrize("pinned", [False, True])

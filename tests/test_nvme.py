@@ -767,25 +767,62 @@ def test_staged_sources_dropped_when_writes_finish_out_of_order(nvme_dir):
     off.close()
 
 
-@pytest.mark.parametrize("first", [0, 8, 16, 32, 48, 56])
-def test_restored_view_keeps_its_pointer_modulo_256(nvme_dir, first):
-    """Restores from disk go into page-aligned memory, so a view keeps its
-    address modulo 256 bytes (cuBLAS(Lt) picks kernels by alignment up to
-    256; see NOTE [Layout of a moved tensor])."""
+@pytest.mark.parametrize("first", [0, 4, 8, 16, 24])
+def test_restored_view_keeps_its_address_modulo_64_and_reads_direct(nvme_dir, first,
+                                                                      monkeypatch):
+    """A restored CPU view sits at its original address modulo 64 bytes (see
+    NOTE [Layout of a moved tensor]); a tensor whose data is 64-aligned is
+    read straight into page-aligned memory (the engine's direct path), even
+    where torch placed it at a page plus 64 bytes."""
     from models import SaveIt
 
     from tiermem.io import aligned_empty
-    base = aligned_empty(4 * (4096 + 64)).view(torch.float32)
+    base = aligned_empty(4 * (4096 + 64) + 64)[64:].view(torch.float32)   # page + 64
     base.copy_(torch.randn(4096 + 64))
     t = base[first:first + 4096]
     sink: list = []
     w = torch.ones((), requires_grad=True)
     off = _off(nvme_dir)
+    store = off._stores[tiermem.Tier.NVME]
+    reads = []
+    read = store._file.read
+
+    def recording(dest, offset):
+        reads.append(dest.data_ptr())
+        return read(dest, offset)
+    monkeypatch.setattr(store._file, "read", recording)
     with off:
         out = SaveIt.apply(t, w, sink)
-    off._stores[tiermem.Tier.NVME].drain()
+    store.drain()
     out.backward()
     (u,) = sink
     assert torch.equal(u, t) and u.data_ptr() != t.data_ptr()
-    assert u.data_ptr() % 256 == t.data_ptr() % 256
+    assert u.data_ptr() % 64 == t.data_ptr() % 64
+    assert len(reads) == 1
+    assert (reads[0] % 4096 == 0) == (t.data_ptr() % 64 == 0)
+    off.close()
+
+
+def test_staging_given_back_keeps_no_view_alive(nvme_dir, engine):
+    """Once a staged move has landed, its staging buffer is back in the pool and
+    nothing else holds it: dropping it from the pool frees its memory (for
+    pinned memory that is what the budget counts, see NOTE [Trimming pinned
+    buffers])."""
+    off = _staged(nvme_dir, engine=engine)
+    store = off._stores[tiermem.Tier.NVME]
+    x = torch.randn(1 << 16, requires_grad=True)
+    with off:
+        z = (x * 2).sin()
+    store.drain()
+    off._poll()
+    pool = store._staging
+    assert pool.in_use_bytes == 0 and pool.free_bytes > 0
+    refs = [StorageWeakRef(buf.untyped_storage())
+            for entries in pool._free.values() for buf, _ in entries]
+    assert refs
+    pool.clear()
+    gc.collect()
+    assert all(r.expired() for r in refs), "a dropped staging buffer is still referenced"
+    z.sum().backward()
+    assert torch.equal(x.grad, (x.detach() * 2).cos() * 2)
     off.close()

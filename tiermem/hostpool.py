@@ -21,8 +21,8 @@ NOTE [Trimming pinned buffers]
   pinned memory really held. That frees with ``cudaFreeHost``, which
   synchronizes the whole device: a stall where it happens (forward or
   backward), which ``set_sync_debug_mode`` does not see. So it is avoided
-  where it can be: a request is served by an idle buffer of its class, else
-  of a class up to twice as large, before anything is trimmed; trimming
+  where it can be: a pinned request is served by an idle buffer of its
+  class, else of the next class up, before anything is trimmed; trimming
   happens only when the budget is full and the sizes asked for change, and
   never when even dropping every idle buffer would not make room. The
   rest is counted (``pinned_returns``) rather than hidden. It runs outside
@@ -83,8 +83,8 @@ class HostPool:
 
     def acquire(self, nbytes: int, pinned: bool) -> Optional[torch.Tensor]:
         """A buffer of at least ``nbytes`` (its length is its class size: the
-        request's class, or up to twice it when an idle buffer of such a class
-        is ready; callers slice it), or ``None`` when the budget has no room.
+        request's class or, pinned, twice it when such an idle buffer is ready;
+        callers slice it), or ``None`` when the budget has no room.
         See NOTE [Trimming pinned buffers]."""
         cls = self.class_bytes(nbytes, pinned)
         trimmed_pinned = False
@@ -136,10 +136,10 @@ class HostPool:
         _return_pinned_cache()
 
     def _take_ready(self, pinned: bool, cls: int) -> Optional[torch.Tensor]:
-        """An idle buffer whose last job is done, of class ``cls`` or else of
-        the smallest class up to ``2 * cls`` (rather than trim and allocate)."""
-        keys = [(pinned, cls)] + sorted(k for k in self._free
-                                        if k[0] == pinned and cls < k[1] <= 2 * cls)
+        """An idle buffer whose last job is done, of class ``cls``, or for
+        pinned memory of the next class up (twice as large) rather than trim
+        and pin anew (pageable buffers are dropped at no such cost)."""
+        keys = [(pinned, cls), (pinned, 2 * cls)] if pinned else [(pinned, cls)]
         for key in keys:
             entries = self._free.get(key)
             if not entries:
@@ -147,6 +147,8 @@ class HostPool:
             for i, (buf, job) in enumerate(entries):
                 if job is None or job.done():
                     del entries[i]
+                    if not entries:
+                        del self._free[key]
                     return buf
         return None
 
@@ -170,7 +172,10 @@ class HostPool:
                     trimmed_pinned |= key[0]
                 else:
                     keep.append(entry)
-            self._free[key] = keep
+            if keep:
+                self._free[key] = keep
+            else:
+                del self._free[key]
         return trimmed_pinned
 
 

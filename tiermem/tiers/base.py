@@ -12,14 +12,14 @@ autograd drops one, the tier gets its buffers back (``release``). Adding a tier
 # ``[storage_offset, storage_offset + 1 + sum((size_i - 1) * stride_i))``, and
 # restore with ``as_strided(size, stride)`` on the copy: sizes and strides are
 # exactly the original ones, and the data keeps its address modulo 256 bytes
-# (``pad`` elements before it, in a buffer aligned to 256), so every kernel in
+# on CUDA, 64 on the CPU (``pad`` elements before it), so every kernel in
 # backward sees the same layout and the same pointer alignment (vectorized
 # paths, hence reduction orders, depend on it) and gradients stay
 # bit-identical. 256: cuBLAS(Lt) picks its kernels by
 # the operands' alignment up to 256 bytes (torch's _getAlignment); CUDA
-# allocations are 512-aligned, as are the nvme tier's host buffers, so those
-# restores keep the address modulo 256. Restores into host memory allocated
-# by torch (64-aligned) keep it modulo 64, all that CPU kernels look at.
+# allocations are 512-aligned, so CUDA restores keep the address modulo 256.
+# CPU tensors keep it modulo 64 (the CPU allocator's alignment, and all that
+# CPU kernels look at).
 # When the span is much larger than the tensor (a column of a big matrix), we
 # move a dense copy instead (``compact``): same values and sizes, contiguous
 # strides. Contiguous tensors take the span path with span == numel.
@@ -38,9 +38,11 @@ from ..policy import Tier
 #: times its element count. See NOTE [Layout of a moved tensor].
 COMPACT_SPAN_RATIO = 2
 
-#: Restored tensors keep the original data pointer's alignment modulo this
-#: (where their buffer is aligned to it; see NOTE [Layout of a moved tensor]).
+#: Restored CUDA tensors keep the original data pointer's alignment modulo
+#: this, CPU tensors modulo ``_ALIGN_BYTES_CPU`` (see NOTE [Layout of a moved
+#: tensor]).
 _ALIGN_BYTES = 256
+_ALIGN_BYTES_CPU = 64
 
 
 @dataclass(frozen=True)
@@ -98,20 +100,23 @@ def _span_elements(size, stride) -> int:
 
 def _pad_elements(t: torch.Tensor) -> int:
     """Elements to put before the data of a copy of ``t`` so that, in a buffer
-    aligned to ``_ALIGN_BYTES``, it sits at ``t``'s address modulo
-    ``_ALIGN_BYTES`` (the address, not the storage offset: CPU storages are
-    only 64-aligned)."""
+    aligned to 256 bytes, it sits at ``t``'s address modulo 256 on CUDA, 64 on
+    the CPU. The address, not the storage offset: CPU storages are only
+    64-aligned, and torch often puts big ones at a page plus 64 bytes, whose
+    pad modulo 256 would keep every restore from disk off the direct (page-
+    aligned) path."""
     itemsize = t.element_size()
+    align = _ALIGN_BYTES if t.is_cuda else _ALIGN_BYTES_CPU
     try:
         address = t.data_ptr()
     except RuntimeError:   # no real storage (fake or meta tensors)
         address = t.storage_offset() * itemsize
-    return address % _ALIGN_BYTES // itemsize
+    return address % align // itemsize
 
 
 def exact_copy(t: torch.Tensor) -> torch.Tensor:
     """A private copy of ``t`` with the same sizes, strides and address
-    modulo 256 bytes (see NOTE [Layout of a moved tensor]): its storage span is
+    alignment (see NOTE [Layout of a moved tensor]): its storage span is
     copied, so kernels see the same layout and alignment as on ``t``."""
     t = t.detach()
     if t.is_conj() or t.is_neg():

@@ -323,6 +323,11 @@ class MovingStore(TierStore):
                 dev, job = h.restore
                 h.restore = None
                 prefetcher.advance(h)
+                out = h.layout.rebuild(dev)
+                if h.taken < h.uses:
+                    # For the other consumers of this pass, set under the lock
+                    # (each orders itself after the copy, below).
+                    h.cached = (out, job)
         if cached is not None:
             # Each consumer is ordered after the copy, on its own stream (the
             # consumers of one tensor may run on different streams).
@@ -335,9 +340,6 @@ class MovingStore(TierStore):
         t0 = time.perf_counter()
         job.order_before_use(dev)
         step.stats.stall_seconds += time.perf_counter() - t0
-        out = h.layout.rebuild(dev)
-        if h.taken < h.uses:
-            h.cached = (out, job)   # kept for the other consumers of this pass
         return out
 
     # -- release --------------------------------------------------------------

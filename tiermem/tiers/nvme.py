@@ -153,7 +153,7 @@ class _StagingLease:
 
     def __init__(self, pool: HostPool, buf: torch.Tensor, pinned: bool) -> None:
         self.pool, self.buf, self.pinned = pool, buf, pinned
-        self.job = None      # the move, set once it is submitted
+        self.job = None      # the move (a _StagedJob), set once it is submitted
         self.events: list = []
 
     def hold_until(self, event) -> None:
@@ -165,7 +165,13 @@ class _StagingLease:
         with _StagingLease._lock:
             buf, self.buf = self.buf, None
         if buf is not None:
-            self.pool.release(buf, _AllDone(self.job, self.events), self.pinned)
+            staged = self.job
+            if staged is not None:
+                # The move's view of the buffer goes too: the pool may drop
+                # the buffer (NOTE [Trimming pinned buffers] in hostpool.py),
+                # which must then free its memory.
+                staged.host_view = None
+            self.pool.release(buf, _AllDone(staged, self.events), self.pinned)
 
 
 class _AllDone(Job):
@@ -192,7 +198,7 @@ class _StagedJob(Job):
         self.copied = copied
         self.host_view = host_view
         self.lease = lease
-        lease.job = job
+        lease.job = self
 
     def done(self) -> bool:
         return self.job.done()
