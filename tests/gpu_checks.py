@@ -34,3 +34,11 @@ def forbid_host_waits(*job_classes):
             yield
         finally:
             torch.cuda.set_sync_debug_mode(0)
+
+
+def assert_same_step(got, ref) -> None:
+    """``got`` and ``ref``, each ``(loss, [grads])``, are bit-identical."""
+    assert torch.equal(got[0], ref[0])
+    assert len(got[1]) == len(ref[1])
+    for g, r in zip(got[1], ref[1]):
+        assert torch.equal(g, r)

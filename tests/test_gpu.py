@@ -17,7 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import tiermem
 from tiermem import copier
-from gpu_checks import forbid_host_waits
+from gpu_checks import assert_same_step, forbid_host_waits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("clean_env")]
 
@@ -75,12 +75,6 @@ def _step(model, x, ctx, seed=1):
     return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
 
-def _assert_same(a, b):
-    assert torch.equal(a[0], b[0])
-    for ga, gb in zip(a[1], b[1]):
-        assert torch.equal(ga, gb)
-
-
 @pytest.mark.parametrize("policy", ["keep", "cpu", "recompute", "recompute,cpu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gradients_bit_identical_on_cuda(policy, dtype):
@@ -89,7 +83,7 @@ def test_gradients_bit_identical_on_cuda(policy, dtype):
     ref = _step(model, x, contextlib.nullcontext())
     off = tiermem.Offloader(policy=policy, min_offload_bytes=0)
     for _ in range(3):
-        _assert_same(_step(model, x, off), ref)
+        assert_same_step(_step(model, x, off), ref)
     if "cpu" in policy:
         assert off.stats.count_by_tier["cpu"] > 0
         assert off.stats.prefetch_hits > 0
@@ -152,7 +146,7 @@ def test_slow_side_stream_still_gives_exact_gradients(monkeypatch, which):
     ref = _step(model, x, contextlib.nullcontext())
     _slow_stream(monkeypatch, which)
     off = tiermem.Offloader(policy="cpu", min_offload_bytes=0)
-    _assert_same(_step(model, x, off), ref)
+    assert_same_step(_step(model, x, off), ref)
 
 
 @pytest.mark.parametrize("where", ["forward", "backward"])
@@ -163,7 +157,7 @@ def test_slow_compute_stream_still_gives_exact_gradients(where):
     try:
         ref = _step(model, x, contextlib.nullcontext())
         off = tiermem.Offloader(policy="cpu", min_offload_bytes=0, prefetch_bytes="1GiB")
-        _assert_same(_step(model, x, off), ref)
+        assert_same_step(_step(model, x, off), ref)
     finally:
         for h in handles:
             h.remove()
@@ -311,7 +305,7 @@ def test_nvme_gradients_bit_identical_on_cuda(tmp_path, engine, dtype):
     ref = _step(model, x, contextlib.nullcontext())
     off = _nvme_off(tmp_path, engine)
     for _ in range(3):
-        _assert_same(_step(model, x, off), ref)
+        assert_same_step(_step(model, x, off), ref)
     assert off.stats.count_by_tier["nvme"] > 0
     # Free-running, writes may still be in flight when backward starts (those
     # tensors come back from staging); settled, backward reads the disk ahead
@@ -322,7 +316,7 @@ def test_nvme_gradients_bit_identical_on_cuda(tmp_path, engine, dtype):
         loss = model(x).float().square().mean()
     off._stores[tiermem.Tier.NVME].drain()
     loss.backward()
-    _assert_same((loss.detach(), [p.grad.clone() for p in model.parameters()]), ref)
+    assert_same_step((loss.detach(), [p.grad.clone() for p in model.parameters()]), ref)
     assert off.stats.prefetch_hits > 0
     off.close()
     assert os.listdir(tmp_path / "spill") == []

@@ -20,7 +20,7 @@ import torch
 
 import tiermem
 from tiermem.io import ALIGN_BYTES, aligned_empty, engine_info, get_engine
-from gpu_checks import forbid_host_waits
+from gpu_checks import assert_same_step, forbid_host_waits
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
@@ -320,10 +320,7 @@ def test_nvme_tier_gradients_bit_identical_on_the_chain(eng, deterministic, tmp_
     ref = _step(model, x, contextlib.nullcontext())
     off = _nvme(tmp_path, verify=verify)
     for _ in range(3):
-        loss, grads = _step(model, x, off)
-        assert torch.equal(loss, ref[0])
-        for g, r in zip(grads, ref[1]):
-            assert torch.equal(g, r)
+        assert_same_step(_step(model, x, off), ref)
     store = off._stores[tiermem.Tier.NVME]
     assert store._engine_cuda is (not verify)
     assert off.stats.count_by_tier["nvme"] > 0
@@ -368,10 +365,7 @@ def test_nvme_tier_exact_with_slow_chain_copies(eng, deterministic, tmp_path, mo
     ref = _step(model, x, contextlib.nullcontext())
     monkeypatch.setattr(cpp._CppFile, which, slowed)
     off = _nvme(tmp_path, prefetch_bytes="1GiB")
-    loss, grads = _step(model, x, off)
-    assert torch.equal(loss, ref[0])
-    for g, r in zip(grads, ref[1]):
-        assert torch.equal(g, r)
+    assert_same_step(_step(model, x, off), ref)
     assert off._stores[tiermem.Tier.NVME]._engine_cuda
     off.close()
 
@@ -444,10 +438,7 @@ def test_refused_chain_submit_falls_back_to_the_python_chain(eng, deterministic,
     off = _nvme(tmp_path)
     with caplog.at_level("WARNING", logger="tiermem"):
         for _ in range(2):
-            loss, grads = _step(model, x, off)
-            assert torch.equal(loss, ref[0])
-            for g, r in zip(grads, ref[1]):
-                assert torch.equal(g, r)
+            assert_same_step(_step(model, x, off), ref)
     store = off._stores[tiermem.Tier.NVME]
     if error is RuntimeError:
         assert len(calls) == 1, calls       # given up after the first refusal
