@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import tiermem
+import tiermem.testing
 from tiermem.models import Block, GPTConfig, TinyGPT
 
 pytestmark = pytest.mark.usefixtures("clean_env")
@@ -80,20 +81,9 @@ def test_block_policy_overrides_the_offloader_policy_inside_blocks():
     ref = _step(_model())
     model = _model()
     tiermem.wrap_blocks(model, Block, checkpoint=False, policy="cpu")
-    where = []
-    orig = tiermem.offloader.Offloader._put
-
-    def spy(self, order, t, ctx, module, nbytes):
-        h = orig(self, order, t, ctx, module, nbytes)
-        where.append((module, order[0].value))
-        return h
-
-    tiermem.offloader.Offloader._put = spy
-    try:
-        off = tiermem.Offloader(policy="recompute", min_offload_bytes=0)
+    off = tiermem.Offloader(policy="recompute", min_offload_bytes=0)
+    with tiermem.testing.record_placements(off) as where:
         _same(_step(model, off), ref)
-    finally:
-        tiermem.offloader.Offloader._put = orig
     inside = {tier for m, tier in where if m.startswith("TinyGPT.blocks.")}
     outside = {tier for m, tier in where if not m.startswith("TinyGPT.blocks.")}
     assert inside == {"cpu"} and outside == {"recompute"}

@@ -47,6 +47,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, checkpoint_seq
                                     create_selective_checkpoint_contexts)
 
 import tiermem
+import tiermem.testing
 from models import assert_same_tensors, make_case
 
 pytestmark = pytest.mark.usefixtures("clean_env")
@@ -719,7 +720,7 @@ def test_boundary_tensors_held_on_disk_until_backward(variant, make_off):
     assert off.disk_bytes_in_use >= off.stats.bytes_by_tier["nvme"]
     # Let the writes land first, so that backward reads from the disk (see the
     # xfail test below for a backward that comes before its writes land).
-    off._stores[tiermem.Tier.NVME].drain()
+    tiermem.testing.store_of(off, tiermem.Tier.NVME).drain()
     loss.backward()
     del loss
     assert off.stats.prefetch_hits + off.stats.prefetch_misses == off.stats.count_by_tier["nvme"]

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import tiermem
+import tiermem.testing
 from tiermem import Config, ConfigError
 from tiermem.config import parse_bool, parse_size
 
@@ -180,7 +181,7 @@ def test_unavailable_policies_fail_clearly_at_construction(policy):
 ])
 def test_policy_preference_lists(given, order):
     off = tiermem.Offloader(policy=given)
-    assert [t.value for t in off._order] == order
+    assert [t.value for t in tiermem.testing.tier_order(off)] == order
 
 
 @pytest.mark.parametrize("bad", ["recompute,gpu", "cpu,", ",", "auto,cpu"])

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import tiermem
+import tiermem.testing
 from tiermem import copier
 from gpu_checks import assert_same_step, forbid_host_waits
 
@@ -101,13 +102,13 @@ def test_forward_does_not_sync_the_host(policy):
     off = tiermem.Offloader(policy=policy, min_offload_bytes=0)
     _step(model, x, off)                       # warm-up: pools and streams exist
     torch.cuda.synchronize()
-    allocations = off._stores[tiermem.Tier.CPU].pool.allocations
+    allocations = tiermem.testing.store_of(off, tiermem.Tier.CPU).pool.allocations
 
     with forbid_host_waits(copier._CudaJob), off:
         loss = model(x).square().mean()
     loss.backward()
     assert off.stats.count_by_tier["cpu"] > 0
-    assert off._stores[tiermem.Tier.CPU].pool.allocations == allocations  # no new pinning
+    assert tiermem.testing.store_of(off, tiermem.Tier.CPU).pool.allocations == allocations  # no new pinning
 
 
 def _slow_stream(monkeypatch, which):
@@ -314,7 +315,7 @@ def test_nvme_gradients_bit_identical_on_cuda(tmp_path, engine, dtype):
     torch.manual_seed(1)
     with off:
         loss = model(x).float().square().mean()
-    off._stores[tiermem.Tier.NVME].drain()
+    tiermem.testing.store_of(off, tiermem.Tier.NVME).drain()
     loss.backward()
     assert_same_step((loss.detach(), [p.grad.clone() for p in model.parameters()]), ref)
     assert off.stats.prefetch_hits > 0
@@ -328,11 +329,11 @@ def test_nvme_forward_on_the_python_chain_does_not_sync_the_host(tmp_path):
     model = _model()
     x = torch.randn(4, 128, 256, device=DEV)
     off = _nvme_off(tmp_path, "python")
-    store = off._stores[tiermem.Tier.NVME]
+    store = tiermem.testing.store_of(off, tiermem.Tier.NVME)
     _step(model, x, off)                       # warm-up: pools, streams, the arena
     store.settle()                             # nothing in flight: no new staging
     torch.cuda.synchronize()
-    allocations, arena_bytes = store._staging.allocations, store.arena.size_bytes
+    allocations, arena_bytes = store.staging.allocations, store.arena.size_bytes
     jobs = (copier._CudaJob, nvme._StagedJob, nvme._ChainJob, nvme._EventJob, nvme._FutureJob)
     with forbid_host_waits(*jobs), off:
         loss = model(x).square().mean()
@@ -340,7 +341,7 @@ def test_nvme_forward_on_the_python_chain_does_not_sync_the_host(tmp_path):
     assert off.stats.count_by_tier["nvme"] > 0
     # No new pinned staging (whose trimming could free pinned memory, an
     # implicit device sync) and no file growth in the measured forward.
-    assert store._staging.allocations == allocations
+    assert store.staging.allocations == allocations
     assert store.arena.size_bytes == arena_bytes
     off.close()
 
@@ -359,7 +360,7 @@ def test_restored_views_keep_their_pointer_modulo_256(tmp_path, policy):
         w = torch.ones((), device=DEV, requires_grad=True)
         with off:
             out = SaveIt.apply(t, w, sink)
-        off._stores[tiermem.Tier(policy)].drain()   # restored from the copy, not t
+        tiermem.testing.store_of(off, tiermem.Tier(policy)).drain()   # restored from the copy, not t
         out.backward()
         (u,) = sink
         assert torch.equal(u, t)

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import tiermem
+import tiermem.testing
 from tiermem.io import ALIGN_BYTES, aligned_empty, engine_info, get_engine
 from gpu_checks import assert_same_step, forbid_host_waits
 
@@ -321,8 +322,8 @@ def test_nvme_tier_gradients_bit_identical_on_the_chain(eng, deterministic, tmp_
     off = _nvme(tmp_path, verify=verify)
     for _ in range(3):
         assert_same_step(_step(model, x, off), ref)
-    store = off._stores[tiermem.Tier.NVME]
-    assert store._engine_cuda is (not verify)
+    store = tiermem.testing.store_of(off, tiermem.Tier.NVME)
+    assert store.uses_engine_chain is (not verify)
     assert off.stats.count_by_tier["nvme"] > 0
     off.close()
 
@@ -336,7 +337,7 @@ def test_nvme_forward_on_the_chain_does_not_sync_the_host(eng, tmp_path):
     off = _nvme(tmp_path)
     _step(model, x, off)                         # warm-up: pools, streams, the chain
     torch.cuda.synchronize()
-    assert off._stores[tiermem.Tier.NVME]._engine_cuda
+    assert tiermem.testing.uses_engine_chain(off)
 
     with forbid_host_waits(nvme._EngineCudaJob), off:
         loss = model(x).square().mean()
@@ -366,7 +367,7 @@ def test_nvme_tier_exact_with_slow_chain_copies(eng, deterministic, tmp_path, mo
     monkeypatch.setattr(cpp._CppFile, which, slowed)
     off = _nvme(tmp_path, prefetch_bytes="1GiB")
     assert_same_step(_step(model, x, off), ref)
-    assert off._stores[tiermem.Tier.NVME]._engine_cuda
+    assert tiermem.testing.uses_engine_chain(off)
     off.close()
 
 
@@ -439,13 +440,13 @@ def test_refused_chain_submit_falls_back_to_the_python_chain(eng, deterministic,
     with caplog.at_level("WARNING", logger="tiermem"):
         for _ in range(2):
             assert_same_step(_step(model, x, off), ref)
-    store = off._stores[tiermem.Tier.NVME]
+    store = tiermem.testing.store_of(off, tiermem.Tier.NVME)
     if error is RuntimeError:
         assert len(calls) == 1, calls       # given up after the first refusal
-        assert not store._engine_cuda
+        assert not store.uses_engine_chain
     else:
         assert len(calls) > 1, calls        # refused per tensor, chain kept
-        assert store._engine_cuda
+        assert store.uses_engine_chain
     assert "injected by the test" in store.engine_chain_error
     assert sum("CUDA chain refused" in r.getMessage() for r in caplog.records) == 1
     assert off.stats.count_by_tier["nvme"] > 0
@@ -466,10 +467,10 @@ def test_device_memory_is_freed_once_copied_to_staging(eng, deterministic, tmp_p
     ref = _step(model, x, contextlib.nullcontext())
     off = _nvme(tmp_path, verify=verify)
     _step(model, x, off)   # warm-up: pools, streams
-    store = off._stores[tiermem.Tier.NVME]
+    store = tiermem.testing.store_of(off, tiermem.Tier.NVME)
     gate = threading.Event()
     if verify:
-        inner = store._file
+        inner = store.file
 
         class Gated:
             def __getattr__(self, name):
@@ -478,19 +479,19 @@ def test_device_memory_is_freed_once_copied_to_staging(eng, deterministic, tmp_p
             def write(self, buf, offset):
                 assert gate.wait(30)
                 return inner.write(buf, offset)
-        store._file = Gated()
+        store.file = Gated()
     else:
         gate.set()
     model.zero_grad(set_to_none=True)
     with off:
         loss = model(x).square().mean()
-    handles = [r() for r, _ in store._pending]
+    handles = [r() for r, _ in store.pending_moves()]
     assert handles
     torch.cuda.synchronize()
     deadline = time.monotonic() + 10
     while any(h is not None and h.src is not None for h in handles):
         assert time.monotonic() < deadline, "sources kept after their copies landed"
-        off._poll()
+        tiermem.testing.poll(off)
         time.sleep(0.002)
     if verify:
         assert all(h.host is not None for h in handles)   # writes held back

@@ -19,6 +19,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import tiermem
+import tiermem.testing
 from mounts import mounted
 from models import MODEL_NAMES, compare_records, make_case, reference_steps, train_steps
 
@@ -97,8 +98,8 @@ def test_saved_tensor_memory_is_freed_once_written(nvme_dir):
         ref = StorageWeakRef(y.untyped_storage())
         z = y.sin()
         del y
-    off._stores[tiermem.Tier.NVME].drain()
-    off._poll()
+    tiermem.testing.store_of(off, tiermem.Tier.NVME).drain()
+    tiermem.testing.poll(off)
     gc.collect()
     assert ref.expired(), "the saved tensor is still alive after its write landed"
     z.sum().backward()
@@ -121,7 +122,7 @@ def test_no_files_left_after_close_and_arena_stable_over_50_steps(nvme_dir, sett
     case = make_case("block")
     off = _off(nvme_dir)
     opt = torch.optim.SGD(case.model.parameters(), lr=1e-3)
-    store = off._stores[tiermem.Tier.NVME]
+    store = tiermem.testing.store_of(off, tiermem.Tier.NVME)
     store.arena.grow_bytes = store.arena.align
     sizes = []
     for _ in range(50):
@@ -156,7 +157,7 @@ def test_tiny_nvme_budget_falls_back_to_cpu_exactly(nvme_dir, caplog, engine):
         compare_records(train_steps(make_case("mlp"), lambda: off, 3), ref, "mlp")
     s = off.stats
     assert s.budget_fallbacks > 0 and s.count_by_tier["cpu"] > 0 and s.count_by_tier["nvme"] > 0
-    assert off._stores[tiermem.Tier.NVME].arena.size_bytes <= 4096 * 4
+    assert tiermem.testing.store_of(off, tiermem.Tier.NVME).arena.size_bytes <= 4096 * 4
     assert len([r for r in caplog.records if "nvme tier is full" in r.getMessage()]) == 1
     off.close()
 
@@ -169,7 +170,7 @@ def test_disk_full_on_a_small_tmpfs_falls_back(tmp_path):
             compare_records(train_steps(make_case("block"), lambda: off, 2), ref, "block")
             s = off.stats
             assert s.budget_fallbacks > 0 and s.count_by_tier["cpu"] > 0
-            assert off._stores[tiermem.Tier.NVME].arena.disk_full
+            assert tiermem.testing.store_of(off, tiermem.Tier.NVME).arena.disk_full
         finally:
             off.close()
 
@@ -209,13 +210,13 @@ def test_enospc_at_a_write_falls_back_exactly_and_stops_the_tier(nvme_dir, caplo
                                                                  engine):
     ref = reference_steps("mlp", 3)
     off = _off(nvme_dir, engine=engine)
-    store = off._stores[tiermem.Tier.NVME]
-    store._file = _FullDiskFile(store._file, when)
+    store = tiermem.testing.store_of(off, tiermem.Tier.NVME)
+    store.file = _FullDiskFile(store.file, when)
     with caplog.at_level(logging.WARNING, logger="tiermem"):
         compare_records(train_steps(make_case("mlp"), lambda: off, 3), ref, "mlp")
     s = off.stats
     assert store.disk_full
-    assert store._file.writes == 1, "the tier kept writing to a full disk"
+    assert store.file.writes == 1, "the tier kept writing to a full disk"
     assert s.budget_fallbacks > 0 and s.count_by_tier["cpu"] > 0
     full = [r for r in caplog.records if "the disk is full" in r.getMessage()]
     assert len(full) == 1 and "No space left on device" in full[0].getMessage()
@@ -379,12 +380,12 @@ def test_forked_child_leaves_the_parents_directory(nvme_dir):
     """A child forked from the owner runs the inherited exit hooks when it
     exits normally: they must not remove the parent's live directory."""
     off = _off(nvme_dir)
-    store = off._stores[tiermem.Tier.NVME]
+    store = tiermem.testing.store_of(off, tiermem.Tier.NVME)
     (d,) = os.listdir(nvme_dir)
     pid = os.fork()
     if pid == 0:   # the child: what its atexit hooks would do, then leave at once
         try:
-            store._dir.remove()
+            store.remove_dir()
         finally:
             os._exit(0)
     os.waitpid(pid, 0)
@@ -465,9 +466,9 @@ def _saved_to_disk(nvme_dir, verify, engine="python"):
     x = torch.randn(1 << 16, requires_grad=True)
     with off:
         z = (x * 2).sin()
-    store = off._stores[tiermem.Tier.NVME]
+    store = tiermem.testing.store_of(off, tiermem.Tier.NVME)
     store.drain()
-    off._poll()
+    tiermem.testing.poll(off)
     return off, store, z
 
 
@@ -487,7 +488,7 @@ def test_read_errors_name_the_module_that_saved_the_tensor(nvme_dir):
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU())
     with off:
         z = model(torch.randn(64, 256))
-    store = off._stores[tiermem.Tier.NVME]
+    store = tiermem.testing.store_of(off, tiermem.Tier.NVME)
     store.drain()
     with open(store.path, "r+b") as f:
         f.write(b"\xff" * store.arena.size_bytes)
@@ -522,7 +523,7 @@ def test_exception_mid_forward_frees_disk_extents(nvme_dir):
             raise RuntimeError("boom")
     del y
     gc.collect()
-    off._poll()
+    tiermem.testing.poll(off)
     assert off.disk_bytes_in_use == 0
     off.close()
 
@@ -543,8 +544,8 @@ def test_layout_roundtrip_through_nvme(name, landed, nvme_dir):
     with off:
         out = SaveIt.apply(t, w, sink)
     if landed:
-        off._stores[tiermem.Tier.NVME].drain()
-        off._poll()
+        tiermem.testing.store_of(off, tiermem.Tier.NVME).drain()
+        tiermem.testing.poll(off)
     out.backward()
     (u,) = sink
     assert u.shape == t.shape and u.dtype == t.dtype
@@ -561,11 +562,11 @@ def test_layout_roundtrip_through_nvme(name, landed, nvme_dir):
 # -- staged moves (NOTE [Staged moves] in tiermem/tiers/moving.py) -----------------
 # CUDA tensors go device -> staging -> disk, and their device memory is freed
 # once the bytes are in staging. Here CPU tensors take the same path
-# (NvmeStore._stage_cpu), so that its logic runs in CI.
+# (tiermem.testing.stage_cpu_tensors), so that its logic runs in CI.
 
 def _staged(nvme_dir, **kw):
     off = _off(nvme_dir, **kw)
-    off._stores[tiermem.Tier.NVME]._stage_cpu = True
+    tiermem.testing.stage_cpu_tensors(off)
     return off
 
 
@@ -610,7 +611,7 @@ def _until(cond, what):
 def _until_staged(off, handles):
     """Poll until every handle's source is gone and its bytes are in staging."""
     def staged():
-        off._poll()
+        tiermem.testing.poll(off)
         return all(h.host is not None and h.src is None for h in handles)
     _until(staged, "the copies to staging never landed")
 
@@ -622,14 +623,14 @@ def test_staged_source_is_freed_once_copied_and_served_from_staging(nvme_dir):
     ref, x.grad = x.grad.clone(), None
 
     off = _staged(nvme_dir)
-    store = off._stores[tiermem.Tier.NVME]
-    store._file = gated = _GatedFile(store._file)
+    store = tiermem.testing.store_of(off, tiermem.Tier.NVME)
+    store.file = gated = _GatedFile(store.file)
     with off:
         a = x * 2
         b = a.sin()
         c = b.cos()
         out = c.exp()
-    handles = [ref_() for ref_, _ in store._pending]
+    handles = [ref_() for ref_, _ in store.pending_moves()]
     assert len(handles) >= 3 and all(h is not None for h in handles)
     freed = StorageWeakRef(a.untyped_storage())
     del a, b, c
@@ -637,7 +638,7 @@ def test_staged_source_is_freed_once_copied_and_served_from_staging(nvme_dir):
 
     _until_staged(off, handles)
     assert freed.expired(), "the source was kept after its copy to staging landed"
-    assert not gated.gate.is_set() and all(not job.done() for _, job in store._pending)
+    assert not gated.gate.is_set() and all(not job.done() for _, job in store.pending_moves())
     out.sum().backward()                 # every write still held back: from staging
     assert torch.equal(x.grad, ref)
     gated.gate.set()
@@ -656,15 +657,15 @@ def test_staged_write_failing_after_the_source_was_freed_loses_nothing(nvme_dir,
         refs.append(x.grad.clone())
         x.grad = None
     off = _staged(nvme_dir)
-    store = off._stores[tiermem.Tier.NVME]
+    store = tiermem.testing.store_of(off, tiermem.Tier.NVME)
     outs = []
     with caplog.at_level(logging.WARNING, logger="tiermem"):
         for x in xs:   # the second step must not be handed the first one's buffers
-            store._file = gated = _GatedFile(getattr(store._file, "_f", store._file),
+            store.file = gated = _GatedFile(getattr(store.file, "_f", store.file),
                                              fail=True)
             with off:
                 outs.append(_chain(x))
-            handles = [r() for r, _ in store._pending]
+            handles = [r() for r, _ in store.pending_moves()]
 
             _until_staged(off, handles)
             gated.gate.set()             # now the writes fail, the sources are gone
@@ -675,18 +676,18 @@ def test_staged_write_failing_after_the_source_was_freed_loses_nothing(nvme_dir,
     for out, x, ref in zip(reversed(outs), reversed(xs), reversed(refs)):
         out.sum().backward()
         assert torch.equal(x.grad, ref)
-    assert store._staging.in_use_bytes > 0   # the failed handles still hold theirs
+    assert store.staging.in_use_bytes > 0   # the failed handles still hold theirs
     del outs
     handles.clear()
     gc.collect()
-    assert store._staging.in_use_bytes == 0, "a staging buffer was never given back"
+    assert store.staging.in_use_bytes == 0, "a staging buffer was never given back"
     off.close()
 
 
 def test_staged_in_place_write_before_the_copy_landed_raises(nvme_dir):
     off = _staged(nvme_dir)
-    store = off._stores[tiermem.Tier.NVME]
-    store._file = gated = _GatedFile(store._file)
+    store = tiermem.testing.store_of(off, tiermem.Tier.NVME)
+    store.file = gated = _GatedFile(store.file)
     x = torch.randn(1 << 16, requires_grad=True)
     with off:
         a = x * 2
@@ -710,12 +711,12 @@ def test_staged_tensor_saved_twice_retain_graph_from_staging(nvme_dir):
     f(x).backward()
     ref, x.grad = x.grad.clone(), None
     off = _staged(nvme_dir)
-    store = off._stores[tiermem.Tier.NVME]
-    store._file = gated = _GatedFile(store._file)
+    store = tiermem.testing.store_of(off, tiermem.Tier.NVME)
+    store.file = gated = _GatedFile(store.file)
     with off:
         out = f(x)
-    handles = [r() for r, _ in store._pending]
-    assert any(h.uses == 2 for h in handles)
+    handles = [r() for r, _ in store.pending_moves()]
+    assert any(h.entry.uses == 2 for h in handles)
 
     _until_staged(off, handles)
     for _ in range(2):
@@ -733,8 +734,8 @@ def test_staged_sources_dropped_when_writes_finish_out_of_order(nvme_dir):
     """The first write is held back, the later ones finish: their sources go
     (at copy) although their moves cannot land before the first one."""
     off = _staged(nvme_dir, io_threads=4)
-    store = off._stores[tiermem.Tier.NVME]
-    inner = store._file
+    store = tiermem.testing.store_of(off, tiermem.Tier.NVME)
+    inner = store.file
     first = threading.Event()
     calls = []
 
@@ -747,17 +748,17 @@ def test_staged_sources_dropped_when_writes_finish_out_of_order(nvme_dir):
             if len(calls) == 1:
                 assert first.wait(30)
             return inner.write(buf, offset)
-    store._file = FirstHeld()
+    store.file = FirstHeld()
     x = torch.randn(1 << 15, requires_grad=True)
     with off:
         out = _chain(x)
-    handles = [r() for r, _ in store._pending]
+    handles = [r() for r, _ in store.pending_moves()]
     assert len(handles) >= 3
-    _until(lambda: all(job.done() for _, job in list(store._pending)[1:]),
+    _until(lambda: all(job.done() for _, job in list(store.pending_moves())[1:]),
            "the later writes never finished")
 
     def later_dropped():
-        off._poll()
+        tiermem.testing.poll(off)
         return all(h.src is None for h in handles[1:])
     _until(later_dropped, "sources kept behind a write still in flight")
     assert handles[0].host is not None or handles[0].src is not None   # not landed
@@ -783,14 +784,14 @@ def test_restored_view_keeps_its_address_modulo_64_and_reads_direct(nvme_dir, fi
     sink: list = []
     w = torch.ones((), requires_grad=True)
     off = _off(nvme_dir)
-    store = off._stores[tiermem.Tier.NVME]
+    store = tiermem.testing.store_of(off, tiermem.Tier.NVME)
     reads = []
-    read = store._file.read
+    read = store.file.read
 
     def recording(dest, offset):
         reads.append(dest.data_ptr())
         return read(dest, offset)
-    monkeypatch.setattr(store._file, "read", recording)
+    monkeypatch.setattr(store.file, "read", recording)
     with off:
         out = SaveIt.apply(t, w, sink)
     store.drain()
@@ -809,13 +810,13 @@ def test_staging_given_back_keeps_no_view_alive(nvme_dir, engine):
     pinned memory that is what the budget counts, see NOTE [Trimming pinned
     buffers])."""
     off = _staged(nvme_dir, engine=engine)
-    store = off._stores[tiermem.Tier.NVME]
+    store = tiermem.testing.store_of(off, tiermem.Tier.NVME)
     x = torch.randn(1 << 16, requires_grad=True)
     with off:
         z = (x * 2).sin()
     store.drain()
-    off._poll()
-    pool = store._staging
+    tiermem.testing.poll(off)
+    pool = store.staging
     assert pool.in_use_bytes == 0 and pool.free_bytes > 0
     refs = [StorageWeakRef(buf.untyped_storage())
             for entries in pool._free.values() for buf, _ in entries]

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import tiermem
+import tiermem.testing
 from tiermem.prefetch import AUTO_MAX_BYTES, AUTO_MIN_BYTES, auto_window_bytes
 
 pytestmark = pytest.mark.usefixtures("clean_env")
@@ -66,7 +67,7 @@ def test_nvme_restores_stay_within_the_window(tmp_path, monkeypatch, engine):
     monkeypatch.setattr(Prefetcher, "advance", recording)
     off = tiermem.Offloader(policy="nvme", min_offload_bytes=0, nvme_dir=str(tmp_path),
                             engine=engine)
-    store = off._stores[tiermem.Tier.NVME]
+    store = tiermem.testing.store_of(off, tiermem.Tier.NVME)
     x = torch.randn(2**18, requires_grad=True)   # 1 MiB of fp32
     with off as ctx:
         y = x

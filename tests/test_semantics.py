@@ -21,6 +21,7 @@ import torch.nn as nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import tiermem
+import tiermem.testing
 from models import (MLP, SaveIt, assert_same_tensors, make_case, reference_steps, run_step,
                     train_steps)
 
@@ -832,9 +833,7 @@ class _Probe:
 
 
 def _host_pool(off):
-    store = off._stores[tiermem.Tier.CPU]
-    pool = getattr(store, "pool", None)   # one pool (current) or one per kind (older)
-    return pool if pool is not None else store._pools[False]
+    return tiermem.testing.store_of(off, tiermem.Tier.CPU).pool
 
 
 def test_pooled_host_buffers_are_reused_across_steps():
@@ -906,7 +905,7 @@ def test_tensor_saved_by_two_ops_is_restored_once_per_backward():
         layers.zero_grad(set_to_none=True)
         with off:
             loss = layers(x).square().mean()
-        off._stores[tiermem.Tier.CPU].drain()   # every tensor restored from host memory
+        tiermem.testing.store_of(off, tiermem.Tier.CPU).drain()   # every tensor restored from host memory
         loss.backward()
         assert torch.equal(loss, ref[0])
         assert_same_tensors({n: p.grad for n, p in layers.named_parameters()}, ref[1], "grads")
@@ -922,7 +921,7 @@ def test_retain_graph_second_backward_restores_again_and_matches():
     off = _off("cpu")
     with off:
         loss = layers(x).square().mean()
-    off._stores[tiermem.Tier.CPU].drain()
+    tiermem.testing.store_of(off, tiermem.Tier.CPU).drain()
     g1 = torch.autograd.grad(loss, list(layers.parameters()), retain_graph=True)
     first = off.stats.prefetch_hits + off.stats.prefetch_misses
     g2 = torch.autograd.grad(loss, list(layers.parameters()))

@@ -12,11 +12,19 @@ lands at or below the cursor, the cursor restarts just below it: prefetch
 follows whatever backward does. Handles already on their way, or already
 consumed in this pass, are skipped cheaply.
 
-A *pass* is one backward over the step's graph. Each handle records the pass
-that last consumed it (``handle.gen``) and how many of its consumers took it
+A *pass* is one backward over the step's graph. The prefetcher keeps, per
+handle, an :class:`Entry` (it alone writes it; tiers never read it): the pass
+that last consumed the handle (``gen``) and how many of its consumers took it
 in that pass (``taken``, out of ``uses``: the saves of that tensor, dedup
 included); a handle consumed more often than it was saved starts a new pass
 (``retain_graph=True``): everything becomes eligible again.
+
+Calls run one way: the unpack hook (:func:`tiermem.hooks.unpack`) calls
+:meth:`Prefetcher.begin_use`, then the handle's tier, then
+:meth:`Prefetcher.advance`, which asks tiers to start restores
+(``store.prefetch(handle)``). Nothing calls the prefetcher from a tier or from
+a handle's finalizer: a restore prefetched for a handle that dies unconsumed
+is noticed through the entry's weak reference at the next ``advance``.
 
 The window: ``budget_bytes`` when set (``TIERMEM_PREFETCH_BYTES``); unset, it
 is sized when backward starts from what the step moved: a quarter of it,
@@ -35,8 +43,9 @@ from __future__ import annotations
 
 import threading
 import weakref
+from typing import Optional
 
-__all__ = ["Prefetcher", "AUTO_MIN_BYTES", "AUTO_MAX_BYTES", "auto_window_bytes"]
+__all__ = ["Prefetcher", "Entry", "AUTO_MIN_BYTES", "AUTO_MAX_BYTES", "auto_window_bytes"]
 
 AUTO_MIN_BYTES = 16 << 20
 AUTO_MAX_BYTES = 256 << 20
@@ -47,57 +56,103 @@ def auto_window_bytes(moved_bytes: int) -> int:
     return min(AUTO_MAX_BYTES, max(AUTO_MIN_BYTES, moved_bytes // 4))
 
 
-class Prefetcher:
-    """Prefetch state of one step. Handles must provide ``order_pos``,
-    ``nbytes``, ``gen``, ``taken``, ``uses`` and ``store.prefetch(handle)``
-    (``True``: restore started, ``False``: none needed, ``None``: not ready)."""
+class Entry:
+    """The prefetcher's record of one handle (written by the prefetcher only).
 
-    def __init__(self, budget_bytes, moved_bytes=None) -> None:
+    ``pos``: packing order among the handles it may prefetch (``None``: never
+    prefetched, e.g. a recompute handle, counted for its uses only).
+    """
+
+    __slots__ = ("ref", "pos", "nbytes", "gen", "taken", "uses", "inflight")
+
+    def __init__(self, handle, pos: Optional[int], nbytes: int) -> None:
+        self.ref = weakref.ref(handle)
+        self.pos = pos
+        self.nbytes = nbytes
+        self.gen = -1
+        self.taken = 0
+        self.uses = 1        # saves of this tensor in the step (dedup hits add one)
+        self.inflight = False
+
+
+class Prefetcher:
+    """Prefetch state of one step. A prefetched handle provides ``nbytes`` and
+    ``store.prefetch(handle)`` (``True``: restore started, ``False``: none
+    needed, ``None``: not ready)."""
+
+    def __init__(self, budget_bytes, moved_bytes=None, stats=None) -> None:
         #: ``None`` until backward starts when unset (see the module docstring).
         self.budget_bytes = budget_bytes
         self._moved_bytes = moved_bytes
+        self._stats = stats
         self.inflight_bytes = 0
+        self._inflight: list = []      # entries with a restore started ahead of need
         self._order: list = []
         self._cursor = -1
         self._last_pos = -1
         self.gen = 0
-        self.lock = threading.RLock()  # RLock: a handle may die (and call consumed) under it
+        # Re-entrant: a recipe run by one unpack unpacks its inputs.
+        self.lock = threading.RLock()
 
-    def add(self, handle) -> None:
-        """Register a handle in packing order (forward thread)."""
-        handle.order_pos = len(self._order)
-        self._order.append(weakref.ref(handle))
+    def add(self, handle, nbytes: int, prefetchable: bool = True) -> Entry:
+        """Register ``handle`` (forward thread), in packing order when it may be
+        prefetched; returns its entry, which the handle carries for its unpacks."""
+        if not prefetchable:
+            return Entry(handle, None, nbytes)
+        entry = Entry(handle, len(self._order), nbytes)
+        self._order.append(entry)
+        return entry
 
-    def begin_get(self, handle) -> None:
-        """Called (under ``lock``) when ``handle`` is about to be consumed: counts
-        its consumers in this pass (``taken``, out of ``uses`` saves)."""
-        if handle.gen == self.gen and handle.taken >= handle.uses:
+    @staticmethod
+    def share(entry: Entry) -> None:
+        """One more save of the same tensor in this step (a dedup hit)."""
+        entry.uses += 1
+
+    def begin_use(self, entry: Entry) -> int:
+        """Count one use of the entry's handle in this pass (under ``lock``);
+        returns how many uses of it this pass still has to come (a tier keeps
+        its restore for them)."""
+        if entry.gen == self.gen and entry.taken >= entry.uses:
             self.gen += 1
-        if handle.gen != self.gen:
-            handle.gen = self.gen
-            handle.taken = 0
-        handle.taken += 1
+        if entry.gen != self.gen:
+            entry.gen = self.gen
+            entry.taken = 0
+        entry.taken += 1
+        if entry.inflight:        # its prefetched restore is taken now
+            entry.inflight = False
+            self.inflight_bytes -= entry.nbytes
+        return entry.uses - entry.taken
 
-    def advance(self, handle) -> None:
-        """Called (under ``lock``) when ``handle`` is unpacked: top the window up."""
+    def _prune(self) -> None:
+        """Forget restores taken or dropped with their handle."""
+        live = [e for e in self._inflight if e.inflight and e.ref() is not None]
+        self._inflight = live
+        self.inflight_bytes = sum(e.nbytes for e in live)
+
+    def advance(self, entry: Entry) -> None:
+        """Called (under ``lock``) when the entry's handle is unpacked: top the window up."""
+        pos = entry.pos
+        if pos is None:
+            return
         if self.budget_bytes is None:
             moved = self._moved_bytes() if self._moved_bytes is not None else 0
             self.budget_bytes = auto_window_bytes(moved)
-        pos = handle.order_pos
+        self._prune()
         if pos > self._last_pos or pos <= self._cursor:
             self._cursor = pos - 1
         self._last_pos = pos
         order = self._order
         while self._cursor >= 0 and self.inflight_bytes < self.budget_bytes:
-            h = order[self._cursor]()
-            started = None if h is None else h.store.prefetch(h)
-            if h is not None and started is None:
-                break   # its move out has not landed yet: retry at the next unpack
+            e = order[self._cursor]
+            h = e.ref()
+            if h is not None and e.gen != self.gen:   # not consumed in this pass yet
+                started = h.store.prefetch(h)
+                if started is None:
+                    break   # its move out has not landed yet: retry at the next unpack
+                if started:
+                    e.inflight = True
+                    self._inflight.append(e)
+                    self.inflight_bytes += e.nbytes
+                    if self._stats is not None:
+                        self._stats.prefetched_bytes += e.nbytes
             self._cursor -= 1
-            if started:
-                self.inflight_bytes += h.nbytes
-
-    def consumed(self, nbytes: int) -> None:
-        """A prefetched restore was taken by ``get`` or dropped with its handle."""
-        with self.lock:
-            self.inflight_bytes -= nbytes

@@ -1,10 +1,12 @@
 """What every tier implements, and how a tensor's bytes are laid out when moved.
 
-A tier is a :class:`TierStore`: ``put`` takes a saved tensor and returns a
-handle (or ``None`` when the tier is full, so the caller falls back), ``get``
-returns a tensor equal to the saved one. Handles are owned by autograd; when
-autograd drops one, the tier gets its buffers back (``release``). Adding a tier
-(NVMe, recompute) means adding a store; the hook manager does not change.
+A tier is a :class:`TierStore`: ``put(t, step, module)`` takes a saved tensor
+and returns a handle (or ``None`` when the tier is full, so placement falls
+back); the unpack hook gives the handle back through ``take``. Handles are
+owned by autograd; when autograd drops one, the tier gets its buffers back.
+A tier reports what happens to the step it was given (:class:`StepEvents`),
+keeps that step on its handles for backward, and reaches nothing else of the
+step: the recompute tier also uses the step's :class:`RecipeServices`.
 
 # NOTE [Layout of a moved tensor]
 # A saved tensor may be a view with any strides, including stride 0 (expand)
@@ -28,7 +30,7 @@ autograd drops one, the tier gets its buffers back (``release``). Adding a tier
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional, Protocol, Tuple
 
 import torch
 
@@ -132,22 +134,85 @@ def exact_copy(t: torch.Tensor) -> torch.Tensor:
     return flat.as_strided(size, stride, pad)
 
 
+class StepEvents(Protocol):
+    """What a tier reports to the step it was given (:class:`tiermem.step.Step`)."""
+
+    def moved(self, handle: Any, nbytes: int) -> Any:
+        """A move out started; returns the handle's prefetch entry (``handle.entry``)."""
+
+    def dropped(self, handle: Any, nbytes: int) -> Any:
+        """A tensor was dropped to be recomputed; returns its entry."""
+
+    def held(self, tier: Tier, nbytes_held: int) -> None:
+        """The store of ``tier`` now holds ``nbytes_held`` bytes in all."""
+
+    def move_failed(self) -> None:
+        """A move failed after it started (the tensor stays where it was)."""
+
+    def restore_taken(self, prefetched: bool) -> None:
+        """An unpack took a restore, started ahead of need or not."""
+
+    def waited(self, seconds: float, late: bool) -> None:
+        """An unpack waited for its restore."""
+
+    def recomputed(self, seconds: float) -> None:
+        """A recipe ran in backward."""
+
+
+class RecipeServices(StepEvents, Protocol):
+    """What the recompute tier may ask of the step (NOTE [What a recipe holds])."""
+
+    producers: Any   # tiermem.producers.ProducerMode or None
+
+    def lookup(self, t: Any) -> Any:
+        """The handle of a tensor or Ref this step saved already, else ``None``."""
+
+    def share(self, handle: Any) -> None:
+        """One more consumer of ``handle`` per backward pass."""
+
+    def is_stable_param(self, t: torch.Tensor) -> bool: ...
+
+    def is_small(self, t: torch.Tensor) -> bool: ...
+
+    def keep_handle(self, t: torch.Tensor, *, clone: bool) -> Any: ...
+
+    def store_input(self, t: torch.Tensor, order: Tuple[Tier, ...]) -> Any:
+        """Store a recipe's own input in the tiers of ``order``; its handle."""
+
+    def not_recomputable(self, reason: str) -> None: ...
+
+    def recipe_inputs_stored(self, nbytes: int) -> None: ...
+
+    def unpack(self, handle: Any) -> torch.Tensor:
+        """A recipe's leaf, unpacked as the unpack hook would."""
+
+
 class TierStore:
     """Interface of a tier. Subclasses set ``tier`` and implement the methods.
 
-    Contract: ``get(put(t))`` equals ``t`` in values, size, dtype and device (and
-    strides, see NOTE [Layout of a moved tensor]); ``get`` may be called several
-    times on one handle (``retain_graph=True``); ``put`` returning ``None`` means
+    Contract: the tensor the unpack hook gets back from ``put(t, step,
+    module)``'s handle equals ``t`` in values, size, dtype and device (and
+    strides, see NOTE [Layout of a moved tensor]); a handle may be unpacked
+    several times (``retain_graph=True``); ``put`` returning ``None`` means
     "full, try the next tier" and must leave nothing allocated.
+
+    ``take(handle, more_uses)`` (every tier but keep, whose handles the hook
+    unpacks itself) runs under the step's prefetcher lock and must not wait:
+    it returns ``(tensor, None)``, or ``(None, finish)`` with ``finish()``
+    doing the waiting outside the lock and returning the tensor.
     """
 
     tier: Tier
 
-    def put(self, t: torch.Tensor, step) -> Optional[object]:
+    def put(self, t: torch.Tensor, step: StepEvents, module: str = "") -> Optional[object]:
         raise NotImplementedError
 
-    def get(self, handle) -> torch.Tensor:
+    def take(self, handle: Any, more_uses: int) -> Tuple[Optional[torch.Tensor], Any]:
         raise NotImplementedError
+
+    def prefetch(self, handle: Any) -> Optional[bool]:
+        """Start restoring ``handle`` ahead of need (see Prefetcher.advance)."""
+        return False
 
     def poll(self) -> None:
         """Housekeeping on the forward thread at each pack (finish landed copies)."""

@@ -64,10 +64,8 @@ class HostStore(MovingStore):
     def _free(self, h: MovedHandle) -> None:
         self.pool.release(h.slot[0], h.last_job, h.slot[2])
 
-    def _note_put(self, stats) -> None:
-        in_use = self.pool.in_use_bytes
-        if in_use > stats.peak_host_bytes:
-            stats.peak_host_bytes = in_use
+    def _held_bytes(self) -> int:
+        return self.pool.in_use_bytes
 
     def close(self) -> None:
         self.drain()

@@ -37,7 +37,7 @@ def check_version(t: torch.Tensor, saved_version: int, module: str) -> None:
     # (identity hooks + ``y = x.exp(); y.add_(1)`` give a silently wrong
     # gradient). Every tier therefore records ``t._version`` at pack: the keep
     # tier compares it at unpack (here); copying tiers compare it when their copy
-    # has landed (see NOTE [Copy landed] in host.py).
+    # has landed (see NOTE [Copy landed] in tiers/moving.py).
     """
     if t._version != saved_version:
         where = f" in module {module}" if module else ""
@@ -49,13 +49,10 @@ def check_version(t: torch.Tensor, saved_version: int, module: str) -> None:
 
 
 class KeepStore(TierStore):
-    """Keeps the tensor; checks at unpack that it was not modified in place."""
+    """Keeps the tensor. Its handles are unpacked by the unpack hook itself
+    (:func:`tiermem.hooks.unpack`: the in-place check above, nothing else)."""
 
     tier = Tier.KEEP
 
     def put(self, t: torch.Tensor, step=None, module: str = "") -> Kept:
         return Kept(t, module)
-
-    def get(self, handle: Kept) -> torch.Tensor:
-        check_version(handle.tensor, handle.version, handle.module)
-        return handle.tensor

@@ -16,9 +16,12 @@ device memory is freed when the copy lands, not at backward. A store whose
 move goes through a host staging buffer first (nvme, CUDA tensors) drops the
 source earlier, once the bytes are in staging: see NOTE [Staged moves].
 
-Backward (``get``): the restore was usually started ahead of need by the
-:class:`~tiermem.prefetch.Prefetcher`; ``get`` orders the consumer after it
-and returns the rebuilt tensor.
+Backward (``take``, called by the unpack hook under the prefetcher's lock):
+the restore was usually started ahead of need by the
+:class:`~tiermem.prefetch.Prefetcher` (through ``prefetch``); ``take``
+returns the rebuilt tensor and the wait that orders the consumer after the
+copy (run by the hook outside the lock). The store reports to the step it was
+given at ``put`` (``handle.step``, :class:`~tiermem.tiers.base.StepEvents`).
 
 # NOTE [Copy landed]
 # A copied tensor must hold its pack-time values, never a torn mix of before
@@ -77,9 +80,9 @@ class MovedHandle:
     """A saved tensor moved away by a :class:`MovingStore`. Owned by autograd;
     when autograd drops it, the store gets its slot back."""
 
-    __slots__ = ("store", "step", "layout", "nbytes", "slot", "version", "module", "src",
-                 "host", "lease", "last_job", "restore", "gen", "taken", "uses", "cached",
-                 "tainted", "failed", "order_pos", "__weakref__")
+    __slots__ = ("store", "step", "entry", "layout", "nbytes", "slot", "version", "module",
+                 "src", "host", "lease", "last_job", "restore", "cached", "tainted", "failed",
+                 "__weakref__")
 
     def __del__(self) -> None:
         store = getattr(self, "store", None)
@@ -114,8 +117,14 @@ class MovingStore(TierStore):
     def _free(self, h: MovedHandle) -> None:
         raise NotImplementedError
 
-    def _note_put(self, stats) -> None:
-        """Update per-step stats after a put (e.g. peak bytes held)."""
+    def _held_bytes(self) -> int:
+        """Bytes this store holds now (reported to the step after each put)."""
+        return 0
+
+    def pending_moves(self) -> list:
+        """``(weak ref to handle, job)`` of each move not landed yet, in order."""
+        with self._lock:
+            return list(self._pending)
 
     # -- forward ------------------------------------------------------------
     def put(self, t: torch.Tensor, step, module: str = "") -> Optional[MovedHandle]:
@@ -131,9 +140,6 @@ class MovingStore(TierStore):
         h.host = None
         h.lease = getattr(job, "lease", None)
         h.restore = h.cached = None
-        h.gen = -1
-        h.taken = 0
-        h.uses = 1           # saves of this tensor in the step (dedup hits add one)
         h.tainted = h.failed = False
         h.step = step
         h.last_job = job
@@ -143,8 +149,8 @@ class MovingStore(TierStore):
             self._pending.append((ref, job))
             if getattr(job, "host_view", None) is not None:
                 self._uncopied.append((ref, job))
-        step.prefetcher.add(h)
-        self._note_put(step.stats)
+        h.entry = step.moved(h, h.nbytes)
+        step.held(self.tier, self._held_bytes())
         return h
 
     def poll(self) -> None:
@@ -210,7 +216,7 @@ class MovingStore(TierStore):
             h.lease.release()
 
     def _on_failure(self, h: MovedHandle, error: BaseException) -> None:
-        h.step.stats.budget_fallbacks += 1
+        h.step.move_failed()
         if not self._warned_failure:
             self._warned_failure = True
             _log.warning("%s; the tensor stays %s (counted in stats.budget_fallbacks; "
@@ -257,17 +263,13 @@ class MovingStore(TierStore):
     # -- backward -----------------------------------------------------------
     def prefetch(self, h: MovedHandle) -> Optional[bool]:
         """Start restoring ``h``: ``True`` if started; ``False`` if it needs none
-        (on its way, failed or tainted, or already consumed in this backward pass,
-        see Prefetcher.gen); ``None`` if its move out has not landed yet (the
-        prefetcher waits there rather than skipping it)."""
+        (on its way, failed or tainted); ``None`` if its move out has not landed
+        yet (the prefetcher waits there rather than skipping it)."""
         if h.failed or h.tainted or h.restore is not None or h.cached is not None:
             return False
         if h.src is not None or h.host is not None:
             return None
-        if h.gen == h.step.prefetcher.gen:
-            return False
         h.restore = self._restore(h)
-        h.step.stats.prefetched_bytes += h.nbytes
         return True
 
     def _restore(self, h: MovedHandle):
@@ -275,72 +277,56 @@ class MovingStore(TierStore):
         h.last_job = job
         return dev, job
 
-    def get(self, h: MovedHandle) -> torch.Tensor:
-        step = h.step
-        prefetcher = step.prefetcher
-        with prefetcher.lock:
-            self.poll()
-            # Every use of this pass counts, whichever way it is served.
-            prefetcher.begin_get(h)
-            if h.src is not None and not h.failed:
-                if h.src._version == h.version:
-                    # Not landed yet: the original is still here and unchanged.
-                    # A compact copy is dense: give a dense copy of the original,
-                    # so that backward sees the same layout whatever the timing.
-                    prefetcher.advance(h)
-                    return h.src.contiguous() if h.layout.compact else h.src
-                self._wait_landed(h)
-            if h.failed and h.src is not None:
-                check_version(h.src, h.version, h.module)
-                return h.src
-            if h.tainted:
-                raise TierMemError(
-                    f"tiermem: a tensor saved for backward (shape {list(h.layout.size)}, "
-                    f"{h.layout.dtype}{' in module ' + h.module if h.module else ''}) was "
-                    "modified by an in-place operation while tiermem was moving it to the "
-                    f"{self.tier.value} tier; autograd would raise here too. Clone it "
-                    "before modifying it.")
-            cached = h.cached
-            if cached is not None:   # a tensor saved by several ops: restored once
-                if h.taken >= h.uses:
-                    h.cached = None
-            elif h.host is not None:
-                with self._lock:   # no landing may give the buffer back meanwhile
-                    host = h.host
-                    cached = None if host is None else self._from_host(h, host)
-                if cached is not None:
-                    # Staged, and its move failed or has not landed: NOTE [Staged moves].
-                    prefetcher.advance(h)
-                    if h.taken < h.uses:
-                        h.cached = cached
-            if cached is None:
-                if h.restore is None:
-                    step.stats.prefetch_misses += 1
-                    h.restore = self._restore(h)
-                else:
-                    step.stats.prefetch_hits += 1
-                    prefetcher.consumed(h.nbytes)
-                dev, job = h.restore
-                h.restore = None
-                prefetcher.advance(h)
-                out = h.layout.rebuild(dev)
-                if h.taken < h.uses:
-                    # For the other consumers of this pass, set under the lock
-                    # (each orders itself after the copy, below).
-                    h.cached = (out, job)
+    def take(self, h: MovedHandle, more_uses: int):
+        """``(tensor, None)`` or ``(None, finish)``: ``finish()`` waits for the
+        restore (outside the prefetcher's lock) and returns the tensor.
+        ``more_uses``: uses of ``h`` still to come in this backward pass (they
+        get the same restore)."""
+        self.poll()
+        if h.src is not None and not h.failed:
+            if h.src._version == h.version:
+                # Not landed yet: the original is still here and unchanged.
+                # A compact copy is dense: give a dense copy of the original,
+                # so that backward sees the same layout whatever the timing.
+                return (h.src.contiguous() if h.layout.compact else h.src), None
+            self._wait_landed(h)
+        if h.failed and h.src is not None:
+            check_version(h.src, h.version, h.module)
+            return h.src, None
+        if h.tainted:
+            raise TierMemError(
+                f"tiermem: a tensor saved for backward (shape {list(h.layout.size)}, "
+                f"{h.layout.dtype}{' in module ' + h.module if h.module else ''}) was "
+                "modified by an in-place operation while tiermem was moving it to the "
+                f"{self.tier.value} tier; autograd would raise here too. Clone it "
+                "before modifying it.")
+        cached = h.cached
+        if cached is not None:   # a tensor saved by several ops: restored once
+            if more_uses <= 0:
+                h.cached = None
+        elif h.host is not None:
+            with self._lock:   # no landing may give the buffer back meanwhile
+                host = h.host
+                cached = None if host is None else self._from_host(h, host)
+            # Staged, and its move failed or has not landed: NOTE [Staged moves].
+            if cached is not None and more_uses > 0:
+                h.cached = cached
         if cached is not None:
             # Each consumer is ordered after the copy, on its own stream (the
             # consumers of one tensor may run on different streams).
             out, job = cached
-            if job is not None:
-                job.order_before_use(out)
-            return out
-        if not job.done():
-            step.stats.late_restores += 1
-        t0 = time.perf_counter()
-        job.order_before_use(dev)
-        step.stats.stall_seconds += time.perf_counter() - t0
-        return out
+            return (out, None) if job is None else (None, _Ordered(out, job))
+        step = h.step
+        step.restore_taken(prefetched=h.restore is not None)
+        if h.restore is None:
+            h.restore = self._restore(h)
+        dev, job = h.restore
+        h.restore = None
+        out = h.layout.rebuild(dev)
+        if more_uses > 0:
+            # For the other consumers of this pass (each orders itself after the copy).
+            h.cached = (out, job)
+        return None, _Waited(out, dev, job, step)
 
     # -- release --------------------------------------------------------------
     def _release(self, h: MovedHandle) -> None:
@@ -354,6 +340,35 @@ class MovingStore(TierStore):
         if h.restore is not None:  # prefetched, never consumed
             dev, job = h.restore
             job.abandon(dev)
-            h.step.prefetcher.consumed(h.nbytes)
             h.restore = None
         self._free(h)
+
+
+class _Ordered:
+    """``finish`` of a restore already made: order the consumer after its copy."""
+
+    __slots__ = ("out", "job")
+
+    def __init__(self, out: torch.Tensor, job) -> None:
+        self.out, self.job = out, job
+
+    def __call__(self) -> torch.Tensor:
+        self.job.order_before_use(self.out)
+        return self.out
+
+
+class _Waited:
+    """``finish`` of a restore taken now: wait for it, and report the wait."""
+
+    __slots__ = ("out", "dev", "job", "step")
+
+    def __init__(self, out: torch.Tensor, dev: torch.Tensor, job, step) -> None:
+        self.out, self.dev, self.job, self.step = out, dev, job, step
+
+    def __call__(self) -> torch.Tensor:
+        job = self.job
+        late = not job.done()
+        t0 = time.perf_counter()
+        job.order_before_use(self.dev)
+        self.step.waited(time.perf_counter() - t0, late)
+        return self.out

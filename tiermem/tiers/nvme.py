@@ -274,26 +274,27 @@ class NvmeStore(MovingStore):
         self._finalizer = weakref.finalize(self, self._dir.remove)
         self.path = self._dir.file("arena-0.bin")
         self.engine = engine
-        # See the module docstring: CUDA tensors through the engine's own chain.
-        self._engine_cuda = bool(getattr(engine, "cuda_chain", False)) and not verify
+        #: CUDA tensors go through the engine's own chain (module docstring).
+        self.uses_engine_chain = bool(getattr(engine, "cuda_chain", False)) and not verify
         #: Why the engine's CUDA chain refused a request (None: it never did).
         self.engine_chain_error: Optional[str] = None
         self._chain_error_lock = threading.Lock()   # forward and autograd threads
         #: The disk was found full at a write: no new tensor is taken (module docstring).
         self.disk_full = False
-        # Tests: CPU tensors through staging and the Python chain as CUDA ones
-        # go (NOTE [Staged moves] runs in CI), instead of straight from memory.
-        self._stage_cpu = False
+        #: Tests (tiermem.testing.stage_cpu_tensors): CPU tensors through staging
+        #: and the Python chain as CUDA ones go (NOTE [Staged moves] runs in CI),
+        #: instead of straight from memory.
+        self.stage_cpu = False
         #: This store warned why it refuses tensors (the Offloader then need not).
         self.explained_refusals = False
         try:
-            self._file = engine.open(self.path, 0)
+            self.file = engine.open(self.path, 0)
         except BaseException:
             self._finalizer()   # no half-made store keeps its directory
             raise
-        self.arena = Arena(self._file.resize, budget_bytes, align=4096)
+        self.arena = Arena(self.file.resize, budget_bytes, align=4096)
         self.verify = verify
-        self._staging = HostPool(staging_bytes)
+        self.staging = HostPool(staging_bytes)
         self._copiers: dict = {}
         self._chain = concurrent.futures.ThreadPoolExecutor(
             max_workers=io_threads, thread_name_prefix="tiermem-nvme")
@@ -306,10 +307,8 @@ class NvmeStore(MovingStore):
     def used_bytes(self) -> int:
         return self.arena.used_bytes
 
-    def _note_put(self, stats) -> None:
-        used = self.arena.used_bytes
-        if used > stats.peak_disk_bytes:
-            stats.peak_disk_bytes = used
+    def _held_bytes(self) -> int:
+        return self.arena.used_bytes
 
     # -- move out -----------------------------------------------------------------
     def _store_out(self, src: torch.Tensor, layout: Layout, t: torch.Tensor):
@@ -317,14 +316,14 @@ class NvmeStore(MovingStore):
             return None
         nbytes = layout.nbytes
         staging = None
-        if t.is_cuda or self._stage_cpu:
-            staging = self._staging.acquire(nbytes, pinned=t.is_cuda)
+        if t.is_cuda or self.stage_cpu:
+            staging = self.staging.acquire(nbytes, pinned=t.is_cuda)
             if staging is None:
                 return None
         offset = self.arena.alloc(nbytes)
         if offset is None:
             if staging is not None:
-                self._staging.release(staging, None, t.is_cuda)
+                self.staging.release(staging, None, t.is_cuda)
             return None
         what = f"writing a {_describe(layout)} to {self.path} at offset {offset}"
         if staging is None:
@@ -334,7 +333,7 @@ class NvmeStore(MovingStore):
             data = data.resolve_conj().resolve_neg().reshape(-1)
             if not self.verify:
                 try:
-                    fut = self._file.write(data, offset)
+                    fut = self.file.write(data, offset)
                 except OSError as e:   # refused at submit (closed file, full disk...)
                     self.arena.free(offset, nbytes)
                     self._refused(TierMemError(f"tiermem: {what} failed: {e}"), e)
@@ -344,10 +343,10 @@ class NvmeStore(MovingStore):
 
             def write_cpu():
                 crc[0] = _crc(data)
-                self._file.write(data, offset).wait()
+                self.file.write(data, offset).wait()
             return (offset, crc), _ChainJob(self._chain.submit(self._wrap(write_cpu, what)))
         view = staging[:nbytes].view(layout.dtype)
-        if self._engine_cuda and t.is_cuda:
+        if self.uses_engine_chain and t.is_cuda:
             out = self._store_out_engine(src, layout, t, staging, view, offset, what)
             if out is not None:
                 return out
@@ -355,7 +354,7 @@ class NvmeStore(MovingStore):
             d2h = copier_for(t.device, self._copiers).copy_out(layout.source(src),
                                                                 layout.dest_view(view))
         except BaseException:
-            self._staging.release(staging, None, t.is_cuda)
+            self.staging.release(staging, None, t.is_cuda)
             self.arena.free(offset, nbytes)
             raise
         crc = [None]
@@ -364,12 +363,12 @@ class NvmeStore(MovingStore):
             d2h.wait_host()
             if self.verify:
                 crc[0] = _crc(view)
-            self._file.write(view, offset).wait()
+            self.file.write(view, offset).wait()
         chain = _ChainJob(self._chain.submit(self._wrap(write_staged, what)),
                           side=getattr(d2h, "side", None))
         # Back to the pool through the lease: NOTE [Staged moves] in moving.py.
         job = _StagedJob(chain, lambda: d2h.done() and d2h.failed() is None, view,
-                         _StagingLease(self._staging, staging, t.is_cuda))
+                         _StagingLease(self.staging, staging, t.is_cuda))
         return (offset, crc), job
 
     def _refused(self, error: BaseException, cause: OSError) -> None:
@@ -392,7 +391,7 @@ class NvmeStore(MovingStore):
 
     def _on_failure(self, h: MovedHandle, error: BaseException) -> None:
         if _os_errno(error) in _DISK_FULL_ERRNOS:
-            h.step.stats.budget_fallbacks += 1
+            h.step.move_failed()
             self._note_disk_full(error, f"this tensor stays {_where_kept(h)}")
             return
         super()._on_failure(h, error)
@@ -404,9 +403,9 @@ class NvmeStore(MovingStore):
         permanent = not isinstance(e, (ValueError, TypeError))
         with self._chain_error_lock:
             # Warned at the first refusal, and again when the chain is given up.
-            first = self.engine_chain_error is None or (permanent and self._engine_cuda)
+            first = self.engine_chain_error is None or (permanent and self.uses_engine_chain)
             if permanent:
-                self._engine_cuda = False
+                self.uses_engine_chain = False
             self.engine_chain_error = f"{type(e).__name__}: {e}"
         if first:
             _log.warning("tiermem: the C++ engine's CUDA chain refused %s (%s); %s through "
@@ -421,7 +420,7 @@ class NvmeStore(MovingStore):
         chain (same staging buffer and extent)."""
         copier = copier_for(t.device, self._copiers)
         try:
-            fut = self._file.write_from_device(
+            fut = self.file.write_from_device(
                 layout.source(src), layout.dest_view(view), offset, copier.d2h,
                 torch.cuda.current_stream(t.device))
         except Exception as e:   # CUDA error, closed chain, rejected argument
@@ -430,7 +429,7 @@ class NvmeStore(MovingStore):
         # Back to the pool through the lease (the engine holds it until the write
         # is done): NOTE [Staged moves] in moving.py.
         job = _StagedJob(_EngineCudaJob(fut, what), fut.copied, view,
-                         _StagingLease(self._staging, staging, True))
+                         _StagingLease(self.staging, staging, True))
         return (offset, [None]), job
 
     @staticmethod
@@ -458,10 +457,10 @@ class NvmeStore(MovingStore):
             dev = aligned_empty((layout.pad + layout.numel) * itemsize).view(layout.dtype)
             dest = dev[layout.pad:]
             if expected is None:
-                return dev, _FutureJob(self._file.read(dest, offset), what)
+                return dev, _FutureJob(self.file.read(dest, offset), what)
 
             def read_cpu():
-                self._file.read(dest, offset).wait()
+                self.file.read(dest, offset).wait()
                 self._check(dest, expected, what)
             return dev, _ChainJob(self._chain.submit(self._wrap(read_cpu, what)))
         return self._start_restore_cuda(h, offset, expected, what)
@@ -473,7 +472,7 @@ class NvmeStore(MovingStore):
         compute = torch.cuda.current_stream(device)
         # Allocated on the compute stream: see NOTE [Stream lifetime] 2 in copier.py.
         dev = torch.empty(layout.pad + layout.numel, dtype=layout.dtype, device=device)
-        staging = self._staging.acquire(layout.nbytes, pinned=True)
+        staging = self.staging.acquire(layout.nbytes, pinned=True)
         if staging is None:  # transient: outside the pool and its budget
             staging = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=True)
             pooled = False
@@ -481,17 +480,17 @@ class NvmeStore(MovingStore):
             pooled = True
         view = staging[:layout.nbytes].view(layout.dtype)
         side = copier.h2d
-        if self._engine_cuda:
+        if self.uses_engine_chain:
             # The engine records the compute stream's point now (nothing was
             # queued on it since `dev` was allocated) and copies after it.
             try:
-                fut = self._file.read_to_device(view, dev[layout.pad:], offset, side, compute)
+                fut = self.file.read_to_device(view, dev[layout.pad:], offset, side, compute)
             except Exception as e:   # CUDA error, closed chain, rejected argument
                 self._give_up_engine_chain(what, e)
             else:
                 job = _EngineCudaJob(fut, what, device, compute)
                 if pooled:   # handed out again once the copy is complete
-                    self._staging.release(staging, job, True)
+                    self.staging.release(staging, job, True)
                 return dev, job
         allocated = torch.cuda.Event()
         allocated.record(compute)
@@ -499,7 +498,7 @@ class NvmeStore(MovingStore):
         def read_cuda():
             done = None
             try:
-                self._file.read(view, offset).wait()
+                self.file.read(view, offset).wait()
                 self._check(view, expected, what)
                 with torch.cuda.device(device), torch.cuda.stream(side):
                     side.wait_event(allocated)
@@ -510,7 +509,7 @@ class NvmeStore(MovingStore):
                 return done
             finally:   # also when the read or the check failed: back to the pool
                 if pooled:
-                    self._staging.release(staging, None if done is None else _EventJob(done),
+                    self.staging.release(staging, None if done is None else _EventJob(done),
                                           True)
         job = _ChainJob(self._chain.submit(self._wrap(read_cuda, what)), device=device,
                         stream=compute, side=side)
@@ -546,6 +545,10 @@ class NvmeStore(MovingStore):
         if self._deferred:
             self._free_finished()
 
+    def remove_dir(self) -> None:
+        """Remove the private directory now (what the finalizer does at exit)."""
+        self._dir.remove()
+
     def settle(self) -> None:
         """Wait for every I/O in flight: writes land, and the extents of handles
         released while their I/O was in flight go back to the arena."""
@@ -568,9 +571,9 @@ class NvmeStore(MovingStore):
         finally:
             self.closed = True
             self._chain.shutdown(wait=True)
-            self._file.close()
+            self.file.close()
             self._finalizer()
-            self._staging.clear()
+            self.staging.clear()
 
 
 _MALLOC_TUNED = False

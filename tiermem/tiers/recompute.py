@@ -44,15 +44,14 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch
 
 from ..errors import TierMemError
 from ..policy import Tier
 from ..producers import Record, Ref
-from .base import Layout, TierStore
-from .keep import Kept, check_version
+from .base import Layout, RecipeServices, TierStore
 
 __all__ = ["RecomputeStore", "RecomputeHandle", "MAX_RECIPE_NODES"]
 
@@ -78,8 +77,8 @@ class _In:
 class RecomputeHandle:
     """A dropped saved tensor and its recipe. Owned by autograd."""
 
-    __slots__ = ("store", "step", "plan", "size", "stride", "dtype", "module", "nbytes",
-                 "version", "src_ref", "uses", "taken", "cached", "tainted", "__weakref__")
+    __slots__ = ("store", "step", "entry", "plan", "size", "stride", "dtype", "module",
+                 "nbytes", "version", "src_ref", "cached", "tainted", "__weakref__")
 
 
 class _Plan:
@@ -102,12 +101,19 @@ class _Ineligible(Exception):
 
 
 class RecomputeStore(TierStore):
-    """Plans recipes at ``put`` and runs them at ``get``. See the module docstring."""
+    """Plans recipes at ``put`` and runs them at ``take``. See the module docstring.
+
+    ``step`` is the :class:`~tiermem.tiers.base.RecipeServices` of the step
+    being packed: it is all a recipe may ask of the rest of tiermem."""
 
     tier = Tier.RECOMPUTE
 
     # -- forward ----------------------------------------------------------------
-    def put(self, t: torch.Tensor, step, module: str = "") -> Optional[RecomputeHandle]:
+    def put(self, t: torch.Tensor, step: RecipeServices, module: str = "",
+            later: Tuple[Tier, ...] = ()) -> Optional[RecomputeHandle]:
+        """A handle whose recipe regenerates ``t``, or ``None`` if ``t`` is not
+        eligible. ``later``: the tiers after recompute in ``t``'s order, where
+        the recipe's own inputs are stored (keep if none)."""
         producers = step.producers
         rec = None if producers is None else producers.record_of(t)
         try:
@@ -121,12 +127,12 @@ class RecomputeStore(TierStore):
             if plan.cost_bytes >= nbytes:
                 raise _Ineligible("its inputs cost as much memory as it frees")
         except _Ineligible as e:
-            step.stats.note_recompute_fallback(e.reason)
+            step.not_recomputable(e.reason)
             return None
         stored = {}
         for key, x in plan.to_store.items():
-            stored[key] = step.store_input(x)
-        step.stats.recompute_input_bytes += plan.cost_bytes
+            stored[key] = step.store_input(x, later)
+        step.recipe_inputs_stored(plan.cost_bytes)
         h = RecomputeHandle()
         h.plan = self._build(rec, step, stored)
         h.store, h.step, h.module = self, step, module
@@ -134,8 +140,9 @@ class RecomputeStore(TierStore):
         h.nbytes = nbytes
         h.version = t._version
         h.src_ref = weakref.ref(t)
-        h.uses, h.taken, h.cached = 1, 0, None
+        h.cached = None
         h.tainted = False
+        h.entry = step.dropped(h, nbytes)
         producers.watch(t, h)   # NOTE [Writes to dropped tensors] in producers.py
         return h
 
@@ -203,7 +210,10 @@ class RecomputeStore(TierStore):
         return self._build(a.record, step, stored)
 
     # -- backward -----------------------------------------------------------------
-    def get(self, h: RecomputeHandle) -> torch.Tensor:
+    def take(self, h: RecomputeHandle, more_uses: int):
+        """``(tensor, None)``, or ``(None, finish)`` where ``finish()`` runs the
+        recipe (outside the prefetcher's lock: it unpacks its inputs) and keeps
+        the result for the ``more_uses`` uses still to come in this pass."""
         src = h.src_ref()
         if h.tainted or (src is not None and src._version != h.version):
             raise TierMemError(
@@ -213,34 +223,44 @@ class RecomputeStore(TierStore):
                 "Clone it before modifying it, or do the in-place operation out of place.")
         if src is not None:
             # Still alive: nothing was freed. NOTE [Recompute is exact].
-            return src.detach()
-        if h.cached is not None:
-            out = h.cached
-        else:
-            stats = h.step.stats
-            t0 = time.perf_counter()
-            try:
-                with torch.no_grad(), _no_autocast():
-                    out = _run(h.plan)
-                    if out.size() != h.size or out.dtype != h.dtype:
-                        raise RuntimeError(f"got {list(out.size())} {out.dtype}")
-                    if out.stride() != h.stride:
-                        # Same values; give backward the layout it saved.
-                        out = torch.empty_strided(h.size, h.stride, dtype=out.dtype,
-                                                  device=out.device).copy_(out)
-            except TierMemError:
-                raise
-            except Exception as e:
-                raise TierMemError(
-                    f"tiermem: recomputing a saved tensor (shape {list(h.size)}, {h.dtype}"
-                    f"{' in module ' + h.module if h.module else ''}) failed: {e}") from e
-            stats.recompute_count += 1
-            stats.recompute_seconds += time.perf_counter() - t0
-        h.taken += 1
-        if h.taken < h.uses:
+            return src.detach(), None
+        cached = h.cached
+        if cached is not None:
+            if more_uses <= 0:
+                h.cached = None
+            return cached, None
+        return None, _Recompute(h, more_uses)
+
+
+class _Recompute:
+    """``finish`` of an unpack that regenerates its tensor."""
+
+    __slots__ = ("h", "more_uses")
+
+    def __init__(self, h: RecomputeHandle, more_uses: int) -> None:
+        self.h, self.more_uses = h, more_uses
+
+    def __call__(self) -> torch.Tensor:
+        h = self.h
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad(), _no_autocast():
+                out = _run(h.plan, h.step)
+                if out.size() != h.size or out.dtype != h.dtype:
+                    raise RuntimeError(f"got {list(out.size())} {out.dtype}")
+                if out.stride() != h.stride:
+                    # Same values; give backward the layout it saved.
+                    out = torch.empty_strided(h.size, h.stride, dtype=out.dtype,
+                                              device=out.device).copy_(out)
+        except TierMemError:
+            raise
+        except Exception as e:
+            raise TierMemError(
+                f"tiermem: recomputing a saved tensor (shape {list(h.size)}, {h.dtype}"
+                f"{' in module ' + h.module if h.module else ''}) failed: {e}") from e
+        h.step.recomputed(time.perf_counter() - t0)
+        if self.more_uses > 0:
             h.cached = out   # for the other saves of this tensor in this pass
-        else:
-            h.taken, h.cached = 0, None
         return out
 
 
@@ -253,23 +273,19 @@ def _usable(h: Any) -> bool:
     return layout is None or not layout.compact
 
 
-def _value(a: Any) -> Any:
+def _value(a: Any, step) -> Any:
     if type(a) is _In:
-        h = a.handle
-        if type(h) is Kept:
-            check_version(h.tensor, h.version, h.module)
-            return h.tensor
-        return h.store.get(h)
+        return step.unpack(a.handle)   # the unpack hook's own path, for every kind
     if type(a) is _Node:
-        return _run(a)
+        return _run(a, step)
     if type(a) is list:
-        return [_value(x) for x in a]
+        return [_value(x, step) for x in a]
     return a
 
 
-def _run(node: _Node) -> torch.Tensor:
-    args = tuple(_value(a) for a in node.args)
-    kwargs = {k: _value(v) for k, v in node.kwargs.items()}
+def _run(node: _Node, step) -> torch.Tensor:
+    args = tuple(_value(a, step) for a in node.args)
+    kwargs = {k: _value(v, step) for k, v in node.kwargs.items()}
     if node.rng is None:
         out = node.func(*args, **kwargs)
     else:

@@ -1,0 +1,202 @@
+"""Placement: which store takes a saved tensor, within the budgets.
+
+:class:`Placement` owns the stores of one Offloader (keep, cpu, recompute, and
+nvme when a directory is set), the policy (a fixed tier order for named
+policies, a callable asked per tensor otherwise) and the fallback loop: a
+tensor goes to the first tier of its order that takes it; a full tier passes
+it to the next, with one warning per tier. This is where the planner plugs
+in: placement asks "which tiers, in which order, for this tensor", and a
+policy or a plan answers.
+
+It is called by the pack hook (:mod:`tiermem.hooks`) and, for a recipe's
+inputs, by the step's recipe services (:meth:`tiermem.step.Step.store_input`)
+with the tier order passed explicitly. It never reads the hook's state.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from typing import Any, Dict, Optional, Tuple
+
+import psutil
+import torch
+
+from .config import Config
+from .errors import ConfigError, TierMemError
+from .policy import Tier, TensorInfo, resolve_policy, tier_order
+from .tiers.base import TierStore
+from .tiers.host import HostStore
+from .tiers.keep import KeepStore
+from .tiers.recompute import RecomputeStore
+
+__all__ = ["Placement", "default_cpu_budget_bytes", "default_nvme_budget_bytes"]
+
+_log = logging.getLogger("tiermem")
+
+
+def default_nvme_budget_bytes(path: str) -> int:
+    """80% of the free space of ``path`` now: checkpoints and logs often share
+    the disk, and ENOSPC is caught anyway (the arena then stops growing)."""
+    return int(psutil.disk_usage(path).free * 0.8)
+
+
+def default_cpu_budget_bytes() -> int:
+    """Half the RAM available now, shared among the node's ranks.
+
+    Half, because the rest of the process (data loading, optimizer state on the
+    host, pinned staging of other libraries, page cache) needs room too and an
+    out-of-memory kill loses the run; divided by ``LOCAL_WORLD_SIZE`` (set by
+    torchrun) because every rank on the node starts its own Offloader.
+    """
+    try:
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        ranks = 1
+    return psutil.virtual_memory().available // 2 // ranks
+
+
+# Errors of making files in the NVMe dir that are about the dir (a ConfigError).
+_BAD_DIR_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR,
+                   errno.ENOSPC, errno.EDQUOT)
+
+
+def _make_nvme_store(cfg: Config) -> TierStore:
+    from .io import get_engine
+    from .spilldir import check_nvme_dir
+    from .tiers.nvme import NvmeStore
+    root = check_nvme_dir(cfg.nvme_dir)
+    budget = (cfg.nvme_budget if cfg.nvme_budget is not None
+              else default_nvme_budget_bytes(root))
+    engine = get_engine(cfg.engine, cfg.io_threads)
+    # Pinned staging for CUDA tensors' writes and reads in flight; when it is
+    # full, further tensors go to the next tier rather than waiting.
+    staging = max(cfg.prefetch_bytes or 0, 256 << 20)
+    try:
+        return NvmeStore(root, engine, budget, staging, cfg.verify, cfg.io_threads)
+    except OSError as e:   # the private directory or the arena file could not be made
+        if e.errno not in _BAD_DIR_ERRNOS:
+            raise
+        raise ConfigError(f"tiermem: TIERMEM_NVME_DIR={root!r}: cannot create tiermem's "
+                          f"private directory or arena file there: {e}") from None
+
+
+class Placement:
+    """The stores of one Offloader and the choice among them.
+
+    ``fixed_order``: the tier order of a named policy (``None`` for a callable
+    one, then asked through :meth:`order_for`). ``put`` tries the tiers of an
+    order in turn and returns the first handle; keep ends every order and never
+    refuses.
+    """
+
+    def __init__(self, cfg: Config) -> None:
+        self.fixed_order, self.policy_fn = resolve_policy(cfg.policy, nvme_dir=cfg.nvme_dir)
+        #: The first tier of a named policy (``None`` for a callable policy).
+        self.fixed: Optional[Tier] = (self.fixed_order[0] if self.fixed_order is not None
+                                      else None)
+        self._orders: dict = {}
+        # Producer tracking costs a Python call per op of the forward: only
+        # when a recipe may be needed or a callable policy may read info.op.
+        self.tracks_producers = (
+            Tier.RECOMPUTE in self.fixed_order if self.fixed_order is not None
+            else not getattr(self.policy_fn, "tiermem_builtin", False))
+        self.cpu_budget_bytes = (cfg.cpu_budget if cfg.cpu_budget is not None
+                                 else default_cpu_budget_bytes())
+        self.stores: Dict[Tier, TierStore] = {
+            Tier.KEEP: KeepStore(), Tier.CPU: HostStore(self.cpu_budget_bytes),
+            Tier.RECOMPUTE: RecomputeStore()}
+        wants_nvme = self.fixed_order is not None and Tier.NVME in self.fixed_order
+        if wants_nvme and not cfg.nvme_dir:
+            raise ConfigError(
+                f"tiermem: policy={cfg.policy!r} uses the nvme tier, which needs a directory: "
+                "set TIERMEM_NVME_DIR or pass nvme_dir")
+        if cfg.nvme_dir and (self.fixed_order is None or wants_nvme):
+            self.stores[Tier.NVME] = _make_nvme_store(cfg)
+        #: The stores that move tensors away (their copies land asynchronously).
+        self.movers = tuple(s for s in self.stores.values()
+                            if s.tier not in (Tier.KEEP, Tier.RECOMPUTE))
+        self._warned: set = set()
+
+    # -- choosing -----------------------------------------------------------------
+    def order_for(self, info: TensorInfo) -> Tuple[Tier, ...]:
+        """The tier order a callable policy gives for ``info`` (cached per answer)."""
+        choice: Any = self.policy_fn(info)
+        key = tuple(choice) if isinstance(choice, list) else choice
+        try:
+            order = self._orders.get(key)
+        except TypeError:   # unhashable answer: checked (and rejected) below
+            order = None
+        if order is None:
+            order = tier_order(choice, source="the policy")
+            if order[0] not in self.stores:
+                raise TierMemError(
+                    f"tiermem: the policy chose tier {order[0].value!r}, which is not "
+                    f"available here (nvme needs nvme_dir / TIERMEM_NVME_DIR); available: "
+                    f"{', '.join(t.value for t in self.stores)}")
+            self._orders[key] = order
+        return order
+
+    def put(self, order: Tuple[Tier, ...], t: torch.Tensor, step, module: str,
+            nbytes: int):
+        """The handle of the first tier of ``order`` that takes ``t``; counted
+        in ``step.stats`` under that tier. A tier that refuses (full, or for
+        recompute not eligible) passes ``t`` on to the next."""
+        stats = step.stats
+        for i, candidate in enumerate(order):
+            store = self.stores.get(candidate)
+            if store is None:
+                continue
+            if candidate is Tier.RECOMPUTE:
+                # A recipe's inputs go where ``t`` would go if not recomputed.
+                handle = store.put(t, step, module, order[i + 1:])
+            else:
+                handle = store.put(t, step, module)   # keep never refuses
+            if handle is None:
+                if candidate is not Tier.RECOMPUTE:   # counted by reason in the store
+                    stats.budget_fallbacks += 1
+                    if not getattr(store, "explained_refusals", False):
+                        self._warn_full(candidate)
+                continue
+            stats.record(candidate.value, nbytes)
+            return handle
+        raise TierMemError("tiermem: no tier accepted a tensor; this is a bug")
+
+    def _warn_full(self, tier: Tier) -> None:
+        if tier in self._warned:
+            return
+        self._warned.add(tier)
+        if tier is Tier.CPU:
+            _log.warning(
+                "tiermem: the cpu tier is full (budget %d bytes, TIERMEM_CPU_BUDGET); "
+                "further tensors stay on their device. Counted in stats.budget_fallbacks; "
+                "this warning is shown once.", self.cpu_budget_bytes)
+        else:
+            _log.warning("tiermem: the %s tier is full; tensors go to the next tier "
+                         "(shown once).", tier.value)
+
+    # -- moves in flight ----------------------------------------------------------
+    def poll(self) -> None:
+        """Finish the moves that have landed (forward thread; NOTE [Copy landed])."""
+        for store in self.movers:
+            store.poll()
+
+    def drain(self) -> None:
+        """Wait for every move in flight (an abandoned forward pass)."""
+        for store in self.movers:
+            store.drain()
+
+    def close(self) -> None:
+        """Wait for moves in flight and free every store's buffers and files."""
+        for store in self.movers:
+            store.close()
+
+    @property
+    def host_bytes_in_use(self) -> int:
+        return self.stores[Tier.CPU].in_use_bytes
+
+    @property
+    def disk_bytes_in_use(self) -> int:
+        store = self.stores.get(Tier.NVME)
+        return 0 if store is None else store.used_bytes

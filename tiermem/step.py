@@ -1,0 +1,208 @@
+"""One step of an Offloader: its stats, dedup table, prefetch schedule, and
+the services a tier is given.
+
+A :class:`Step` lives from ``with offloader:`` until autograd has dropped the
+step's last handle. The pack hook creates handles through
+:class:`~tiermem.placement.Placement`, passing the step; tiers keep it on the
+handles they make and report to it (:class:`~tiermem.tiers.base.StepEvents`):
+a move started or failed, a restore started, taken or late, a recompute run.
+They never write into the step's parts themselves.
+
+The recompute tier also needs the services of
+:class:`~tiermem.tiers.base.RecipeServices` (what this step saved already,
+where a recipe's own inputs go): the step provides them, with the tier order
+passed explicitly.
+
+# NOTE [Dedup]
+# A tensor saved by several ops in one step is stored once. The key is
+# (storage pointer, offset, sizes, strides, dtype, version); since a freed
+# storage's address can be reused by a new tensor of the same shape, each entry
+# also holds a weak reference to the storage and is only a hit while that
+# storage is alive. When producer tracking is on (recompute), kept tensors are
+# registered too: recipes share their handles (NOTE [What a recipe holds]).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Optional, Tuple
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from .policy import Tier
+from .prefetch import Entry, Prefetcher
+from .producers import ProducerMode, Ref, storage_key
+from .telemetry import StepStats
+from .tiers.base import exact_copy
+from .tiers.keep import Kept
+from .tracker import current_module
+
+__all__ = ["Step", "is_stable_param"]
+
+dedup_key = storage_key
+
+
+def is_stable_param(t: torch.Tensor) -> bool:
+    """A parameter (frozen or not, or a view of one) or a leaf that requires
+    grad: never modified during a forward pass.
+
+    ``issubclass`` on the type, because ``isinstance(t, Parameter)`` goes
+    through a slow metaclass hook."""
+    base = t._base
+    if base is None:
+        base = t
+    return (base.requires_grad and base.is_leaf) or issubclass(  # frozen parameters
+        type(base), torch.nn.Parameter)
+
+
+class Step:
+    """State of one step; see the module docstring.
+
+    ``placement``: the Offloader's :class:`~tiermem.placement.Placement` (for a
+    recipe's inputs); ``unpack``: the unpack function (for a recipe's leaves).
+    """
+
+    def __init__(self, placement, prefetch_bytes: Optional[int], min_offload_bytes: int,
+                 producers: Optional[ProducerMode], unpack: Callable[[Any], torch.Tensor]
+                 ) -> None:
+        self.stats = StepStats()
+        self.prefetcher = Prefetcher(prefetch_bytes, moved_bytes=self._moved_bytes,
+                                     stats=self.stats)
+        #: Producer of each tensor of the forward (``None`` unless the policy may
+        #: recompute, or is a callable that may read ``TensorInfo.op``).
+        self.producers = producers
+        self.min_offload_bytes = min_offload_bytes
+        self.index = 0            # TensorInfo.index of the next tensor a policy sees
+        self.dedup: dict = {}     # NOTE [Dedup]: key -> (storage weak ref, handle weak ref)
+        self._recipe_inputs: dict = {}   # private copies stored for recipes only
+        self._placement = placement
+        self._unpack = unpack
+
+    def _moved_bytes(self) -> int:
+        by = self.stats.bytes_by_tier
+        return by[Tier.CPU.value] + by[Tier.NVME.value]
+
+    def end_forward(self) -> None:
+        """The forward pass is over: drop what only packing needed."""
+        self.dedup.clear()
+        self._recipe_inputs.clear()
+        if self.producers is not None:
+            self.producers.clear()
+            self.producers = None
+
+    # -- dedup (pack hook) ----------------------------------------------------------
+    key_of = staticmethod(dedup_key)
+
+    def remember(self, t: torch.Tensor, key: tuple, handle) -> None:
+        """Register ``handle`` as holding ``t``'s values (NOTE [Dedup])."""
+        self.dedup[key] = (StorageWeakRef(t.untyped_storage()), weakref.ref(handle))
+
+    def find(self, key: tuple):
+        """The live handle registered under ``key``, else ``None``."""
+        hit = self.dedup.get(key)
+        if hit is None:
+            return None
+        storage_ref, handle_ref = hit
+        handle = handle_ref()
+        return None if handle is None or storage_ref.expired() else handle
+
+    # -- events reported by tiers (StepEvents) -------------------------------------
+    def moved(self, handle, nbytes: int) -> Entry:
+        """A move out started: schedule the handle's restore (its entry)."""
+        return self.prefetcher.add(handle, nbytes)
+
+    def dropped(self, handle, nbytes: int) -> Entry:
+        """A tensor was dropped, to be recomputed: count its uses."""
+        return self.prefetcher.add(handle, nbytes, prefetchable=False)
+
+    def held(self, tier: Tier, nbytes_held: int) -> None:
+        """A store now holds ``nbytes_held`` bytes in all (peak of the step)."""
+        stats = self.stats
+        if tier is Tier.CPU:
+            if nbytes_held > stats.peak_host_bytes:
+                stats.peak_host_bytes = nbytes_held
+        elif nbytes_held > stats.peak_disk_bytes:
+            stats.peak_disk_bytes = nbytes_held
+
+    def move_failed(self) -> None:
+        """A move failed after it started: the tensor stays where it was."""
+        self.stats.budget_fallbacks += 1
+
+    def restore_taken(self, prefetched: bool) -> None:
+        """An unpack took a restore: started ahead of need, or just now."""
+        if prefetched:
+            self.stats.prefetch_hits += 1
+        else:
+            self.stats.prefetch_misses += 1
+
+    def waited(self, seconds: float, late: bool) -> None:
+        """An unpack waited ``seconds`` for its restore (``late``: not complete
+        when the unpack came)."""
+        stats = self.stats
+        if late:
+            stats.late_restores += 1
+        stats.stall_seconds += seconds
+
+    def recomputed(self, seconds: float) -> None:
+        self.stats.recompute_count += 1
+        self.stats.recompute_seconds += seconds
+
+    def not_recomputable(self, reason: str) -> None:
+        self.stats.note_recompute_fallback(reason)
+
+    def recipe_inputs_stored(self, nbytes: int) -> None:
+        """Bytes stored only because a recipe needs them."""
+        self.stats.recompute_input_bytes += nbytes
+
+    # -- recipe services (RecipeServices; NOTE [What a recipe holds]) -----------------
+    def lookup(self, t: Any) -> Any:
+        """The handle of ``t`` (a tensor or a :class:`~tiermem.producers.Ref`)
+        if this step already saved its values, else ``None``."""
+        if type(t) is Ref:
+            # Same storage object (the weak refs pin its identity), same values:
+            # the handle holds them even if the storage was freed since (moved).
+            hit = self.dedup.get(t.key) or self._recipe_inputs.get(t.key)
+            if hit is None or hit[0].cdata != t.storage.cdata:
+                return None   # same address, another storage
+            return hit[1]()
+        return self.find(dedup_key(t))
+
+    def share(self, handle: Any) -> None:
+        """Count one more consumer of ``handle`` in each backward pass."""
+        if type(handle) is not Kept:
+            self.prefetcher.share(handle.entry)
+
+    #: A recipe may hold these as they are (NOTE [What a recipe holds]).
+    is_stable_param = staticmethod(is_stable_param)
+
+    def is_small(self, t: torch.Tensor) -> bool:
+        return t.numel() * t.element_size() < self.min_offload_bytes
+
+    @staticmethod
+    def keep_handle(t: torch.Tensor, *, clone: bool) -> Kept:
+        return Kept(exact_copy(t) if clone else t, "")
+
+    def store_input(self, t: torch.Tensor, order: Tuple[Tier, ...]) -> Any:
+        """Store an input of a recipe that no one saved, in the tiers of
+        ``order`` (recompute left out; keep if none), registered for dedup.
+
+        ``order``: the tiers the tensor being planned would go to if it were
+        not recomputed (its policy's later choices). A callable policy is not
+        asked again: it sees the tensors autograd saves, and
+        ``TensorInfo.index`` counts those only."""
+        order = tuple(tier for tier in order if tier is not Tier.RECOMPUTE) or (Tier.KEEP,)
+        # Autograd did not save ``t``, so the program may still modify it in
+        # place (also while a copy of it is in flight); the recipe needs its
+        # values of now: a private copy is stored, shared by recipes only (a
+        # later save of ``t`` by autograd gets its own handle, with the in-place
+        # check). NOTE [What a recipe holds].
+        nbytes = t.numel() * t.element_size()
+        handle = self._placement.put(order, exact_copy(t), self, current_module(), nbytes)
+        self._recipe_inputs[dedup_key(t)] = (StorageWeakRef(t.untyped_storage()),
+                                             weakref.ref(handle))
+        return handle
+
+    def unpack(self, handle: Any) -> torch.Tensor:
+        """A recipe's leaf, unpacked as autograd's unpack would."""
+        return self._unpack(handle)

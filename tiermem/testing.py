@@ -1,0 +1,104 @@
+"""Seams for tests: what a test may see and change inside an :class:`Offloader`.
+
+Tests (ours, and a user's checking their own setup) use these functions
+instead of the Offloader's private attributes, so that the runtime's inside
+can change without rewriting the tests. Nothing here is needed to train; every
+function takes the Offloader it works on and says what it returns.
+
+Not imported by ``import tiermem``; use ``import tiermem.testing``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, List, Tuple
+
+from .policy import Tier
+
+__all__ = [
+    "store_of",
+    "poll",
+    "pending",
+    "nvme_file",
+    "set_nvme_file",
+    "staging_pool",
+    "stage_cpu_tensors",
+    "uses_engine_chain",
+    "tier_order",
+    "remove_private_dir",
+    "record_placements",
+]
+
+
+def store_of(off, tier: Tier):
+    """The store of ``tier`` (a :class:`~tiermem.tiers.base.TierStore`); ``KeyError``
+    if this Offloader has none (nvme without a directory, or disabled)."""
+    return off._placement.stores[Tier(tier)]
+
+
+def poll(off) -> None:
+    """Do what the forward thread does at each pack: finish the moves that have
+    landed (drop their sources; NOTE [Copy landed])."""
+    off._placement.poll()
+
+
+def pending(off, tier: Tier) -> List[Tuple[Any, Any]]:
+    """``(handle or None, job)`` of each move of ``tier`` not landed yet, in
+    order (``None``: the handle died)."""
+    return [(ref(), job) for ref, job in store_of(off, tier).pending_moves()]
+
+
+def nvme_file(off):
+    """The open arena file of the nvme tier (an ``IOFile`` of its engine)."""
+    return store_of(off, Tier.NVME).file
+
+
+def set_nvme_file(off, f) -> None:
+    """Make the nvme tier write and read through ``f`` (a wrapper of
+    :func:`nvme_file`, e.g. one that injects faults or holds writes back)."""
+    store_of(off, Tier.NVME).file = f
+
+
+def staging_pool(off):
+    """The nvme tier's pool of staging buffers (a :class:`~tiermem.hostpool.HostPool`)."""
+    return store_of(off, Tier.NVME).staging
+
+
+def stage_cpu_tensors(off, on: bool = True) -> None:
+    """Move CPU tensors to disk through staging and the Python chain, the way
+    CUDA tensors go (NOTE [Staged moves] then runs on a CPU-only machine)."""
+    store_of(off, Tier.NVME).stage_cpu = on
+
+
+def uses_engine_chain(off) -> bool:
+    """Whether the nvme tier sends CUDA tensors through the C++ engine's chain."""
+    return store_of(off, Tier.NVME).uses_engine_chain
+
+
+def tier_order(off) -> Tuple[Tier, ...]:
+    """The tier order of a named policy (``None`` for a callable policy)."""
+    return off._placement.fixed_order
+
+
+def remove_private_dir(off) -> None:
+    """Remove the nvme tier's private directory now (what a finalizer does)."""
+    store_of(off, Tier.NVME).remove_dir()
+
+
+@contextlib.contextmanager
+def record_placements(off) -> Iterator[List[Tuple[str, str]]]:
+    """Record ``(module, first tier tried)`` for each tensor placed while inside."""
+    placement = off._placement
+    seen: List[Tuple[str, str]] = []
+    orig: Callable = placement.put
+
+    def spy(order, t, step, module, nbytes):
+        handle = orig(order, t, step, module, nbytes)
+        seen.append((module, order[0].value))
+        return handle
+
+    placement.put = spy
+    try:
+        yield seen
+    finally:
+        del placement.put
