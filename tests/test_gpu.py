@@ -17,7 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import tiermem
 import tiermem.testing
-from tiermem import copier
+from tiermem import copier, jobs
 from gpu_checks import assert_same_step, forbid_host_waits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("clean_env")]
@@ -104,7 +104,7 @@ def test_forward_does_not_sync_the_host(policy):
     torch.cuda.synchronize()
     allocations = tiermem.testing.store_of(off, tiermem.Tier.CPU).pool.allocations
 
-    with forbid_host_waits(copier._CudaJob), off:
+    with forbid_host_waits(jobs.CudaJob), off:
         loss = model(x).square().mean()
     loss.backward()
     assert off.stats.count_by_tier["cpu"] > 0
@@ -324,7 +324,6 @@ def test_nvme_gradients_bit_identical_on_cuda(tmp_path, engine, dtype):
 
 
 def test_nvme_forward_on_the_python_chain_does_not_sync_the_host(tmp_path):
-    from tiermem.tiers import nvme
 
     model = _model()
     x = torch.randn(4, 128, 256, device=DEV)
@@ -334,8 +333,8 @@ def test_nvme_forward_on_the_python_chain_does_not_sync_the_host(tmp_path):
     store.settle()                             # nothing in flight: no new staging
     torch.cuda.synchronize()
     allocations, arena_bytes = store.staging.allocations, store.arena.size_bytes
-    jobs = (copier._CudaJob, nvme._StagedJob, nvme._ChainJob, nvme._EventJob, nvme._FutureJob)
-    with forbid_host_waits(*jobs), off:
+    kinds = (jobs.CudaJob, jobs.StagedJob, jobs.ChainJob, jobs.EventJob, jobs.FutureJob)
+    with forbid_host_waits(*kinds), off:
         loss = model(x).square().mean()
     loss.backward()
     assert off.stats.count_by_tier["nvme"] > 0

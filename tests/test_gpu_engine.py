@@ -20,6 +20,7 @@ import torch
 
 import tiermem
 import tiermem.testing
+from tiermem import jobs
 from tiermem.io import ALIGN_BYTES, aligned_empty, engine_info, get_engine
 from gpu_checks import assert_same_step, forbid_host_waits
 
@@ -330,7 +331,6 @@ def test_nvme_tier_gradients_bit_identical_on_the_chain(eng, deterministic, tmp_
 
 @pytest.mark.gpu
 def test_nvme_forward_on_the_chain_does_not_sync_the_host(eng, tmp_path):
-    from tiermem.tiers import nvme
 
     model = _model()
     x = torch.randn(8, 64, 256, device="cuda")
@@ -339,7 +339,7 @@ def test_nvme_forward_on_the_chain_does_not_sync_the_host(eng, tmp_path):
     torch.cuda.synchronize()
     assert tiermem.testing.uses_engine_chain(off)
 
-    with forbid_host_waits(nvme._EngineCudaJob), off:
+    with forbid_host_waits(jobs.EngineCudaJob), off:
         loss = model(x).square().mean()
     loss.backward()
     assert off.stats.count_by_tier["nvme"] > 0

@@ -6,8 +6,9 @@ buffer's elements on the device and copy in after the pad):
 
 - :class:`CudaCopier`: one device-to-host and one host-to-device side stream
   per device; copies wait on the compute stream with an event, never on the
-  host. ``Job.done()`` is ``event.query()``; a consumer orders itself after
-  the copy with ``Job.order_before_use()`` (``current_stream.wait_event``).
+  host. Its jobs (:class:`~tiermem.jobs.CudaJob`) are done when the event is;
+  a consumer orders itself after the copy with ``order_before_use()``
+  (``current_stream.wait_event``).
 - :class:`ThreadCopier`: for CPU tensors (and CPU-only machines), two worker
   threads (out, in) run ``dst.copy_(src)`` in FIFO order; torch releases the
   GIL inside the copy. ``Job.order_before_use()`` blocks until the copy is done.
@@ -46,56 +47,9 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["Job", "ThreadCopier", "CudaCopier", "copier_for"]
+from .jobs import CudaJob, Job, ThreadJob
 
-
-class Job:
-    """A copy in flight."""
-
-    def done(self) -> bool:
-        raise NotImplementedError
-
-    def order_before_use(self, tensor=None) -> None:
-        """Make the current consumer (host thread or current CUDA stream) see the
-        copy into ``tensor`` (the restored tensor, if any)."""
-        raise NotImplementedError
-
-    def abandon(self, tensor) -> None:
-        """``tensor`` (source or destination of this copy) is dropped while the
-        copy may still run."""
-
-    def wait_host(self) -> None:
-        """Block the host until the copy is complete (re-raises its error)."""
-        raise NotImplementedError
-
-    def failed(self):
-        """The exception the finished job raised, else ``None``."""
-        return None
-
-
-class _ThreadJob(Job):
-    __slots__ = ("_event", "error")
-
-    def __init__(self) -> None:
-        self._event = threading.Event()
-        self.error: Optional[BaseException] = None
-
-    def done(self) -> bool:
-        return self._event.is_set()
-
-    def wait_host(self) -> None:
-        self._event.wait()
-        if self.error is not None:
-            raise self.error
-
-    def order_before_use(self, tensor=None) -> None:
-        self.wait_host()
-
-    def failed(self):
-        return self.error if self._event.is_set() else None
-
-    def abandon(self, tensor) -> None:
-        """Nothing to do: the job's closure keeps ``tensor`` alive until it ran."""
+__all__ = ["ThreadCopier", "CudaCopier", "copier_for"]
 
 
 class _Worker:
@@ -106,20 +60,21 @@ class _Worker:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[[], None]) -> _ThreadJob:
-        job = _ThreadJob()
+    def submit(self, fn: Callable[[], None]) -> ThreadJob:
+        job = ThreadJob()
         self._queue.put((fn, job))
         return job
 
     def _run(self) -> None:
         while True:
             fn, job = self._queue.get()
+            error = None
             try:
                 fn()
             except BaseException as e:  # handed to the waiter, never lost
-                job.error = e
-            job._event.set()
-            del fn, job
+                error = e
+            job.finish(error)
+            del fn, job, error
 
 
 class ThreadCopier:
@@ -142,31 +97,6 @@ class ThreadCopier:
         return dst, self._in.submit(lambda: dst[pad:].copy_(src))
 
 
-class _CudaJob(Job):
-    __slots__ = ("event", "device", "stream", "side")
-
-    def __init__(self, event, device: torch.device, stream, side) -> None:
-        self.event = event
-        self.device = device
-        self.stream = stream      # the stream the destination was allocated on
-        self.side = side          # the side stream that copies
-
-    def done(self) -> bool:
-        return self.event.query()
-
-    def order_before_use(self, tensor=None) -> None:
-        current = torch.cuda.current_stream(self.device)
-        current.wait_event(self.event)
-        if tensor is not None and current != self.stream:
-            tensor.record_stream(current)
-
-    def abandon(self, tensor) -> None:
-        tensor.record_stream(self.side)
-
-    def wait_host(self) -> None:
-        self.event.synchronize()
-
-
 class CudaCopier:
     """Copies on two side streams of one CUDA device. See NOTE [Stream lifetime]."""
 
@@ -186,7 +116,7 @@ class CudaCopier:
             # drain) sleeps instead of spinning a CPU core.
             event = torch.cuda.Event(blocking=True)
             event.record(stream)
-        return _CudaJob(event, self.device, compute, stream)
+        return CudaJob(event, self.device, compute, stream)
 
     def copy_out(self, src: torch.Tensor, dst: torch.Tensor) -> Job:
         return self._copy(self.d2h, src, dst)

@@ -11,7 +11,7 @@ tier allocates nothing.
   are mostly powers of two times small factors).
 - Pageable buffers (CPU tensors, CPU-only machines) use exact sizes.
 
-A returned buffer carries the :class:`~tiermem.copier.Job` that last used it;
+A returned buffer carries the :class:`~tiermem.jobs.Job` that last used it;
 it is handed out again only once that job is done. See NOTE [Stream lifetime].
 
 NOTE [Trimming pinned buffers]

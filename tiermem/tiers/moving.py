@@ -5,7 +5,7 @@ landing check, in-place safety, prefetch, release):
 
 - ``_store_out(src, layout, t) -> (slot, job)`` or ``None`` when full: start
   moving the tensor's bytes out; ``slot`` is the store's record of where they
-  go (host buffer, disk extent), ``job`` a :class:`~tiermem.copier.Job`;
+  go (host buffer, disk extent), ``job`` a :class:`~tiermem.jobs.Job`;
 - ``_start_restore(handle) -> (tensor, job)``: allocate on the device and
   start bringing the bytes back (``handle.layout.pad`` elements first);
 - ``_free(handle)``: give the slot back once ``handle.last_job`` is done.
@@ -66,7 +66,7 @@ from typing import Optional
 
 import torch
 
-from ..copier import _CudaJob
+from ..jobs import CudaJob
 from ..errors import TierMemError
 from .base import Layout, TierStore
 from .keep import check_version
@@ -258,7 +258,7 @@ class MovingStore(TierStore):
         done.record(stream)
         h.lease.hold_until(done)
         # For the other consumers of this pass (the first is on ``stream``).
-        return layout.rebuild(dev), _CudaJob(done, layout.device, stream, stream)
+        return layout.rebuild(dev), CudaJob(done, layout.device, stream, stream)
 
     # -- backward -----------------------------------------------------------
     def prefetch(self, h: MovedHandle) -> Optional[bool]:

@@ -49,27 +49,27 @@ underneath) raises :class:`~tiermem.TierMemError` naming the tensor and file.
 
 from __future__ import annotations
 
-import concurrent.futures
-import ctypes
 import errno
-import os
 import logging
 import threading
 import weakref
-import zlib
 from typing import Optional
 
 import torch
 
 from ..arena import Arena
-from ..copier import Job, copier_for
+from ..copier import copier_for
 from ..errors import TierMemError
 from ..hostpool import HostPool
 from ..io import aligned_empty
+from ..jobs import EngineCudaJob, FutureJob, StagedJob
+from ..leases import StagingLease
+from ..malloc import return_freed_memory_to_the_os
 from ..policy import Tier
 from ..spilldir import PrivateDir, remove_stale_dirs
 from .base import Layout
 from .moving import MovedHandle, MovingStore, _where_kept
+from .nvme_chain import PythonChain
 
 __all__ = ["NvmeStore"]
 
@@ -94,168 +94,6 @@ def _os_errno(error: Optional[BaseException]) -> Optional[int]:
     return None
 
 
-def _crc(t: torch.Tensor) -> int:
-    return zlib.crc32(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-
-
-class _FutureJob(Job):
-    """An engine future as a :class:`Job` (CPU tensors). Once done, it lets go of
-    the future, and with it of the buffer the future holds (a landed write
-    must free the saved tensor's memory)."""
-
-    __slots__ = ("fut", "what", "error")
-
-    def __init__(self, fut, what: str) -> None:
-        self.fut = fut
-        self.what = what
-        self.error = None
-
-    def done(self) -> bool:
-        if self.fut is None:
-            return True
-        if not self.fut.done():
-            return False
-        self._finish()
-        return True
-
-    def _finish(self) -> None:
-        fut, self.fut = self.fut, None
-        try:
-            fut.wait()
-        except OSError as e:
-            self.error = TierMemError(f"tiermem: {self.what} failed: {e}")
-            self.error.__cause__ = e
-
-    def wait_host(self) -> None:
-        if self.fut is not None:
-            self._finish()
-        if self.error is not None:
-            raise self.error
-
-    def order_before_use(self, tensor=None) -> None:
-        self.wait_host()
-
-    def failed(self):
-        return self.error if self.done() else None
-
-    def abandon(self, tensor) -> None:
-        """Nothing: the engine's future holds the buffer until the I/O is done."""
-
-
-class _StagingLease:
-    """A staging buffer lent to one staged move (NOTE [Staged moves] in
-    moving.py): given back to ``pool`` at :meth:`release` (once; counted in
-    use until then), for reuse once the move and every copy out of it
-    (:meth:`hold_until`) are done."""
-
-    __slots__ = ("pool", "buf", "pinned", "job", "events")
-    _lock = threading.Lock()
-
-    def __init__(self, pool: HostPool, buf: torch.Tensor, pinned: bool) -> None:
-        self.pool, self.buf, self.pinned = pool, buf, pinned
-        self.job = None      # the move (a _StagedJob), set once it is submitted
-        self.events: list = []
-
-    def hold_until(self, event) -> None:
-        """Not reused before ``event`` (a copy out of the buffer) has completed."""
-        self.events[:] = [e for e in self.events if not e.query()]   # the list is shared
-        self.events.append(event)
-
-    def release(self) -> None:
-        with _StagingLease._lock:
-            buf, self.buf = self.buf, None
-        if buf is not None:
-            staged = self.job
-            if staged is not None:
-                # The move's view of the buffer goes too: the pool may drop
-                # the buffer (NOTE [Trimming pinned buffers] in hostpool.py),
-                # which must then free its memory.
-                staged.host_view = None
-            self.pool.release(buf, _AllDone(staged, self.events), self.pinned)
-
-
-class _AllDone(Job):
-    """Done when ``job`` is (if any) and every CUDA event has completed."""
-
-    __slots__ = ("job", "events")
-
-    def __init__(self, job, events: list) -> None:
-        self.job, self.events = job, events
-
-    def done(self) -> bool:
-        return ((self.job is None or self.job.done())
-                and all(e.query() for e in self.events))
-
-
-class _StagedJob(Job):
-    """A write through a staging buffer (NOTE [Staged moves]): ``job`` is the
-    whole move; ``copied()`` is true once the bytes are in ``host_view``."""
-
-    __slots__ = ("job", "copied", "host_view", "lease")
-
-    def __init__(self, job, copied, host_view: torch.Tensor, lease: _StagingLease) -> None:
-        self.job = job
-        self.copied = copied
-        self.host_view = host_view
-        self.lease = lease
-        lease.job = self
-
-    def done(self) -> bool:
-        return self.job.done()
-
-    def wait_host(self) -> None:
-        self.job.wait_host()
-
-    def failed(self):
-        return self.job.failed()
-
-    def order_before_use(self, tensor=None) -> None:
-        self.job.order_before_use(tensor)
-
-    def abandon(self, tensor) -> None:
-        self.job.abandon(tensor)
-
-
-class _ChainJob(Job):
-    """Work on a chain thread, maybe followed by a CUDA copy (``event``)."""
-
-    __slots__ = ("cf", "event", "device", "stream", "side")
-
-    def __init__(self, cf, device=None, stream=None, side=None) -> None:
-        self.cf = cf            # concurrent.futures.Future; result: event or None
-        self.device = device
-        self.stream = stream    # stream the destination was allocated on
-        self.side = side        # side stream of the CUDA copy
-
-    def done(self) -> bool:
-        if not self.cf.done():
-            return False
-        if self.cf.exception() is not None:
-            return True
-        event = self.cf.result()
-        return event is None or event.query()
-
-    def wait_host(self) -> None:
-        event = self.cf.result()   # re-raises the chain's error
-        if event is not None:
-            event.synchronize()
-
-    def failed(self):
-        return self.cf.exception() if self.cf.done() else None
-
-    def order_before_use(self, tensor=None) -> None:
-        event = self.cf.result()
-        if event is not None:
-            current = torch.cuda.current_stream(self.device)
-            current.wait_event(event)
-            if tensor is not None and current != self.stream:
-                tensor.record_stream(current)
-
-    def abandon(self, tensor) -> None:
-        if self.side is not None:
-            tensor.record_stream(self.side)
-
-
 class NvmeStore(MovingStore):
     """Disk tier within ``budget_bytes`` of one arena file in a private directory.
 
@@ -268,7 +106,7 @@ class NvmeStore(MovingStore):
     def __init__(self, root: str, engine, budget_bytes: int, staging_bytes: int,
                  verify: bool, io_threads: int) -> None:
         super().__init__()
-        _return_freed_memory_to_the_os()
+        return_freed_memory_to_the_os()
         remove_stale_dirs(root)
         self._dir = PrivateDir(root)
         self._finalizer = weakref.finalize(self, self._dir.remove)
@@ -296,8 +134,7 @@ class NvmeStore(MovingStore):
         self.verify = verify
         self.staging = HostPool(staging_bytes)
         self._copiers: dict = {}
-        self._chain = concurrent.futures.ThreadPoolExecutor(
-            max_workers=io_threads, thread_name_prefix="tiermem-nvme")
+        self._chain = PythonChain(io_threads)
         self._deferred: list = []   # (job, offset, nbytes): extents freed after their I/O
         self._deferred_lock = threading.Lock()
         self.closed = False
@@ -338,13 +175,9 @@ class NvmeStore(MovingStore):
                     self.arena.free(offset, nbytes)
                     self._refused(TierMemError(f"tiermem: {what} failed: {e}"), e)
                     return None
-                return (offset, [None]), _FutureJob(fut, what)
+                return (offset, [None]), FutureJob(fut, what)
             crc = [None]
-
-            def write_cpu():
-                crc[0] = _crc(data)
-                self.file.write(data, offset).wait()
-            return (offset, crc), _ChainJob(self._chain.submit(self._wrap(write_cpu, what)))
+            return (offset, crc), self._chain.write(self.file, data, offset, what, crc)
         view = staging[:nbytes].view(layout.dtype)
         if self.uses_engine_chain and t.is_cuda:
             out = self._store_out_engine(src, layout, t, staging, view, offset, what)
@@ -358,17 +191,12 @@ class NvmeStore(MovingStore):
             self.arena.free(offset, nbytes)
             raise
         crc = [None]
-
-        def write_staged():
-            d2h.wait_host()
-            if self.verify:
-                crc[0] = _crc(view)
-            self.file.write(view, offset).wait()
-        chain = _ChainJob(self._chain.submit(self._wrap(write_staged, what)),
-                          side=getattr(d2h, "side", None))
+        chain = self._chain.write(self.file, view, offset, what,
+                                  crc if self.verify else None, after=d2h,
+                                  side=getattr(d2h, "side", None))
         # Back to the pool through the lease: NOTE [Staged moves] in moving.py.
-        job = _StagedJob(chain, lambda: d2h.done() and d2h.failed() is None, view,
-                         _StagingLease(self.staging, staging, t.is_cuda))
+        job = StagedJob(chain, lambda: d2h.done() and d2h.failed() is None, view,
+                        StagingLease(self.staging, staging, t.is_cuda))
         return (offset, crc), job
 
     def _refused(self, error: BaseException, cause: OSError) -> None:
@@ -428,19 +256,9 @@ class NvmeStore(MovingStore):
             return None
         # Back to the pool through the lease (the engine holds it until the write
         # is done): NOTE [Staged moves] in moving.py.
-        job = _StagedJob(_EngineCudaJob(fut, what), fut.copied, view,
-                         _StagingLease(self.staging, staging, True))
+        job = StagedJob(EngineCudaJob(fut, what), fut.copied, view,
+                        StagingLease(self.staging, staging, True))
         return (offset, [None]), job
-
-    @staticmethod
-    def _wrap(fn, what: str):
-        def run():
-            try:
-                fn()
-            except OSError as e:
-                raise TierMemError(f"tiermem: {what} failed: {e}") from e
-            return None
-        return run
 
     # -- restore ------------------------------------------------------------------
     def _start_restore(self, h: MovedHandle):
@@ -457,12 +275,8 @@ class NvmeStore(MovingStore):
             dev = aligned_empty((layout.pad + layout.numel) * itemsize).view(layout.dtype)
             dest = dev[layout.pad:]
             if expected is None:
-                return dev, _FutureJob(self.file.read(dest, offset), what)
-
-            def read_cpu():
-                self.file.read(dest, offset).wait()
-                self._check(dest, expected, what)
-            return dev, _ChainJob(self._chain.submit(self._wrap(read_cpu, what)))
+                return dev, FutureJob(self.file.read(dest, offset), what)
+            return dev, self._chain.read(self.file, dest, offset, what, expected)
         return self._start_restore_cuda(h, offset, expected, what)
 
     def _start_restore_cuda(self, h, offset, expected, what):
@@ -488,38 +302,18 @@ class NvmeStore(MovingStore):
             except Exception as e:   # CUDA error, closed chain, rejected argument
                 self._give_up_engine_chain(what, e)
             else:
-                job = _EngineCudaJob(fut, what, device, compute)
+                job = EngineCudaJob(fut, what, device, compute)
                 if pooled:   # handed out again once the copy is complete
                     self.staging.release(staging, job, True)
                 return dev, job
         allocated = torch.cuda.Event()
         allocated.record(compute)
-
-        def read_cuda():
-            done = None
-            try:
-                self.file.read(view, offset).wait()
-                self._check(view, expected, what)
-                with torch.cuda.device(device), torch.cuda.stream(side):
-                    side.wait_event(allocated)
-                    dev[layout.pad:].copy_(view, non_blocking=True)
-                    done = torch.cuda.Event(blocking=True)   # host waits sleep
-                    done.record(side)
-                dev.record_stream(side)
-                return done
-            finally:   # also when the read or the check failed: back to the pool
-                if pooled:
-                    self.staging.release(staging, None if done is None else _EventJob(done),
-                                          True)
-        job = _ChainJob(self._chain.submit(self._wrap(read_cuda, what)), device=device,
-                        stream=compute, side=side)
+        staging_pool = self.staging
+        release = None if not pooled else (
+            lambda job: staging_pool.release(staging, job, True))
+        job = self._chain.read_to_device(self.file, view, dev[layout.pad:], offset, what,
+                                         expected, side, compute, allocated, release)
         return dev, job
-
-    def _check(self, data: torch.Tensor, expected: Optional[int], what: str) -> None:
-        if expected is not None and _crc(data) != expected:
-            raise TierMemError(
-                f"tiermem: checksum mismatch {what} (TIERMEM_VERIFY): the file was changed "
-                "underneath tiermem or the disk returned bad data")
 
     # -- release --------------------------------------------------------------------
     def _free(self, h: MovedHandle) -> None:
@@ -570,112 +364,9 @@ class NvmeStore(MovingStore):
             self.settle()
         finally:
             self.closed = True
-            self._chain.shutdown(wait=True)
+            self._chain.shutdown()
             self.file.close()
             self._finalizer()
             self.staging.clear()
 
 
-_MALLOC_TUNED = False
-_M_MMAP_THRESHOLD = -3          # glibc malloc.h
-_MMAP_THRESHOLD_BYTES = 1 << 20
-
-
-def _return_freed_memory_to_the_os() -> None:
-    """Make glibc give large freed blocks back to the OS.
-
-    # NOTE [Freed memory and RSS]
-    # Moving CPU tensors to disk only lowers the process's memory if freeing
-    # them returns their pages. glibc serves blocks above a threshold with mmap
-    # (returned on free), but raises that threshold (up to 32 MiB) each time such
-    # a block is freed, after which activation-sized blocks come from the heap
-    # and stay there, fragmented, when freed. Measured on the demo GPT (6 layers,
-    # 740 MiB of activations): peak RSS during steps 941 MiB with nvme vs 1063
-    # MiB without tiermem by default; 398 vs 818 MiB with a fixed 1 MiB
-    # threshold. So the nvme tier fixes the threshold at 1 MiB, once per
-    # process, unless the user set MALLOC_MMAP_THRESHOLD_ themselves.
-    """
-    global _MALLOC_TUNED
-    if _MALLOC_TUNED or "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return
-    _MALLOC_TUNED = True
-    try:
-        libc = ctypes.CDLL(None)
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)
-    except (OSError, AttributeError):   # not glibc
-        return
-    if ok:
-        _log.info("tiermem: set glibc's mmap threshold to 1 MiB so that memory freed by "
-                  "the nvme tier returns to the OS (set MALLOC_MMAP_THRESHOLD_ to choose)")
-
-
-class _EventJob(Job):
-    __slots__ = ("event",)
-
-    def __init__(self, event) -> None:
-        self.event = event
-
-    def done(self) -> bool:
-        return self.event.query()
-
-    def wait_host(self) -> None:
-        self.event.synchronize()
-
-
-class _EngineCudaJob(Job):
-    """A request of the engine's CUDA chain (a ``CudaFuture``, see NOTE [CUDA
-    chain] in csrc/cuda_chain.cpp). ``stream``: for a read, the stream the
-    destination was allocated on; ``None`` for a write.
-
-    ``done()`` is true once everything has completed (a read: its H2D copy
-    too). The engine holds the device tensor and the staging buffer until its
-    copy is complete, so ``abandon`` has nothing to do (no ``record_stream``)."""
-
-    __slots__ = ("fut", "what", "device", "stream", "error")
-
-    def __init__(self, fut, what: str, device=None, stream=None) -> None:
-        self.fut = fut
-        self.what = what
-        self.device = device
-        self.stream = stream
-        self.error = None
-
-    def _failure(self, e: OSError) -> TierMemError:
-        if self.error is None:
-            self.error = TierMemError(f"tiermem: {self.what} failed: {e}")
-            self.error.__cause__ = e
-        return self.error
-
-    def done(self) -> bool:
-        return self.fut.done()
-
-    def wait_host(self) -> None:
-        try:
-            self.fut.synchronize()
-        except OSError as e:
-            raise self._failure(e) from e
-
-    def failed(self):
-        if not self.fut.done():
-            return None
-        try:
-            self.fut.wait()   # done: returns at once, or raises the request's error
-        except OSError as e:
-            return self._failure(e)
-        return None
-
-    def order_before_use(self, tensor=None) -> None:
-        if self.stream is None:
-            self.wait_host()
-            return
-        current = torch.cuda.current_stream(self.device)
-        try:
-            # The host waits for the read only; the stream waits for the copy.
-            self.fut.stream_wait(current.cuda_stream)
-        except OSError as e:
-            raise self._failure(e) from e
-        if tensor is not None and current != self.stream:
-            tensor.record_stream(current)
-
-    def abandon(self, tensor) -> None:
-        """Nothing: the engine holds ``tensor`` until its copy is complete."""

@@ -1,0 +1,311 @@
+"""Asynchronous completion: one :class:`Job` protocol for every copy and I/O in flight.
+
+A job is a move out or a restore that is still running somewhere else: a
+CUDA side stream, a copy worker thread, the I/O engine, a Python chain thread.
+Tiers and pools see only the protocol:
+
+- ``done()``: finished (successfully or not); never blocks;
+- ``failed()``: the error of a finished job, else ``None``;
+- ``wait_host()``: block the host until finished (re-raises the error);
+- ``order_before_use(tensor)``: make the current consumer (the host thread,
+  or the current CUDA stream) see what the job wrote into ``tensor``;
+- ``abandon(tensor)``: ``tensor`` (source or destination) is dropped while
+  the job may still run.
+
+On CUDA, ordering a consumer after a copy is always the same two steps, done
+by :func:`use_after_event`: the consumer's stream waits on the copy's event
+(no host wait), and a tensor consumed on another stream than the one it was
+allocated on is ``record_stream``-ed there (NOTE [Stream lifetime] in copier.py).
+
+Kinds: :class:`ThreadJob` (a worker thread's copy), :class:`CudaJob` (a copy on
+a side stream, its event), :class:`FutureJob` (an engine future, CPU tensors),
+:class:`ChainJob` (a Python chain thread, maybe followed by a CUDA copy),
+:class:`EngineCudaJob` (the C++ engine's CUDA chain), :class:`EventJob` (one
+event), :class:`AllDone` (a job and events, all complete), :class:`StagedJob`
+(a move through a staging buffer, NOTE [Staged moves] in tiers/moving.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import torch
+
+from .errors import TierMemError
+
+__all__ = ["Job", "use_after_event", "ThreadJob", "CudaJob", "FutureJob", "ChainJob",
+           "EngineCudaJob", "EventJob", "AllDone", "StagedJob"]
+
+
+class Job:
+    """A copy or I/O in flight (see the module docstring)."""
+
+    def done(self) -> bool:
+        raise NotImplementedError
+
+    def failed(self) -> Optional[BaseException]:
+        """The exception the finished job raised, else ``None``."""
+        return None
+
+    def wait_host(self) -> None:
+        """Block the host until the job is complete (re-raises its error)."""
+        raise NotImplementedError
+
+    def order_before_use(self, tensor=None) -> None:
+        """Make the current consumer see the job's writes (default: a host wait)."""
+        self.wait_host()
+
+    def abandon(self, tensor) -> None:
+        """``tensor`` is dropped while the job may still run (default: nothing,
+        for jobs whose runner holds what it uses until it is done)."""
+
+
+def use_after_event(event, device: torch.device, alloc_stream, tensor=None) -> None:
+    """Order the current CUDA stream after ``event``; ``tensor`` (allocated on
+    ``alloc_stream``) is ``record_stream``-ed if consumed on another stream."""
+    current = torch.cuda.current_stream(device)
+    current.wait_event(event)
+    if tensor is not None and current != alloc_stream:
+        tensor.record_stream(current)
+
+
+class ThreadJob(Job):
+    """A function run by a worker thread (``finish`` is called by the worker)."""
+
+    __slots__ = ("_event", "error")
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.error: Optional[BaseException] = None
+
+    def finish(self, error: Optional[BaseException]) -> None:
+        self.error = error
+        self._event.set()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait_host(self) -> None:
+        self._event.wait()
+        if self.error is not None:
+            raise self.error
+
+    def failed(self):
+        return self.error if self._event.is_set() else None
+
+
+class CudaJob(Job):
+    """A copy on side stream ``side``, complete when ``event`` is; its
+    destination was allocated on ``stream``."""
+
+    __slots__ = ("event", "device", "stream", "side")
+
+    def __init__(self, event, device: torch.device, stream, side) -> None:
+        self.event = event
+        self.device = device
+        self.stream = stream
+        self.side = side
+
+    def done(self) -> bool:
+        return self.event.query()
+
+    def order_before_use(self, tensor=None) -> None:
+        use_after_event(self.event, self.device, self.stream, tensor)
+
+    def abandon(self, tensor) -> None:
+        tensor.record_stream(self.side)
+
+    def wait_host(self) -> None:
+        self.event.synchronize()
+
+
+class EventJob(Job):
+    """Complete when ``event`` (a CUDA event) is."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, event) -> None:
+        self.event = event
+
+    def done(self) -> bool:
+        return self.event.query()
+
+    def wait_host(self) -> None:
+        self.event.synchronize()
+
+
+class FutureJob(Job):
+    """An engine future (CPU tensors). Once done, it lets go of the future, and
+    with it of the buffer the future holds (a landed write must free the saved
+    tensor's memory). ``what`` names the request in errors."""
+
+    __slots__ = ("fut", "what", "error")
+
+    def __init__(self, fut, what: str) -> None:
+        self.fut = fut
+        self.what = what
+        self.error = None
+
+    def done(self) -> bool:
+        if self.fut is None:
+            return True
+        if not self.fut.done():
+            return False
+        self._finish()
+        return True
+
+    def _finish(self) -> None:
+        fut, self.fut = self.fut, None
+        try:
+            fut.wait()
+        except OSError as e:
+            self.error = TierMemError(f"tiermem: {self.what} failed: {e}")
+            self.error.__cause__ = e
+
+    def wait_host(self) -> None:
+        if self.fut is not None:
+            self._finish()
+        if self.error is not None:
+            raise self.error
+
+    def failed(self):
+        return self.error if self.done() else None
+
+
+class ChainJob(Job):
+    """Work on a Python chain thread (a ``concurrent.futures.Future`` whose
+    result is ``None`` or the event of a CUDA copy it issued on ``side``)."""
+
+    __slots__ = ("cf", "device", "stream", "side")
+
+    def __init__(self, cf, device=None, stream=None, side=None) -> None:
+        self.cf = cf
+        self.device = device
+        self.stream = stream    # stream the destination was allocated on
+        self.side = side        # side stream of the CUDA copy
+
+    def done(self) -> bool:
+        if not self.cf.done():
+            return False
+        if self.cf.exception() is not None:
+            return True
+        event = self.cf.result()
+        return event is None or event.query()
+
+    def wait_host(self) -> None:
+        event = self.cf.result()   # re-raises the chain's error
+        if event is not None:
+            event.synchronize()
+
+    def failed(self):
+        return self.cf.exception() if self.cf.done() else None
+
+    def order_before_use(self, tensor=None) -> None:
+        event = self.cf.result()   # the host waits for the chain's work (a read)
+        if event is not None:
+            use_after_event(event, self.device, self.stream, tensor)
+
+    def abandon(self, tensor) -> None:
+        if self.side is not None:
+            tensor.record_stream(self.side)
+
+
+class EngineCudaJob(Job):
+    """A request of the engine's CUDA chain (a ``CudaFuture``, see NOTE [CUDA
+    chain] in csrc/cuda_chain.cpp). ``stream``: for a read, the stream the
+    destination was allocated on; ``None`` for a write.
+
+    ``done()`` is true once everything has completed (a read: its H2D copy
+    too). The engine holds the device tensor and the staging buffer until its
+    copy is complete, so ``abandon`` has nothing to do (no ``record_stream``)."""
+
+    __slots__ = ("fut", "what", "device", "stream", "error")
+
+    def __init__(self, fut, what: str, device=None, stream=None) -> None:
+        self.fut = fut
+        self.what = what
+        self.device = device
+        self.stream = stream
+        self.error = None
+
+    def _failure(self, e: OSError) -> TierMemError:
+        if self.error is None:
+            self.error = TierMemError(f"tiermem: {self.what} failed: {e}")
+            self.error.__cause__ = e
+        return self.error
+
+    def done(self) -> bool:
+        return self.fut.done()
+
+    def wait_host(self) -> None:
+        try:
+            self.fut.synchronize()
+        except OSError as e:
+            raise self._failure(e) from e
+
+    def failed(self):
+        if not self.fut.done():
+            return None
+        try:
+            self.fut.wait()   # done: returns at once, or raises the request's error
+        except OSError as e:
+            return self._failure(e)
+        return None
+
+    def order_before_use(self, tensor=None) -> None:
+        if self.stream is None:
+            self.wait_host()
+            return
+        current = torch.cuda.current_stream(self.device)
+        try:
+            # The host waits for the read only; the stream waits for the copy.
+            self.fut.stream_wait(current.cuda_stream)
+        except OSError as e:
+            raise self._failure(e) from e
+        if tensor is not None and current != self.stream:
+            tensor.record_stream(current)
+
+
+class AllDone(Job):
+    """Done when ``job`` is (if any) and every CUDA event of ``events`` has
+    completed (a staging buffer's last uses, for its pool)."""
+
+    __slots__ = ("job", "events")
+
+    def __init__(self, job, events: list) -> None:
+        self.job, self.events = job, events
+
+    def done(self) -> bool:
+        return ((self.job is None or self.job.done())
+                and all(e.query() for e in self.events))
+
+
+class StagedJob(Job):
+    """A move through a staging buffer (NOTE [Staged moves] in tiers/moving.py):
+    ``job`` is the whole move; ``copied()`` is true once the bytes are in
+    ``host_view``; ``lease`` gives the buffer back to its pool."""
+
+    __slots__ = ("job", "copied", "host_view", "lease")
+
+    def __init__(self, job: Job, copied, host_view: torch.Tensor, lease) -> None:
+        self.job = job
+        self.copied = copied
+        self.host_view = host_view
+        self.lease = lease
+        lease.job = self
+
+    def done(self) -> bool:
+        return self.job.done()
+
+    def wait_host(self) -> None:
+        self.job.wait_host()
+
+    def failed(self):
+        return self.job.failed()
+
+    def order_before_use(self, tensor=None) -> None:
+        self.job.order_before_use(tensor)
+
+    def abandon(self, tensor) -> None:
+        self.job.abandon(tensor)
