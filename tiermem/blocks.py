@@ -55,7 +55,16 @@ SELECTIVE_SAVE_OPS = frozenset(
 
 _CHECKPOINT_MODES = (False, True, "full", "selective")
 
-_scope = threading.local()
+class _Scope(threading.local):
+    """Per thread: the tier orders of the wrapped blocks running, innermost last.
+    (An attribute set in ``__init__``, which runs once per thread: reading it
+    costs no failed lookup, and the pack hook reads it for every tensor.)"""
+
+    def __init__(self) -> None:
+        self.stack: list = []
+
+
+_scope = _Scope()
 
 #: Wrapped blocks whose policy may recompute: while any exists, Offloaders
 #: track producers even if their own policy would not need it.
@@ -70,7 +79,7 @@ def blocks_need_producers() -> bool:
 def current_block_order() -> Optional[Tuple[Tier, ...]]:
     """The tier order of the innermost wrapped block running in this thread
     (``None`` outside blocks wrapped with a ``policy``)."""
-    stack = getattr(_scope, "stack", None)
+    stack = _scope.stack
     return stack[-1] if stack else None
 
 
@@ -103,9 +112,7 @@ class _BlockForward:
         fn = functools.partial(type(self.module).forward, self.module)
         stack = None
         if self.order is not None:
-            stack = getattr(_scope, "stack", None)
-            if stack is None:
-                stack = _scope.stack = []
+            stack = _scope.stack
             stack.append(self.order)
         try:
             if self.mode is None or not torch.is_grad_enabled():

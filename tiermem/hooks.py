@@ -66,8 +66,10 @@ def keep_pack(t: torch.Tensor) -> Kept:
 def unpack(handle: Any) -> torch.Tensor:
     """The unpack hook of every context, for every kind of handle."""
     if type(handle) is Kept:
-        check_version(handle.tensor, handle.version, handle.module)
-        return handle.tensor
+        t = handle.tensor
+        if t._version != handle.version:   # NOTE [In-place check]
+            check_version(t, handle.version, handle.module)
+        return t
     prefetcher = handle.step.prefetcher
     entry = handle.entry
     with prefetcher.lock:
@@ -108,20 +110,6 @@ class Packer:
         self.param_storages.clear()
         self._seen_roots.clear()
 
-    def _is_param(self, t: torch.Tensor) -> bool:
-        """Parameters, buffers and user leaves that require grad (never moved).
-
-        nn.Linear saves ``weight.t()``, a *view* of a Parameter, so the base and
-        the storage count, not the Python type of ``t``."""
-        base = t._base
-        if base is None:
-            base = t
-        if (base.requires_grad and base.is_leaf) or issubclass(type(base), _Parameter):
-            return True
-        storages = self.param_storages
-        return (bool(storages) and type(t) is torch.Tensor
-                and t.untyped_storage().data_ptr() in storages)
-
     def __call__(self, t: torch.Tensor) -> Any:
         """NOTE [Pack order of checks]."""
         if _in_backward() != -1:
@@ -131,22 +119,30 @@ class Packer:
         for poll in self._polls:
             poll()
         stats = self.step.stats
-        nbytes = t.numel() * t.element_size()
         if t.layout != _strided:
             stats.unsupported_count += 1
-            stats.record(_KEEP, nbytes)
+            stats.record(_KEEP, t.numel() * t.element_size())
             return Kept(t, "")
-        if self._is_param(t):
+        # Parameters, buffers and user leaves that require grad are never moved.
+        # nn.Linear saves ``weight.t()``, a *view* of a Parameter, so the base
+        # and the storage count, not the Python type of ``t`` (``issubclass``:
+        # ``isinstance(t, Parameter)`` goes through a slow metaclass hook).
+        base = t._base
+        if base is None:
+            base = t
+        if ((base.requires_grad and base.is_leaf) or issubclass(type(base), _Parameter)
+                or (self.param_storages and type(t) is torch.Tensor
+                    and t.untyped_storage().data_ptr() in self.param_storages)):
             stats.param_count += 1
             return Kept(t, "")
+        nbytes = t.nbytes
         if nbytes < self.min_bytes or nbytes == 0:
             stats.small_count += 1
             stats.record(_KEEP, nbytes)
             return Kept(t, "")
-        scoped = getattr(_block_scope, "stack", None)
+        scoped = _block_scope.stack
         scoped = scoped[-1] if scoped else None   # inside a block wrapped with a policy
-        placement = self.placement
-        fixed = placement.fixed if scoped is None else scoped[0]
+        fixed = self.placement.fixed if scoped is None else scoped[0]
         if fixed is Tier.KEEP:
             stats.record(_KEEP, nbytes)
             return Kept(t, "")

@@ -71,7 +71,7 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         self.stats = self.step.stats
         self._packer = Packer(self.step, placement)
         self._modules = ModuleStack(on_root=self._packer.note_root)
-        super().__init__(opaque(self._packer), _hidden("unpack", unpack))
+        super().__init__(opaque(self._packer.__call__), _hidden("unpack", unpack))
 
     @property
     def prefetcher(self):

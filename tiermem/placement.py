@@ -104,6 +104,8 @@ class Placement:
             else not getattr(self.policy_fn, "tiermem_builtin", False))
         self.cpu_budget_bytes = (cfg.cpu_budget if cfg.cpu_budget is not None
                                  else default_cpu_budget_bytes())
+        # keep, cpu and recompute always (a block wrapped with its own policy
+        # may ask for them); nvme only where a directory is set and wanted.
         self.stores: Dict[Tier, TierStore] = {
             Tier.KEEP: KeepStore(), Tier.CPU: HostStore(self.cpu_budget_bytes),
             Tier.RECOMPUTE: RecomputeStore()}
@@ -194,7 +196,8 @@ class Placement:
 
     @property
     def host_bytes_in_use(self) -> int:
-        return self.stores[Tier.CPU].in_use_bytes
+        store = self.stores.get(Tier.CPU)
+        return 0 if store is None else store.in_use_bytes
 
     @property
     def disk_bytes_in_use(self) -> int:
