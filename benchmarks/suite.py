@@ -56,6 +56,7 @@ import gc
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -68,6 +69,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
+
+from common import mount_of, rss_bytes, summarize  # noqa: E402
 
 SCHEMA = 1
 
@@ -130,62 +133,31 @@ _DEFAULTS = dict(device="auto", layers=4, width=256, heads=4, seq_len=256, batch
 
 
 def parse_size(text) -> Optional[int]:
-    """``'24GiB' -> 25769803776``; ``None``/``''`` -> None."""
+    """``'24GiB' -> 25769803776``: :func:`tiermem.config.parse_size` (decimal
+    kB/MB/GB, binary KiB/MiB/GiB), plus ``None``/``''`` -> None (an unset
+    ``--device-budget``) and ints as they are (the presets' sizes). A bad size
+    raises ConfigError, a ValueError: argparse reports it as an invalid value."""
     if text is None or text == "":
         return None
     if isinstance(text, int):
         return text
-    s = str(text).strip()
-    units = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 10**6, "mb": 10**6, "g": 10**9,
-             "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20,
-             "gib": 1 << 30, "tib": 1 << 40}
-    num = s.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
-    unit = s[len(num):].strip().lower()
-    if unit not in units:
-        raise ValueError(f"bad size {text!r}")
-    return int(float(num) * units[unit])
+    from tiermem.config import parse_size as tiermem_parse_size
+    return tiermem_parse_size(text, name="size")
+
+
+_TIB = 1 << 40
 
 
 def fmt_bytes(n) -> str:
+    """:func:`tiermem.telemetry.format_bytes` (``1536 -> '1.5 KiB'``), plus
+    ``None -> '–'`` and TiB from 1 TiB up (format_bytes stops at GiB: the
+    report's RAM of a large host would read '2048.0 GiB')."""
     if n is None:
         return "–"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-def _median(v):
-    v = sorted(v)
-    if not v:
-        return None
-    m = len(v) // 2
-    return v[m] if len(v) % 2 else (v[m - 1] + v[m]) / 2
-
-
-def summarize(values) -> Optional[dict]:
-    v = [float(x) for x in values]
-    if not v:
-        return None
-    return {"median": _median(v), "min": min(v), "max": max(v), "n": len(v)}
-
-
-
-
-
-
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * _PAGE
-    except OSError:
-        import psutil
-        return psutil.Process().memory_info().rss
+    if abs(n) >= _TIB:
+        return f"{n / _TIB:.1f} TiB"
+    from tiermem.telemetry import format_bytes
+    return format_bytes(n)
 
 
 class _MallInfo2(__import__("ctypes").Structure):
@@ -244,51 +216,6 @@ def _log(msg: str) -> None:
 # ---------------------------------------------------------------------------
 
 
-def _mount_of(path: str) -> dict:
-    """Filesystem type, device and mount point holding ``path`` (/proc/mounts)."""
-    path = os.path.realpath(path)
-    best = None
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) < 3:
-                    continue
-                dev, mnt, fs = parts[0], parts[1].replace("\\040", " "), parts[2]
-                if path == mnt or path.startswith(mnt.rstrip("/") + "/") or mnt == "/":
-                    if best is None or len(mnt) > len(best[1]):
-                        best = (dev, mnt, fs)
-    except OSError:
-        return {}
-    if best is None:
-        return {}
-    dev, mnt, fs = best
-    info = {"device": dev, "mount_point": mnt, "fs_type": fs}
-    name = os.path.basename(os.path.realpath(dev)) if dev.startswith("/dev/") else None
-    if name:
-        block = name
-        # Partition -> its disk (nvme0n1p2 -> nvme0n1, sda1 -> sda).
-        if not os.path.exists(f"/sys/block/{block}"):
-            for cand in os.listdir("/sys/block") if os.path.isdir("/sys/block") else []:
-                if os.path.exists(f"/sys/block/{cand}/{name}"):
-                    block = cand
-                    break
-        for key, rel in (("model", "device/model"), ("rotational", "queue/rotational")):
-            try:
-                with open(f"/sys/block/{block}/{rel}") as f:
-                    info[key] = f.read().strip()
-            except OSError:
-                pass
-        info["block_device"] = block
-    try:
-        import psutil
-        du = psutil.disk_usage(path)
-        info["size_bytes"], info["free_bytes"] = du.total, du.free
-    except Exception:
-        pass
-    return info
-
-
 def _nvidia_smi() -> Optional[dict]:
     exe = shutil.which("nvidia-smi")
     if not exe:
@@ -328,8 +255,8 @@ def machine_info(nvme_dir: Optional[str]) -> dict:
         except Exception:
             pass
     if nvme_dir:
-        info["nvme_dir"] = {"path": nvme_dir, **_mount_of(nvme_dir)}
-    info["tmp_dir_disk"] = _mount_of(tempfile.gettempdir())
+        info["nvme_dir"] = {"path": nvme_dir, **mount_of(nvme_dir)}
+    info["tmp_dir_disk"] = mount_of(tempfile.gettempdir())
     return info
 
 
@@ -350,7 +277,7 @@ def ceiling_host_copy(nbytes: int, reps: int = 3) -> dict:
         times.append(time.perf_counter() - t0)
     best = min(times)
     return {"bytes": nbytes, "gbps": nbytes / best / 1e9,
-            "gbps_median": nbytes / _median(times) / 1e9, "reps": reps,
+            "gbps_median": nbytes / statistics.median(times) / 1e9, "reps": reps,
             "method": f"torch copy_ between two {fmt_bytes(nbytes)} host tensors "
                       f"({torch.get_num_threads()} threads), best of {reps}"}
 
@@ -394,7 +321,8 @@ def _cuda_links(nbytes: int, reps: int) -> dict:
     for d in ("d2h", "h2d"):
         one(d)  # warm
         ts = [one(d) for _ in range(reps)]
-        out[d] = {"gbps": nbytes / min(ts) / 1e9, "gbps_median": nbytes / _median(ts) / 1e9}
+        out[d] = {"gbps": nbytes / min(ts) / 1e9,
+                  "gbps_median": nbytes / statistics.median(ts) / 1e9}
     both_d2h, both_h2d, both_total = [], [], []
     for _ in range(reps + 1):
         torch.cuda.synchronize()
@@ -415,9 +343,9 @@ def _cuda_links(nbytes: int, reps: int) -> dict:
         both_h2d.append(t2)
         both_total.append(max(t1, t2))
     both_d2h, both_h2d, both_total = both_d2h[1:], both_h2d[1:], both_total[1:]
-    out["both"] = {"d2h_gbps": nbytes / _median(both_d2h) / 1e9,
-                   "h2d_gbps": nbytes / _median(both_h2d) / 1e9,
-                   "aggregate_gbps": 2 * nbytes / _median(both_total) / 1e9,
+    out["both"] = {"d2h_gbps": nbytes / statistics.median(both_d2h) / 1e9,
+                   "h2d_gbps": nbytes / statistics.median(both_h2d) / 1e9,
+                   "aggregate_gbps": 2 * nbytes / statistics.median(both_total) / 1e9,
                    "method": "both copies started together on two streams; medians"}
     return out
 
@@ -558,7 +486,8 @@ def _tiermem_summary(stats_last: Optional[dict], per_step: List[dict]) -> Option
         return None
     out = {"last_step": stats_last}
     if per_step:
-        out["stall_seconds"] = summarize([s["stall_seconds"] for s in per_step])
+        out["stall_seconds"] = summarize([float(s["stall_seconds"]) for s in per_step],
+                                         mean=False)
         out["late_restores_max"] = max(s["late_restores"] for s in per_step)
         out["late_restores_last"] = per_step[-1]["late_restores"]
         out["prefetch_misses_max"] = max(s["prefetch_misses"] for s in per_step)
@@ -678,7 +607,7 @@ class _Sampler(threading.Thread):
         self.t.append(time.perf_counter() - self.t0)
         self.dev.append(torch.cuda.memory_allocated(self.device)
                         if self.device.type == "cuda" else None)
-        self.host.append(_rss_bytes())
+        self.host.append(rss_bytes())
         self.heap.append(_heap_live_bytes())
 
     def run(self) -> None:
@@ -722,7 +651,7 @@ def role_isolated(opts: dict, name: str) -> dict:
         except Exception:
             pass
         res["device_allocated_after_setup_bytes"] = torch.cuda.memory_allocated()
-    res["host_rss_after_setup_bytes"] = _rss_bytes()
+    res["host_rss_after_setup_bytes"] = rss_bytes()
     res["host_peak_method"] = ("VmHWM after clear_refs=5 (reset once model and optimizer "
                                "exist)" if reset_peak_rss() else
                                "VmHWM since process start (clear_refs not supported)")
@@ -1256,11 +1185,12 @@ def merge_config(e: dict, opts: dict) -> None:
         e["reason"] = bad[0].get("reason") if bad else "no run"
     if timing is not None:
         e["timing_mode"] = mode
-        e["step_seconds"] = summarize(timing["times"])
+        e["step_seconds"] = summarize([float(t) for t in timing["times"]], mean=False)
         e["tokens_per_second"] = spec_tokens / e["step_seconds"]["median"]
         ph = timing.get("phases") or []
         if ph:
-            e["phase_seconds_median"] = {k: _median([p[k] for p in ph]) for k in ph[0]}
+            e["phase_seconds_median"] = {k: statistics.median([p[k] for p in ph])
+                                         for k in ph[0]}
         src_stats = timing
         e["tiermem"] = _tiermem_summary(src_stats.get("tiermem_last_step"),
                                         src_stats.get("tiermem_steps") or [])
