@@ -51,7 +51,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import emit, machine  # noqa: E402
+from common import emit, machine, mount_of  # noqa: E402
 
 import tiermem  # noqa: E402
 from tiermem.io import ALIGN_BYTES, aligned_empty  # noqa: E402
@@ -96,16 +96,7 @@ class AiofilesEngine(pyengine.PythonEngine):
 
 def _fs_type(path: str) -> str:
     """Filesystem type of the mount holding ``path`` (from /proc/mounts)."""
-    path, best, fstype = os.path.realpath(path), "", "unknown"
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                _, mnt, typ, *_ = line.split()
-                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best):
-                    best, fstype = mnt, typ
-    except OSError:
-        pass
-    return fstype
+    return mount_of(path).get("fs_type", "unknown")
 
 
 def _make_engine(name: str, threads: int):

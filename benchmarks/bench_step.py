@@ -35,11 +35,11 @@ import sys
 import tempfile
 import time
 
-import psutil
 import torch
 
 import tiermem
-from common import emit, machine, pick_device, reset_peak_rss, summarize, sync, vm_hwm_bytes
+from common import (emit, machine, pick_device, reset_peak_rss, rss_bytes, summarize, sync,
+                    vm_hwm_bytes)
 from tiermem.models import GPTConfig, TinyGPT
 
 CONFIGS = ("plain", "keep", "cpu", "nvme")
@@ -156,7 +156,7 @@ def memory_child(args, device) -> dict:
     import gc
     gc.collect()
     hwm_setup = vm_hwm_bytes()
-    rss_setup = psutil.Process().memory_info().rss
+    rss_setup = rss_bytes()
     reset = reset_peak_rss()
     for i in range(n_steps):
         runner.step(*batches[i], seed=i)
@@ -165,7 +165,7 @@ def memory_child(args, device) -> dict:
            "rss_after_setup_bytes": rss_setup,
            "peak_rss_during_steps_bytes": hwm,
            "peak_rss_increase_bytes": None if hwm is None else hwm - rss_setup,
-           "rss_after_steps_bytes": psutil.Process().memory_info().rss,
+           "rss_after_steps_bytes": rss_bytes(),
            "peak_rss_import_and_setup_bytes": hwm_setup,
            "tiermem_stats_last_step": runner.stats()}
     if runner.off is not None:

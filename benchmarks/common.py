@@ -19,8 +19,8 @@ from typing import Iterable
 import psutil
 import torch
 
-__all__ = ["machine", "summarize", "emit", "pick_device", "sync", "max_rss_bytes",
-           "reset_peak_rss", "vm_hwm_bytes"]
+__all__ = ["machine", "mount_of", "summarize", "emit", "pick_device", "sync", "max_rss_bytes",
+           "rss_bytes", "reset_peak_rss", "vm_hwm_bytes"]
 
 
 def _cpu_model() -> str:
@@ -81,11 +81,61 @@ def machine() -> dict:
     return info
 
 
-def summarize(values: Iterable[float]) -> dict:
-    """median/min/max/mean/n of a sample."""
+def mount_of(path: str) -> dict:
+    """Filesystem type, device and mount point holding ``path`` (/proc/mounts),
+    and for a block device its disk's model and rotational flag (/sys/block)
+    and the filesystem's size and free bytes; {} where /proc is not available."""
+    path = os.path.realpath(path)
+    best = None
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                dev, mnt, fs = parts[0], parts[1].replace("\\040", " "), parts[2]
+                if path == mnt or path.startswith(mnt.rstrip("/") + "/") or mnt == "/":
+                    if best is None or len(mnt) > len(best[1]):
+                        best = (dev, mnt, fs)
+    except OSError:
+        return {}
+    if best is None:
+        return {}
+    dev, mnt, fs = best
+    info = {"device": dev, "mount_point": mnt, "fs_type": fs}
+    name = os.path.basename(os.path.realpath(dev)) if dev.startswith("/dev/") else None
+    if name:
+        block = name
+        # Partition -> its disk (nvme0n1p2 -> nvme0n1, sda1 -> sda).
+        if not os.path.exists(f"/sys/block/{block}"):
+            for cand in os.listdir("/sys/block") if os.path.isdir("/sys/block") else []:
+                if os.path.exists(f"/sys/block/{cand}/{name}"):
+                    block = cand
+                    break
+        for key, rel in (("model", "device/model"), ("rotational", "queue/rotational")):
+            try:
+                with open(f"/sys/block/{block}/{rel}") as f:
+                    info[key] = f.read().strip()
+            except OSError:
+                pass
+        info["block_device"] = block
+    try:
+        du = psutil.disk_usage(path)
+        info["size_bytes"], info["free_bytes"] = du.total, du.free
+    except Exception:
+        pass
+    return info
+
+
+def summarize(values: Iterable[float], *, mean: bool = True) -> dict:
+    """median/min/max/mean/n of a sample (``mean=False``: median/min/max/n, the
+    side-by-side suite's record)."""
     v = list(values)
-    return {"median": statistics.median(v), "min": min(v), "max": max(v),
-            "mean": statistics.fmean(v), "n": len(v)}
+    out = {"median": statistics.median(v), "min": min(v), "max": max(v)}
+    if mean:
+        out["mean"] = statistics.fmean(v)
+    out["n"] = len(v)
+    return out
 
 
 def pick_device(choice: str) -> torch.device:
@@ -99,6 +149,19 @@ def pick_device(choice: str) -> torch.device:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process now (/proc/self/statm, one small read:
+    cheap enough for a sampler thread; psutil where /proc is not available)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except OSError:
+        return psutil.Process().memory_info().rss
 
 
 def max_rss_bytes() -> int:

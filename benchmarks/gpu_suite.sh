@@ -17,8 +17,8 @@
 #   build     python -m tiermem build (the C++ I/O engine, with its CUDA chain when
 #             CUDA_HOME has nvcc; prints which)
 #   gpu-tests python -m pytest -m gpu tests/
-#   size-a    benchmarks/suite.py --preset gpu-a: the baseline fits, activations dominate
-#   size-b    benchmarks/suite.py --preset gpu-b: a 24 GiB budget the baseline does not fit
+#   size-a    python -m benchmarks.suite --preset gpu-a: the baseline fits, activations dominate
+#   size-b    python -m benchmarks.suite --preset gpu-b: a 24 GiB budget the baseline does not fit
 # Without CUDA it dry-runs: the CUDA parts are skipped (said so in SUMMARY.md)
 # and the CPU smoke matrix (--preset cpu-smoke) runs instead.
 #
@@ -216,7 +216,7 @@ run_part gpu-tests 180 300 gpu_tests
 bench() {  # bench PRESET NAME
     local extra=()
     [ -n "$CPU_BUDGET" ] && extra+=(--tiermem-cpu-budget "$CPU_BUDGET")
-    "$PY" "$ROOT/benchmarks/suite.py" --preset "$1" --name "$2" --out-dir "$RES" \
+    "$PY" -m benchmarks.suite --preset "$1" --name "$2" --out-dir "$RES" \
         --nvme-dir "$NVME" --progress plain --time-limit "$BENCH_LIMIT" ${extra[@]+"${extra[@]}"}
 }
 bench_part() {  # bench_part NAME PRESET CAP RESERVE
@@ -225,7 +225,7 @@ bench_part() {  # bench_part NAME PRESET CAP RESERVE
     run_part "$1" "$3" "$4" bench "$2" "$1"
     # A run stopped by its limit leaves a partial JSON: render what it has.
     if [ -f "$RES/$1.json" ] && [ ! -f "$RES/$1.md" ]; then
-        "$PY" "$ROOT/benchmarks/suite.py" --rerender "$RES/$1.json" >>"$LOGS/$1.log" 2>&1 \
+        "$PY" -m benchmarks.suite --rerender "$RES/$1.json" >>"$LOGS/$1.log" 2>&1 \
             && say "$1: rendered the partial result"
     fi
 }

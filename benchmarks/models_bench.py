@@ -7,8 +7,8 @@ peers (torchtune, DeepSpeed) when importable, and tiermem with each policy it
 provides. Every configuration trains the same model (same seed, same batches,
 same dropout seeds), so losses must be bit-identical to the baseline.
 
-This module is imported by ``benchmarks/suite.py`` (from the script's own
-directory); it does not initialise CUDA on import.
+This module is imported by the suite (``benchmarks/suite/``, as
+``benchmarks.models_bench``); it does not initialise CUDA on import.
 
 Semantics of the non-tiermem rows (so that the table compares like with like):
 

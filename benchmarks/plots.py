@@ -1,4 +1,4 @@
-"""Plots of a side-by-side suite result (``benchmarks/suite.py``'s JSON).
+"""Plots of a side-by-side suite result (``python -m benchmarks.suite``'s JSON).
 
 - ``NAME-pareto.png``: peak memory against median step time, one point per
   configuration that ran (device memory on CUDA, process RSS on CPU); the

@@ -1,6 +1,6 @@
 """The side-by-side benchmark suite runs end to end on the CPU (its smoke form).
 
-``benchmarks/suite.py --preset cpu-smoke`` runs every configuration at a tiny
+``python -m benchmarks.suite --preset cpu-smoke`` runs every configuration at a tiny
 size in fresh processes (probe + ceilings, interleaved timing, one process per
 configuration for peak memory). No figure is asserted: only that the matrix
 ran, that configurations which must run here did, that their losses and final
@@ -16,7 +16,10 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SUITE = os.path.join(ROOT, "benchmarks", "suite.py")
+# Run as a module from the repository root (as documented); the suite starts
+# its children by the path of benchmarks/suite/__main__.py, which works from any
+# directory (test_runs_by_path_from_any_directory).
+SUITE = [sys.executable, "-m", "benchmarks.suite"]
 
 MUST_RUN = ["baseline", "checkpoint", "sac", "save_on_cpu", "tiermem_keep", "tiermem_cpu",
             "tiermem_nvme", "tiermem_mixed", "ckpt_tiermem_cpu"]
@@ -34,9 +37,9 @@ def _has(mod):
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("suite")
     nvme = tmp_path_factory.mktemp("nvme")
-    cmd = [sys.executable, SUITE, "--preset", "cpu-smoke", "--out-dir", str(out),
-           "--name", "smoke", "--nvme-dir", str(nvme), "--progress", "none",
-           "--device", "cpu", "--repeat-baseline"]
+    cmd = SUITE + ["--preset", "cpu-smoke", "--out-dir", str(out),
+                   "--name", "smoke", "--nvme-dir", str(nvme), "--progress", "none",
+                   "--device", "cpu", "--repeat-baseline"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(out / "smoke.json") as f:
@@ -136,7 +139,7 @@ def test_plots_and_rerender_from_json(smoke, tmp_path):
     out, res, _ = smoke
     src = tmp_path / "again.json"
     src.write_text(json.dumps(res))
-    proc = subprocess.run([sys.executable, SUITE, "--rerender", str(src), "--no-plots"],
+    proc = subprocess.run(SUITE + ["--rerender", str(src), "--no-plots"],
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "| baseline | ok |" in (tmp_path / "again.md").read_text()
@@ -146,6 +149,19 @@ def test_plots_and_rerender_from_json(smoke, tmp_path):
                            str(src)], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (tmp_path / "again-pareto.png").exists()
+
+
+def test_runs_by_path_from_any_directory(smoke, tmp_path):
+    """``python PATH/benchmarks/suite`` (the suite starts its children by such a
+    path) works outside the repository root."""
+    _, res, _ = smoke
+    src = tmp_path / "elsewhere.json"
+    src.write_text(json.dumps(res))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "suite"),
+                           "--rerender", str(src), "--no-plots"],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| baseline | ok |" in (tmp_path / "elsewhere.md").read_text()
 
 
 def test_gpu_suite_script_parses():
