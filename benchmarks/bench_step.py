@@ -170,9 +170,9 @@ def memory_child(args, device) -> dict:
            "tiermem_stats_last_step": runner.stats()}
     if runner.off is not None:
         out["host_bytes_in_use_after_step"] = runner.off.host_bytes_in_use
-        store = getattr(runner.off, "_stores", {}).get(tiermem.Tier.CPU)  # private; may change
-        if store is not None:
-            out["host_bytes_pooled_after_step"] = store.held_bytes
+        cpu = runner.off.store_stats().get("cpu")
+        if cpu is not None:
+            out["host_bytes_pooled_after_step"] = cpu["host_held_bytes"]
     return out
 
 

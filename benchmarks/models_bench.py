@@ -461,9 +461,8 @@ class Runner:
         out = self.off.stats.as_dict()
         # Since the Offloader was made: drops of pinned buffers from a full pool,
         # each a device sync on CUDA (NOTE [Trimming pinned buffers]).
-        pools = [getattr(s, attr) for s in self.off._stores.values()
-                 for attr in ("pool", "_staging") if hasattr(s, attr)]
-        out["pinned_returns_total"] = sum(p.pinned_returns for p in pools)
+        out["pinned_returns_total"] = sum(
+            tier["pinned_returns"] for tier in self.off.store_stats().values())
         return out
 
     def peer_stats(self) -> Optional[dict]:

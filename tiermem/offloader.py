@@ -201,6 +201,17 @@ class Offloader:
         """Bytes of the nvme tier's file held by saved tensors still alive."""
         return 0 if self.config.disable else self._placement.disk_bytes_in_use
 
+    def store_stats(self) -> dict:
+        """What the moving tiers hold now, since the Offloader was made:
+        ``{"cpu": {...}, "nvme": {...}}`` (nvme only with a directory) with, per
+        tier, its pool's bytes in use, held (in use + pooled idle) and buffers
+        ever allocated (``host_*`` for cpu, ``staging_*`` for nvme), and
+        ``pinned_returns``: pinned buffers dropped from a full pool, each a
+        device sync on CUDA (NOTE [Trimming pinned buffers] in hostpool.py);
+        for nvme also ``disk_used_bytes`` and ``disk_file_bytes`` (the arena
+        file's size). ``{}`` when disabled."""
+        return {} if self.config.disable else self._placement.store_stats()
+
     def close(self) -> None:
         """Wait for moves in flight, free the pooled buffers and remove the NVMe
         directory. Call it after the last backward: tensors still saved on NVMe

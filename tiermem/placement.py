@@ -194,6 +194,23 @@ class Placement:
         for store in self.movers:
             store.close()
 
+    def store_stats(self) -> dict:
+        """Per moving tier, what its store holds now (see Offloader.store_stats)."""
+        out = {}
+        for store in self.movers:
+            pools = {"host": store.pool} if store.tier is Tier.CPU else {"staging": store.staging}
+            entry = {}
+            for name, pool in pools.items():
+                entry[f"{name}_in_use_bytes"] = pool.in_use_bytes
+                entry[f"{name}_held_bytes"] = pool.held_bytes
+                entry[f"{name}_allocations"] = pool.allocations
+            entry["pinned_returns"] = sum(p.pinned_returns for p in pools.values())
+            if store.tier is Tier.NVME:
+                entry["disk_used_bytes"] = store.used_bytes
+                entry["disk_file_bytes"] = store.arena.size_bytes
+            out[store.tier.value] = entry
+        return out
+
     @property
     def host_bytes_in_use(self) -> int:
         store = self.stores.get(Tier.CPU)
