@@ -146,10 +146,6 @@ class Config:
         "Most bytes the nvme tier keeps on disk; when full (or on ENOSPC), tensors go "
         "to the cpu tier, else stay on the device. Unset: 80% of the dir's free space "
         "at start.", default_doc="auto", minimum=0)
-    gpu_budget: Optional[int] = _setting(
-        "TIERMEM_GPU_BUDGET", _size,
-        "Device bytes of saved activations the auto planner aims for.",
-        default_doc="auto", minimum=0)
     prefetch_bytes: Optional[int] = _setting(
         "TIERMEM_PREFETCH_BYTES", _size,
         "Most bytes brought back ahead of need in backward (restored but not yet "
