@@ -1,4 +1,5 @@
-// Owning tensors from threads that do not hold the Python GIL.
+// Owning tensors from threads that do not hold the Python GIL (implemented in
+// tensor_release.cpp).
 //
 // NOTE [Dropping tensors off the GIL]
 //   A tensor that Python also references keeps its PyObject alive while C++
@@ -21,7 +22,7 @@
 //   slow as before (torch does not support sub-interpreters either).
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 #include <memory>
 

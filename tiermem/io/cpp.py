@@ -1,8 +1,9 @@
 """The C++ I/O engine (``csrc/``), built just in time with torch's extension loader.
 
-:func:`load_extension` compiles ``csrc/io_engine.cpp`` and ``csrc/bindings.cpp``
-into the module ``tiermem_C`` on first use (about 30 s on 2 cores) and caches it
-in torch's extension directory (``TORCH_EXTENSIONS_DIR``, default
+:func:`load_extension` compiles :data:`SOURCES` (``csrc/io_engine.cpp``,
+``csrc/tensor_release.cpp`` and ``csrc/bindings.cpp``) into the module
+``tiermem_C`` on first use (about 30 s on 2 cores) and caches it in torch's
+extension directory (``TORCH_EXTENSIONS_DIR``, default
 ``<tmp>/torch_extensions``); later processes only check that it is up to date.
 Never built with pip build isolation, which would pull a different torch.
 
@@ -53,7 +54,8 @@ def _find_csrc() -> str:
 
 _CSRC = _find_csrc()
 #: The sources compiled into the extension, in build order.
-SOURCES = [os.path.join(_CSRC, "io_engine.cpp"), os.path.join(_CSRC, "bindings.cpp")]
+SOURCES = [os.path.join(_CSRC, name)
+           for name in ("io_engine.cpp", "tensor_release.cpp", "bindings.cpp")]
 #: ... and in its CUDA build. See NOTE [CUDA build of the engine].
 CUDA_SOURCES = SOURCES + [os.path.join(_CSRC, "cuda_chain.cpp")]
 _HEADERS = [os.path.join(_CSRC, "io_engine.h"), os.path.join(_CSRC, "tensor_release.h")]
