@@ -1,6 +1,6 @@
 // Python bindings of the tiermem I/O core (Engine, File, Future) and the
-// module init, which in CUDA builds also registers the chain's classes
-// (cuda_chain.cpp calls register_cuda_chain()).
+// module init, which in CUDA builds also registers the CUDA chain's classes
+// (register_cuda_chain, cuda_bindings.cpp).
 //
 // Every call that can block (open, wait, resize, size, close) releases the GIL
 // (wait only if the request is not done yet: taking the GIL back costs up to
@@ -21,15 +21,11 @@
 
 #include "io_engine.h"
 #include "tensor_release.h"
+#ifdef TIERMEM_WITH_CUDA
+#include "cuda_bindings.h"  // CudaChain, CudaFuture
+#endif
 
 namespace py = pybind11;
-
-#ifdef TIERMEM_WITH_CUDA
-namespace tiermem {
-// csrc/cuda_chain.cpp: the classes CudaChain and CudaFuture.
-void register_cuda_chain(py::module_& m);
-}  // namespace tiermem
-#endif
 
 namespace {
 
