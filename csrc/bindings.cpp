@@ -19,6 +19,7 @@
 #include <string>
 #include <utility>
 
+#include "checks.h"
 #include "io_engine.h"
 #include "tensor_release.h"
 #ifdef TIERMEM_WITH_CUDA
@@ -37,12 +38,7 @@ struct Buffer {
 
 // Validates the tensor and offset of a write/read; raises ValueError with the values.
 Buffer check_request(const at::Tensor& buf, std::int64_t offset, const char* op) {
-  if (offset < 0 || offset % static_cast<std::int64_t>(tiermem::kAlignBytes) != 0) {
-    std::ostringstream msg;
-    msg << "tiermem: " << op << " offset " << offset << " is not a non-negative multiple of "
-        << "ALIGN_BYTES (" << tiermem::kAlignBytes << ")";
-    throw py::value_error(msg.str());
-  }
+  tiermem::check_offset(offset, op);
   if (buf.layout() != at::kStrided || !buf.device().is_cpu()) {
     std::ostringstream msg;
     msg << "tiermem: " << op << " needs a dense CPU tensor, got layout " << buf.layout()
@@ -55,7 +51,7 @@ Buffer check_request(const at::Tensor& buf, std::int64_t offset, const char* op)
         << " and strides " << buf.strides() << " (call .contiguous())";
     throw py::value_error(msg.str());
   }
-  const std::size_t nbytes = static_cast<std::size_t>(buf.numel()) * buf.element_size();
+  const std::size_t nbytes = tiermem::nbytes_of(buf);
   void* data = nbytes ? buf.data_ptr() : nullptr;
   return {data, nbytes, tiermem::hold(buf)};
 }

@@ -69,6 +69,7 @@
 #include <thread>
 #include <utility>
 
+#include "checks.h"
 #include "cuda_chain.h"
 #include "io_engine.h"
 #include "tensor_release.h"
@@ -268,15 +269,7 @@ void in_main(std::shared_ptr<ChainState> st) {
 }
 
 // ---------------------------------------------------------------- checks
-
-void check_offset(std::int64_t offset, const char* op) {
-  if (offset < 0 || offset % static_cast<std::int64_t>(kAlignBytes) != 0) {
-    std::ostringstream msg;
-    msg << "tiermem: " << op << " offset " << offset << " is not a non-negative multiple of "
-        << "ALIGN_BYTES (" << kAlignBytes << ")";
-    throw py::value_error(msg.str());
-  }
-}
+// (the offset check and nbytes_of are checks.h's, shared with bindings.cpp)
 
 void check_staging(const at::Tensor& t, const char* op) {
   const char* problem = nullptr;
@@ -302,10 +295,6 @@ void check_device(const at::Tensor& t, const char* op, bool contiguous) {
         << "dense CUDA tensor, got layout " << t.layout() << " on device " << t.device();
     throw py::value_error(msg.str());
   }
-}
-
-std::size_t nbytes_of(const at::Tensor& t) {
-  return static_cast<std::size_t>(t.numel()) * t.element_size();
 }
 
 cudaEvent_t new_event(const CudaOp& op, unsigned flags) {
