@@ -306,6 +306,64 @@ cudaEvent_t new_event(const CudaOp& op, unsigned flags) {
 
 cudaStream_t as_stream(std::uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
 
+// ---------------------------------------------------------------- request setup
+// Shared by write_from_device and read_to_device, in this order: new_op,
+// lock_open, then (on the op's device) new_events.
+
+// A request's fields common to both directions. `device_tensor` is a write's
+// source or a read's destination; the caller sets the rest (a write's file, a
+// read's device pointer).
+std::shared_ptr<CudaOp> new_op(bool is_write, const std::shared_ptr<File>& file,
+                               std::int64_t offset, std::size_t nbytes,
+                               const at::Tensor& device_tensor, const at::Tensor& staging,
+                               std::uintptr_t stream) {
+  auto op = std::make_shared<CudaOp>();
+  op->is_write = is_write;
+  op->device = device_tensor.device().index();
+  op->path = file->path();
+  op->offset = static_cast<std::uint64_t>(offset);
+  op->nbytes = nbytes;
+  op->host = nbytes ? staging.data_ptr() : nullptr;
+  op->stream = as_stream(stream);
+  op->device_tensor = device_tensor;
+  op->staging = staging;
+  return op;
+}
+
+// Locks the queue that `op` goes to (its thread only pops under the lock);
+// raises IOError (EBADF) if the chain is closed.
+std::unique_lock<std::mutex> lock_open(OpQueue& q, const CudaOp& op) {
+  std::unique_lock<std::mutex> lk(q.mu);
+  if (q.stopping) {
+    throw IOError(EBADF, op.is_write ? "write" : "read", op.path, op.nbytes, op.offset,
+                  "the CUDA chain is closed");
+  }
+  return lk;
+}
+
+// Creates the op's events on the current device: `copied`, and, unless
+// `after` is the copy's own stream, `after` recorded on it now. A write's
+// stream waits on it at once (its copy is issued next, on this thread); a
+// read's stream waits on it in the in thread, once the pread is done
+// (issue_read). See NOTE [CUDA chain].
+void new_events(CudaOp& op, std::uintptr_t after) {
+  op.copied = new_event(op, cudaEventDisableTiming | cudaEventBlockingSync);
+  if (as_stream(after) == op.stream) return;
+  op.after = new_event(op, cudaEventDisableTiming);
+  const char* call = "cudaEventRecord";
+  cudaError_t e = cudaEventRecord(op.after, as_stream(after));
+  if (e == cudaSuccess && op.is_write) {
+    call = "cudaStreamWaitEvent";
+    e = cudaStreamWaitEvent(op.stream, op.after, 0);
+  }
+  if (e != cudaSuccess) {
+    throw cuda_error(op,
+                     op.is_write ? "the copy could not wait for its source"
+                                 : "the copy could not wait for its destination",
+                     call, e);
+  }
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- CudaChain
@@ -366,36 +424,12 @@ std::shared_ptr<CudaOp> CudaChain::write_from_device(const std::shared_ptr<File>
         << nbytes << " bytes " << src.sizes() << " " << src.scalar_type();
     throw py::value_error(msg.str());
   }
-  auto op = std::make_shared<CudaOp>();
-  op->is_write = true;
-  op->device = src.device().index();
-  op->path = file->path();
-  op->offset = static_cast<std::uint64_t>(offset);
-  op->nbytes = nbytes;
-  op->host = nbytes ? staging.data_ptr() : nullptr;
-  op->stream = as_stream(stream);
+  std::shared_ptr<CudaOp> op = new_op(true, file, offset, nbytes, src, staging, stream);
   op->file = file;
-  op->device_tensor = src;
-  op->staging = staging;
 
-  std::lock_guard<std::mutex> lk(state_->out.mu);  // the out thread only pops under it
-  if (state_->out.stopping) {
-    throw IOError(EBADF, "write", op->path, nbytes, op->offset, "the CUDA chain is closed");
-  }
+  std::unique_lock<std::mutex> lk = lock_open(state_->out, *op);
   c10::cuda::CUDAGuard guard(op->device);
-  op->copied = new_event(*op, cudaEventDisableTiming | cudaEventBlockingSync);
-  if (after != stream) {
-    op->after = new_event(*op, cudaEventDisableTiming);
-    const char* call = "cudaEventRecord";
-    cudaError_t e = cudaEventRecord(op->after, as_stream(after));
-    if (e == cudaSuccess) {
-      call = "cudaStreamWaitEvent";
-      e = cudaStreamWaitEvent(op->stream, op->after, 0);
-    }
-    if (e != cudaSuccess) {
-      throw cuda_error(*op, "the copy could not wait for its source", call, e);
-    }
-  }
+  new_events(*op, after);
   if (nbytes && raw) {
     const cudaError_t e = cudaMemcpyAsync(op->host, src.data_ptr(), nbytes,
                                           cudaMemcpyDeviceToHost, op->stream);
@@ -437,32 +471,13 @@ std::shared_ptr<CudaOp> CudaChain::read_to_device(const std::shared_ptr<File>& f
         << nbytes_of(staging) << " bytes for " << nbytes;
     throw py::value_error(msg.str());
   }
-  auto op = std::make_shared<CudaOp>();
-  op->device = dst.device().index();
-  op->path = file->path();
-  op->offset = static_cast<std::uint64_t>(offset);
-  op->nbytes = nbytes;
-  op->host = nbytes ? staging.data_ptr() : nullptr;
+  std::shared_ptr<CudaOp> op = new_op(false, file, offset, nbytes, dst, staging, stream);
   op->dev = nbytes ? dst.data_ptr() : nullptr;
-  op->stream = as_stream(stream);
-  op->device_tensor = dst;
-  op->staging = staging;
 
-  std::lock_guard<std::mutex> lk(state_->in.mu);  // the in thread only pops under it
-  if (state_->in.stopping) {
-    throw IOError(EBADF, "read", op->path, nbytes, op->offset, "the CUDA chain is closed");
-  }
+  std::unique_lock<std::mutex> lk = lock_open(state_->in, *op);
   {
     c10::cuda::CUDAGuard guard(op->device);
-    op->copied = new_event(*op, cudaEventDisableTiming | cudaEventBlockingSync);
-    if (after != stream) {
-      op->after = new_event(*op, cudaEventDisableTiming);
-      const cudaError_t e = cudaEventRecord(op->after, as_stream(after));
-      if (e != cudaSuccess) {
-        throw cuda_error(*op, "the copy could not wait for its destination",
-                         "cudaEventRecord", e);
-      }
-    }
+    new_events(*op, after);
   }
   // Submitted now, so that the disk works while the request waits its turn
   // on the in thread. Throws IOError if the file or the engine is closed.
