@@ -181,7 +181,8 @@ fi
 
 # --- build ---------------------------------------------------------------------------
 # With a CUDA build of torch the engine is built with its CUDA chain
-# (csrc/cuda_chain.cpp); that needs the toolkit (nvcc) under CUDA_HOME.
+# (csrc/cuda_chain.cpp, csrc/cuda_bindings.cpp); that needs the toolkit (nvcc)
+# under CUDA_HOME.
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
     export CUDA_HOME=/usr/local/cuda
 fi

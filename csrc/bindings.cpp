@@ -1,5 +1,6 @@
-// Python bindings of the tiermem I/O core. With cuda_chain.cpp (CUDA builds
-// only), the only files that include torch.
+// Python bindings of the tiermem I/O core (Engine, File, Future) and the
+// module init, which in CUDA builds also registers the CUDA chain's classes
+// (register_cuda_chain, cuda_bindings.cpp).
 //
 // Every call that can block (open, wait, resize, size, close) releases the GIL
 // (wait only if the request is not done yet: taking the GIL back costs up to
@@ -12,104 +13,20 @@
 // (Python picks the subclass: FileNotFoundError, ...).
 #include <torch/extension.h>
 
-#include <atomic>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <sstream>
 #include <string>
 #include <utility>
-#include <vector>
 
+#include "checks.h"
 #include "io_engine.h"
 #include "tensor_release.h"
+#ifdef TIERMEM_WITH_CUDA
+#include "cuda_bindings.h"  // CudaChain, CudaFuture
+#endif
 
 namespace py = pybind11;
-
-#ifdef TIERMEM_WITH_CUDA
-namespace tiermem {
-// csrc/cuda_chain.cpp: the classes CudaChain and CudaFuture.
-void register_cuda_chain(py::module_& m);
-}  // namespace tiermem
-#endif
-
-// ---------------------------------------------------------------- tensor_release.h
-
-namespace tiermem {
-namespace {
-
-std::mutex& buried_mutex() {
-  static std::mutex* mu = new std::mutex;  // never destroyed: used at exit by threads
-  return *mu;
-}
-
-std::vector<at::Tensor>& buried() {
-  static auto* v = new std::vector<at::Tensor>;  // never destroyed (no GIL at exit)
-  return *v;
-}
-
-// A drain is queued with the interpreter (Py_AddPendingCall) and not yet run.
-std::atomic<bool> drain_scheduled{false};
-
-int drain_pending(void*) {
-  drain_buried();
-  return 0;
-}
-
-bool interpreter_running() {
-#if PY_VERSION_HEX >= 0x030D0000
-  return Py_IsInitialized() && !Py_IsFinalizing();
-#else
-  return Py_IsInitialized() && !_Py_IsFinalizing();
-#endif
-}
-
-}  // namespace
-
-void bury(at::Tensor&& t) {
-  if (!t.defined()) return;
-  if (PyGILState_Check()) {
-    at::Tensor dropped = std::move(t);
-    return;
-  }
-  try {
-    std::lock_guard<std::mutex> lk(buried_mutex());
-    buried().push_back(std::move(t));
-  } catch (const std::bad_alloc&) {
-    at::Tensor dropped = std::move(t);  // no memory to queue it: dropped here (takes the GIL)
-    return;
-  }
-  // Ask the main thread to drain at its next bytecode boundary, so that the
-  // memory comes back even when no engine call follows (the last restores of
-  // a backward pass). Never during finalization, when the call has no
-  // interpreter to go to; if the interpreter's queue is full, the next bury
-  // asks again (and every binding call drains anyway).
-  if (!drain_scheduled.exchange(true) && interpreter_running() &&
-      Py_AddPendingCall(&drain_pending, nullptr) != 0) {
-    drain_scheduled = false;
-  }
-}
-
-void drain_buried() {
-  drain_scheduled = false;  // a bury from now on schedules a new drain
-  std::vector<at::Tensor> dead;
-  {
-    std::lock_guard<std::mutex> lk(buried_mutex());
-    if (buried().empty()) return;
-    dead.swap(buried());
-  }
-  // Destroyed here, no lock held (a tensor's deallocation may run Python).
-}
-
-std::shared_ptr<void> hold(at::Tensor t) {
-  return std::shared_ptr<void>(new at::Tensor(std::move(t)), [](void* p) {
-    auto* owned = static_cast<at::Tensor*>(p);
-    bury(std::move(*owned));
-    delete owned;  // now undefined: deleting it touches no PyObject
-  });
-}
-
-}  // namespace tiermem
 
 namespace {
 
@@ -121,12 +38,7 @@ struct Buffer {
 
 // Validates the tensor and offset of a write/read; raises ValueError with the values.
 Buffer check_request(const at::Tensor& buf, std::int64_t offset, const char* op) {
-  if (offset < 0 || offset % static_cast<std::int64_t>(tiermem::kAlignBytes) != 0) {
-    std::ostringstream msg;
-    msg << "tiermem: " << op << " offset " << offset << " is not a non-negative multiple of "
-        << "ALIGN_BYTES (" << tiermem::kAlignBytes << ")";
-    throw py::value_error(msg.str());
-  }
+  tiermem::check_offset(offset, op);
   if (buf.layout() != at::kStrided || !buf.device().is_cpu()) {
     std::ostringstream msg;
     msg << "tiermem: " << op << " needs a dense CPU tensor, got layout " << buf.layout()
@@ -139,7 +51,7 @@ Buffer check_request(const at::Tensor& buf, std::int64_t offset, const char* op)
         << " and strides " << buf.strides() << " (call .contiguous())";
     throw py::value_error(msg.str());
   }
-  const std::size_t nbytes = static_cast<std::size_t>(buf.numel()) * buf.element_size();
+  const std::size_t nbytes = tiermem::nbytes_of(buf);
   void* data = nbytes ? buf.data_ptr() : nullptr;
   return {data, nbytes, tiermem::hold(buf)};
 }

@@ -1,8 +1,9 @@
 // The CUDA chain of the tiermem engine: device <-> pinned staging <-> file,
-// with no Python per request. Compiled only into the CUDA build of the
-// extension (tiermem/io/cpp.py passes -DTIERMEM_WITH_CUDA and adds this file);
-// bindings.cpp calls register_cuda_chain(). The I/O core (io_engine.*) stays
-// free of torch and CUDA: this file only submits requests to it.
+// with no Python per request. Implements cuda_chain.h. Compiled only into the
+// CUDA build of the extension (tiermem/io/cpp.py passes -DTIERMEM_WITH_CUDA and
+// adds this file and cuda_bindings.cpp, which binds its classes for Python).
+// The I/O core (io_engine.*) stays free of torch and CUDA: this file only
+// submits requests to it.
 //
 // NOTE [CUDA chain]
 //   Write (forward, `CudaChain.write_from_device`), all on the calling thread
@@ -68,58 +69,19 @@
 #include <thread>
 #include <utility>
 
+#include "checks.h"
+#include "cuda_chain.h"
 #include "io_engine.h"
 #include "tensor_release.h"
 
 namespace py = pybind11;
 
 namespace tiermem {
-namespace {
 
-// How often the in thread looks at the copies in flight while it has nothing
-// else to do (they are released when seen complete).
-constexpr auto kReapInterval = std::chrono::microseconds(500);
-
-// One write_from_device or read_to_device request. See NOTE [CUDA chain].
-struct CudaOp {
-  bool is_write = false;
-  c10::DeviceIndex device = 0;
-  std::string path;
-  std::uint64_t offset = 0;
-  std::size_t nbytes = 0;
-  void* host = nullptr;            // staging's bytes
-  void* dev = nullptr;             // the device tensor's bytes
-  cudaStream_t stream = nullptr;   // the side stream that copies
-  cudaEvent_t after = nullptr;     // recorded on `after`; the copy's stream waits on it
-  cudaEvent_t copied = nullptr;    // recorded after the copy
-  // Owned by the chain's threads once queued (see NOTE [CUDA chain lifetime]).
-  std::shared_ptr<File> file;      // writes: until the pwrite is submitted
-  at::Tensor device_tensor;
-  at::Tensor staging;
-
-  std::mutex mu;
-  std::condition_variable cv;
-  bool issued = false;     // write: pwrite submitted; read: H2D copy issued (or failed)
-  bool copy_done = false;  // reads: `copied` seen complete
-  std::exception_ptr error;
-  Future io;               // the pwrite or pread
-
-  CudaOp() = default;
-  CudaOp(const CudaOp&) = delete;
-  CudaOp& operator=(const CudaOp&) = delete;
-  ~CudaOp() {
-    // Errors are ignored: at interpreter exit the CUDA runtime may be gone.
-    if (after) cudaEventDestroy(after);
-    if (copied) cudaEventDestroy(copied);
-  }
-};
-
-IOError cuda_error(const CudaOp& op, const char* what, const char* call, cudaError_t e) {
-  cudaGetLastError();  // clear a non-sticky error so that torch does not report it later
-  std::ostringstream d;
-  d << what << ": CUDA error in " << call << ": " << cudaGetErrorString(e) << " ("
-    << std::strerror(EIO) << ")";
-  return IOError(EIO, op.is_write ? "write" : "read", op.path, op.nbytes, op.offset, d.str());
+CudaOp::~CudaOp() {
+  // Errors are ignored: at interpreter exit the CUDA runtime may be gone.
+  if (after) cudaEventDestroy(after);
+  if (copied) cudaEventDestroy(copied);
 }
 
 struct OpQueue {
@@ -133,6 +95,20 @@ struct ChainState {
   OpQueue out;  // writes, for the out thread
   OpQueue in;   // reads, for the in thread
 };
+
+namespace {
+
+// How often the in thread looks at the copies in flight while it has nothing
+// else to do (they are released when seen complete).
+constexpr auto kReapInterval = std::chrono::microseconds(500);
+
+IOError cuda_error(const CudaOp& op, const char* what, const char* call, cudaError_t e) {
+  cudaGetLastError();  // clear a non-sticky error so that torch does not report it later
+  std::ostringstream d;
+  d << what << ": CUDA error in " << call << ": " << cudaGetErrorString(e) << " ("
+    << std::strerror(EIO) << ")";
+  return IOError(EIO, op.is_write ? "write" : "read", op.path, op.nbytes, op.offset, d.str());
+}
 
 // Lets go of the op's tensors (and file) with no lock held; on this thread
 // (no GIL) the tensors are only queued: NOTE [Dropping tensors off the GIL].
@@ -293,15 +269,7 @@ void in_main(std::shared_ptr<ChainState> st) {
 }
 
 // ---------------------------------------------------------------- checks
-
-void check_offset(std::int64_t offset, const char* op) {
-  if (offset < 0 || offset % static_cast<std::int64_t>(kAlignBytes) != 0) {
-    std::ostringstream msg;
-    msg << "tiermem: " << op << " offset " << offset << " is not a non-negative multiple of "
-        << "ALIGN_BYTES (" << kAlignBytes << ")";
-    throw py::value_error(msg.str());
-  }
-}
+// (the offset check and nbytes_of are checks.h's, shared with bindings.cpp)
 
 void check_staging(const at::Tensor& t, const char* op) {
   const char* problem = nullptr;
@@ -329,10 +297,6 @@ void check_device(const at::Tensor& t, const char* op, bool contiguous) {
   }
 }
 
-std::size_t nbytes_of(const at::Tensor& t) {
-  return static_cast<std::size_t>(t.numel()) * t.element_size();
-}
-
 cudaEvent_t new_event(const CudaOp& op, unsigned flags) {
   cudaEvent_t ev = nullptr;
   const cudaError_t e = cudaEventCreateWithFlags(&ev, flags);
@@ -342,186 +306,189 @@ cudaEvent_t new_event(const CudaOp& op, unsigned flags) {
 
 cudaStream_t as_stream(std::uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
 
+// ---------------------------------------------------------------- request setup
+// Shared by write_from_device and read_to_device, in this order: new_op,
+// lock_open, then (on the op's device) new_events.
+
+// A request's fields common to both directions. `device_tensor` is a write's
+// source or a read's destination; the caller sets the rest (a write's file, a
+// read's device pointer).
+std::shared_ptr<CudaOp> new_op(bool is_write, const std::shared_ptr<File>& file,
+                               std::int64_t offset, std::size_t nbytes,
+                               const at::Tensor& device_tensor, const at::Tensor& staging,
+                               std::uintptr_t stream) {
+  auto op = std::make_shared<CudaOp>();
+  op->is_write = is_write;
+  op->device = device_tensor.device().index();
+  op->path = file->path();
+  op->offset = static_cast<std::uint64_t>(offset);
+  op->nbytes = nbytes;
+  op->host = nbytes ? staging.data_ptr() : nullptr;
+  op->stream = as_stream(stream);
+  op->device_tensor = device_tensor;
+  op->staging = staging;
+  return op;
+}
+
+// Locks the queue that `op` goes to (its thread only pops under the lock);
+// raises IOError (EBADF) if the chain is closed.
+std::unique_lock<std::mutex> lock_open(OpQueue& q, const CudaOp& op) {
+  std::unique_lock<std::mutex> lk(q.mu);
+  if (q.stopping) {
+    throw IOError(EBADF, op.is_write ? "write" : "read", op.path, op.nbytes, op.offset,
+                  "the CUDA chain is closed");
+  }
+  return lk;
+}
+
+// Creates the op's events on the current device: `copied`, and, unless
+// `after` is the copy's own stream, `after` recorded on it now. A write's
+// stream waits on it at once (its copy is issued next, on this thread); a
+// read's stream waits on it in the in thread, once the pread is done
+// (issue_read). See NOTE [CUDA chain].
+void new_events(CudaOp& op, std::uintptr_t after) {
+  op.copied = new_event(op, cudaEventDisableTiming | cudaEventBlockingSync);
+  if (as_stream(after) == op.stream) return;
+  op.after = new_event(op, cudaEventDisableTiming);
+  const char* call = "cudaEventRecord";
+  cudaError_t e = cudaEventRecord(op.after, as_stream(after));
+  if (e == cudaSuccess && op.is_write) {
+    call = "cudaStreamWaitEvent";
+    e = cudaStreamWaitEvent(op.stream, op.after, 0);
+  }
+  if (e != cudaSuccess) {
+    throw cuda_error(op,
+                     op.is_write ? "the copy could not wait for its source"
+                                 : "the copy could not wait for its destination",
+                     call, e);
+  }
+}
+
+}  // namespace
+
 // ---------------------------------------------------------------- CudaChain
 
-// Two threads (out: writes, in: reads) that carry requests from a CUDA event
-// or a file read to the next step. See NOTE [CUDA chain].
-class CudaChain {
- public:
-  CudaChain() : state_(std::make_shared<ChainState>()) {
-    out_ = std::thread(out_main, state_);
-    in_ = std::thread(in_main, state_);
-  }
+CudaChain::CudaChain() : state_(std::make_shared<ChainState>()) {
+  out_ = std::thread(out_main, state_);
+  in_ = std::thread(in_main, state_);
+}
 
-  // Like Engine::~Engine: the threads finish their queues and exit on their
-  // own (they may wait for the pool's requests, whose keepalives this file
-  // does not control).
-  ~CudaChain() {
-    stop();
-    if (out_.joinable()) out_.detach();
-    if (in_.joinable()) in_.detach();
-  }
-  CudaChain(const CudaChain&) = delete;
-  CudaChain& operator=(const CudaChain&) = delete;
+CudaChain::~CudaChain() {
+  stop();
+  if (out_.joinable()) out_.detach();
+  if (in_.joinable()) in_.detach();
+}
 
-  // Runs every queued request to its end (reads: until their copies have
-  // completed), then joins the threads. Idempotent.
-  void close() {
-    stop();
-    if (out_.joinable()) out_.join();
-    if (in_.joinable()) in_.join();
-  }
+void CudaChain::close() {
+  stop();
+  if (out_.joinable()) out_.join();
+  if (in_.joinable()) in_.join();
+}
 
-  bool closed() const {
-    std::lock_guard<std::mutex> lk(state_->out.mu);
-    return state_->out.stopping;
-  }
+bool CudaChain::closed() const {
+  std::lock_guard<std::mutex> lk(state_->out.mu);
+  return state_->out.stopping;
+}
 
-  std::shared_ptr<CudaOp> write_from_device(const std::shared_ptr<File>& file,
-                                            std::int64_t offset, const at::Tensor& src,
-                                            const at::Tensor& staging, std::uintptr_t stream,
-                                            std::uintptr_t after) {
-    const char* name = "write_from_device";
-    check_offset(offset, name);
-    check_device(src, name, false);
-    check_staging(staging, name);
-    const std::size_t nbytes = nbytes_of(src);
-    // Raw bytes can be copied as they are; a gapped view, or a lazy conjugate
-    // or negative view (a bit on the tensor, not in memory), goes through
-    // torch's copy_, which gathers and resolves it into a staging tensor of
-    // the same sizes and dtype.
-    const bool raw = src.is_contiguous() && !src.is_conj() && !src.is_neg();
-    if (nbytes_of(staging) != nbytes ||
-        (!raw && (staging.sizes() != src.sizes() || staging.scalar_type() != src.scalar_type()))) {
-      std::ostringstream msg;
-      msg << "tiermem: " << name << " needs a staging tensor of the source's bytes (and, for "
-          << "a non-contiguous, conjugate or negative view, its sizes and dtype), got "
-          << nbytes_of(staging)
-          << " bytes " << staging.sizes() << " " << staging.scalar_type() << " for "
-          << nbytes << " bytes " << src.sizes() << " " << src.scalar_type();
-      throw py::value_error(msg.str());
-    }
-    auto op = std::make_shared<CudaOp>();
-    op->is_write = true;
-    op->device = src.device().index();
-    op->path = file->path();
-    op->offset = static_cast<std::uint64_t>(offset);
-    op->nbytes = nbytes;
-    op->host = nbytes ? staging.data_ptr() : nullptr;
-    op->stream = as_stream(stream);
-    op->file = file;
-    op->device_tensor = src;
-    op->staging = staging;
-
-    std::lock_guard<std::mutex> lk(state_->out.mu);  // the out thread only pops under it
-    if (state_->out.stopping) {
-      throw IOError(EBADF, "write", op->path, nbytes, op->offset, "the CUDA chain is closed");
-    }
-    c10::cuda::CUDAGuard guard(op->device);
-    op->copied = new_event(*op, cudaEventDisableTiming | cudaEventBlockingSync);
-    if (after != stream) {
-      op->after = new_event(*op, cudaEventDisableTiming);
-      const char* call = "cudaEventRecord";
-      cudaError_t e = cudaEventRecord(op->after, as_stream(after));
-      if (e == cudaSuccess) {
-        call = "cudaStreamWaitEvent";
-        e = cudaStreamWaitEvent(op->stream, op->after, 0);
-      }
-      if (e != cudaSuccess) {
-        throw cuda_error(*op, "the copy could not wait for its source", call, e);
-      }
-    }
-    if (nbytes && raw) {
-      const cudaError_t e = cudaMemcpyAsync(op->host, src.data_ptr(), nbytes,
-                                            cudaMemcpyDeviceToHost, op->stream);
-      if (e != cudaSuccess) {
-        throw cuda_error(*op, "the device-to-host copy could not be issued", "cudaMemcpyAsync", e);
-      }
-    } else if (nbytes) {
-      // Torch gathers or resolves it (on the device, then one copy), with
-      // `stream` current so that a temporary belongs to that stream.
-      // Conjugate/negative views are resolved on the device first: torch's
-      // D2H copy_ of such a view applies the conj/neg on the host right after
-      // queueing the copy, before the bytes land (pytorch#146286).
-      c10::cuda::CUDAStreamGuard sguard(c10::cuda::getStreamFromExternal(op->stream, op->device));
-      at::Tensor dst = staging;
-      dst.copy_(src.resolve_conj().resolve_neg(), /*non_blocking=*/true);
-    }
-    const cudaError_t e = cudaEventRecord(op->copied, op->stream);
-    if (e != cudaSuccess) {
-      if (nbytes) cudaStreamSynchronize(op->stream);  // error path: see issue_read
-      throw cuda_error(*op, "the device-to-host copy could not be tracked", "cudaEventRecord", e);
-    }
-    state_->out.ops.push_back(op);
-    state_->out.cv.notify_one();
-    return op;
-  }
-
-  std::shared_ptr<CudaOp> read_to_device(const std::shared_ptr<File>& file, std::int64_t offset,
-                                         const at::Tensor& staging, const at::Tensor& dst,
-                                         std::uintptr_t stream, std::uintptr_t after) {
-    const char* name = "read_to_device";
-    check_offset(offset, name);
-    check_staging(staging, name);
-    check_device(dst, name, true);
-    const std::size_t nbytes = nbytes_of(dst);
-    if (nbytes_of(staging) != nbytes) {
-      std::ostringstream msg;
-      msg << "tiermem: " << name << " needs a staging tensor of the destination's bytes, got "
-          << nbytes_of(staging) << " bytes for " << nbytes;
-      throw py::value_error(msg.str());
-    }
-    auto op = std::make_shared<CudaOp>();
-    op->device = dst.device().index();
-    op->path = file->path();
-    op->offset = static_cast<std::uint64_t>(offset);
-    op->nbytes = nbytes;
-    op->host = nbytes ? staging.data_ptr() : nullptr;
-    op->dev = nbytes ? dst.data_ptr() : nullptr;
-    op->stream = as_stream(stream);
-    op->device_tensor = dst;
-    op->staging = staging;
-
-    std::lock_guard<std::mutex> lk(state_->in.mu);  // the in thread only pops under it
-    if (state_->in.stopping) {
-      throw IOError(EBADF, "read", op->path, nbytes, op->offset, "the CUDA chain is closed");
-    }
+void CudaChain::stop() {
+  for (OpQueue* q : {&state_->out, &state_->in}) {
     {
-      c10::cuda::CUDAGuard guard(op->device);
-      op->copied = new_event(*op, cudaEventDisableTiming | cudaEventBlockingSync);
-      if (after != stream) {
-        op->after = new_event(*op, cudaEventDisableTiming);
-        const cudaError_t e = cudaEventRecord(op->after, as_stream(after));
-        if (e != cudaSuccess) {
-          throw cuda_error(*op, "the copy could not wait for its destination",
-                           "cudaEventRecord", e);
-        }
-      }
+      std::lock_guard<std::mutex> lk(q->mu);
+      q->stopping = true;
     }
-    // Submitted now, so that the disk works while the request waits its turn
-    // on the in thread. Throws IOError if the file or the engine is closed.
-    op->io = file->read(op->host, nbytes, op->offset, hold(staging));
-    state_->in.ops.push_back(op);
-    state_->in.cv.notify_one();
-    return op;
+    q->cv.notify_all();
   }
+}
 
- private:
-  void stop() {
-    for (OpQueue* q : {&state_->out, &state_->in}) {
-      {
-        std::lock_guard<std::mutex> lk(q->mu);
-        q->stopping = true;
-      }
-      q->cv.notify_all();
+std::shared_ptr<CudaOp> CudaChain::write_from_device(const std::shared_ptr<File>& file,
+                                                     std::int64_t offset, const at::Tensor& src,
+                                                     const at::Tensor& staging,
+                                                     std::uintptr_t stream, std::uintptr_t after) {
+  const char* name = "write_from_device";
+  check_offset(offset, name);
+  check_device(src, name, false);
+  check_staging(staging, name);
+  const std::size_t nbytes = nbytes_of(src);
+  // Raw bytes can be copied as they are; a gapped view, or a lazy conjugate
+  // or negative view (a bit on the tensor, not in memory), goes through
+  // torch's copy_, which gathers and resolves it into a staging tensor of
+  // the same sizes and dtype.
+  const bool raw = src.is_contiguous() && !src.is_conj() && !src.is_neg();
+  if (nbytes_of(staging) != nbytes ||
+      (!raw && (staging.sizes() != src.sizes() || staging.scalar_type() != src.scalar_type()))) {
+    std::ostringstream msg;
+    msg << "tiermem: " << name << " needs a staging tensor of the source's bytes (and, for "
+        << "a non-contiguous, conjugate or negative view, its sizes and dtype), got "
+        << nbytes_of(staging)
+        << " bytes " << staging.sizes() << " " << staging.scalar_type() << " for "
+        << nbytes << " bytes " << src.sizes() << " " << src.scalar_type();
+    throw py::value_error(msg.str());
+  }
+  std::shared_ptr<CudaOp> op = new_op(true, file, offset, nbytes, src, staging, stream);
+  op->file = file;
+
+  std::unique_lock<std::mutex> lk = lock_open(state_->out, *op);
+  c10::cuda::CUDAGuard guard(op->device);
+  new_events(*op, after);
+  if (nbytes && raw) {
+    const cudaError_t e = cudaMemcpyAsync(op->host, src.data_ptr(), nbytes,
+                                          cudaMemcpyDeviceToHost, op->stream);
+    if (e != cudaSuccess) {
+      throw cuda_error(*op, "the device-to-host copy could not be issued", "cudaMemcpyAsync", e);
     }
+  } else if (nbytes) {
+    // Torch gathers or resolves it (on the device, then one copy), with
+    // `stream` current so that a temporary belongs to that stream.
+    // Conjugate/negative views are resolved on the device first: torch's
+    // D2H copy_ of such a view applies the conj/neg on the host right after
+    // queueing the copy, before the bytes land (pytorch#146286).
+    c10::cuda::CUDAStreamGuard sguard(c10::cuda::getStreamFromExternal(op->stream, op->device));
+    at::Tensor dst = staging;
+    dst.copy_(src.resolve_conj().resolve_neg(), /*non_blocking=*/true);
   }
+  const cudaError_t e = cudaEventRecord(op->copied, op->stream);
+  if (e != cudaSuccess) {
+    if (nbytes) cudaStreamSynchronize(op->stream);  // error path: see issue_read
+    throw cuda_error(*op, "the device-to-host copy could not be tracked", "cudaEventRecord", e);
+  }
+  state_->out.ops.push_back(op);
+  state_->out.cv.notify_one();
+  return op;
+}
 
-  std::shared_ptr<ChainState> state_;
-  std::thread out_, in_;
-};
+std::shared_ptr<CudaOp> CudaChain::read_to_device(const std::shared_ptr<File>& file,
+                                                  std::int64_t offset, const at::Tensor& staging,
+                                                  const at::Tensor& dst, std::uintptr_t stream,
+                                                  std::uintptr_t after) {
+  const char* name = "read_to_device";
+  check_offset(offset, name);
+  check_staging(staging, name);
+  check_device(dst, name, true);
+  const std::size_t nbytes = nbytes_of(dst);
+  if (nbytes_of(staging) != nbytes) {
+    std::ostringstream msg;
+    msg << "tiermem: " << name << " needs a staging tensor of the destination's bytes, got "
+        << nbytes_of(staging) << " bytes for " << nbytes;
+    throw py::value_error(msg.str());
+  }
+  std::shared_ptr<CudaOp> op = new_op(false, file, offset, nbytes, dst, staging, stream);
+  op->dev = nbytes ? dst.data_ptr() : nullptr;
 
-// Blocks until the request is issued (see CudaFuture.wait); rethrows its error.
+  std::unique_lock<std::mutex> lk = lock_open(state_->in, *op);
+  {
+    c10::cuda::CUDAGuard guard(op->device);
+    new_events(*op, after);
+  }
+  // Submitted now, so that the disk works while the request waits its turn
+  // on the in thread. Throws IOError if the file or the engine is closed.
+  op->io = file->read(op->host, nbytes, op->offset, hold(staging));
+  state_->in.ops.push_back(op);
+  state_->in.cv.notify_one();
+  return op;
+}
+
+// ---------------------------------------------------------------- CudaFuture
+
 void op_wait(CudaOp& op) {
   Future io;
   {
@@ -574,96 +541,9 @@ void op_stream_wait(CudaOp& op, std::uintptr_t stream) {
   }
 }
 
-}  // namespace
-
-void register_cuda_chain(py::module_& m) {
-  py::class_<CudaOp, std::shared_ptr<CudaOp>>(
-      m, "CudaFuture",
-      "A request of CudaChain. Streams are passed as ints (torch.cuda.Stream.cuda_stream).")
-      .def(
-          "wait",
-          [](CudaOp& op) {
-            DrainOnExit drain;  // also when it raises
-            py::gil_scoped_release nogil;
-            op_wait(op);
-          },
-          "Writes: block until the bytes are on disk. Reads: block until the bytes are "
-          "read and the host-to-device copy is issued (not complete). Raise OSError if "
-          "the request failed.")
-      .def(
-          "done",
-          [](CudaOp& op) {
-            const bool done = op_done(op);
-            drain_buried();  // after: what a finished request let go of is gone
-            return done;
-          },
-          "True once everything has completed (reads: the copy too), or failed. Never blocks.")
-      .def(
-          "copied",
-          [](CudaOp& op) {
-            bool copied;
-            {
-              std::lock_guard<std::mutex> lk(op.mu);
-              copied = op.is_write && op.issued && !op.error;
-            }
-            drain_buried();  // the device tensor, let go of once copied
-            return copied;
-          },
-          "Writes: true once the device-to-host copy has landed in staging and the "
-          "write is submitted (the device tensor is no longer needed). Never blocks.")
-      .def(
-          "synchronize",
-          [](CudaOp& op) {
-            DrainOnExit drain;  // also when it raises
-            py::gil_scoped_release nogil;
-            op_synchronize(op);
-          },
-          "wait(), then (reads) block until the copy has completed.")
-      .def(
-          "stream_wait",
-          [](CudaOp& op, std::uintptr_t stream) {
-            DrainOnExit drain;  // also when it raises
-            py::gil_scoped_release nogil;
-            op_stream_wait(op, stream);
-          },
-          py::arg("stream"),
-          "wait(), then (reads) make `stream` wait for the copy without blocking the host.")
-      .def_property_readonly("is_write", [](const CudaOp& op) { return op.is_write; });
-
-  py::class_<CudaChain, std::shared_ptr<CudaChain>>(
-      m, "CudaChain", "Device <-> pinned staging <-> file requests; see NOTE [CUDA chain].")
-      .def(py::init<>())
-      .def_property_readonly("closed", &CudaChain::closed)
-      .def("write_from_device",
-           [](CudaChain& c, const std::shared_ptr<File>& file, std::int64_t offset,
-              const at::Tensor& src, const at::Tensor& staging, std::uintptr_t stream,
-              std::uintptr_t after) {
-             drain_buried();
-             return c.write_from_device(file, offset, src, staging, stream, after);
-           },
-           py::arg("file"),
-           py::arg("offset"), py::arg("src"), py::arg("staging"), py::arg("stream"),
-           py::arg("after"),
-           "Copy `src` (CUDA) to `staging` (pinned) on `stream` after `after`, then write "
-           "staging at `offset` of `file`. Returns a CudaFuture at once.")
-      .def("read_to_device",
-           [](CudaChain& c, const std::shared_ptr<File>& file, std::int64_t offset,
-              const at::Tensor& staging, const at::Tensor& dst, std::uintptr_t stream,
-              std::uintptr_t after) {
-             drain_buried();
-             return c.read_to_device(file, offset, staging, dst, stream, after);
-           },
-           py::arg("file"), py::arg("offset"),
-           py::arg("staging"), py::arg("dst"), py::arg("stream"), py::arg("after"),
-           "Read `staging`'s bytes at `offset` of `file`, then copy them to `dst` (CUDA) on "
-           "`stream` after `after`. Returns a CudaFuture at once.")
-      .def("close", [](CudaChain& c) {
-        {
-          py::gil_scoped_release nogil;
-          c.close();
-        }
-        drain_buried();
-      });
+bool op_copied(CudaOp& op) {
+  std::lock_guard<std::mutex> lk(op.mu);
+  return op.is_write && op.issued && !op.error;
 }
 
 }  // namespace tiermem

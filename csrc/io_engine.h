@@ -1,9 +1,34 @@
 // tiermem I/O core: a worker pool doing positional pread/pwrite (O_DIRECT when
 // the filesystem allows it) on behalf of non-blocking requests that return
 // futures. No torch and no Python here (csrc/tests/stress_io.cpp builds it
-// alone). Tensors and the GIL live in the binding layer: bindings.cpp, its
-// helper tensor_release.h, and, in CUDA builds, cuda_chain.cpp, which binds
-// its own classes into the same module.
+// alone). Tensors and the GIL live in the files above it:
+//
+//   file                    owns                                  uses
+//   bindings.cpp            the module init; Engine, File,        checks.h, tensor_release.h,
+//                           Future; IOError -> OSError            io_engine.h, cuda_bindings.h*
+//   cuda_bindings.{h,cpp}*  Python classes CudaChain, CudaFuture  cuda_chain.h, tensor_release.h,
+//                                                                 io_engine.h
+//   cuda_chain.{h,cpp}*     the CUDA chain (NOTE [CUDA chain])    checks.h, tensor_release.h,
+//                                                                 io_engine.h
+//   checks.h                the offset check, nbytes_of           io_engine.h
+//   tensor_release.{h,cpp}  bury, hold, drain_buried (NOTE        -
+//                           [Dropping tensors off the GIL])
+//   io_engine.{h,cpp}       this I/O core                         -
+//   (* CUDA builds only: tiermem/io/cpp.py, NOTE [CUDA build of the engine])
+//
+// Each file uses (includes, or calls into) only files listed below it, so
+// there is no cycle:
+//
+//   bindings.cpp --(CUDA builds)--> cuda_bindings --> cuda_chain
+//        |                               |                |
+//        +-------------------------------+----------------+
+//        |  each of these three uses some of
+//        v
+//   checks.h --> io_engine           tensor_release
+//
+// Outside the core: tensor_release needs ATen and the Python C API; checks.h
+// and the bindings torch and pybind11; cuda_chain torch (pybind11 too, for
+// its ValueErrors) and the CUDA runtime.
 //
 // NOTE [Request lifetime]
 //   A request (one write or read call) is split into chunks of at least
@@ -12,14 +37,15 @@
 //   - the FileState (so the fd stays open until its last chunk has run, even
 //     if File::close() was called or the File was dropped), and
 //   - the FutureState, whose `keepalive` owns the caller's buffer (bindings.cpp
-//     puts the tensor there), so the memory cannot be freed while a worker
-//     still touches it, even if the caller drops the future without waiting.
+//     and cuda_chain.cpp put the tensor there with tensor_release.h's hold()),
+//     so the memory cannot be freed while a worker still touches it, even if
+//     the caller drops the future without waiting.
 //   The worker that runs a request's last chunk lets go of `keepalive` first,
 //   then marks the request finished and wakes waiters: once done() is true the
 //   engine no longer holds the caller's buffer (callers count on it to know
 //   when memory is given back). No lock is held while a reference is dropped:
-//   dropping a tensor may need the Python GIL; bindings.cpp's owners defer
-//   that to a Python thread (NOTE [Dropping tensors off the GIL]).
+//   dropping a tensor may need the Python GIL; tensor_release.h's owners
+//   (hold()) defer that to a Python thread (NOTE [Dropping tensors off the GIL]).
 //
 // NOTE [Alignment]
 //   Offsets must be multiples of kAlignBytes (checked at submit). Lengths and

@@ -1,4 +1,5 @@
-// Owning tensors from threads that do not hold the Python GIL.
+// Owning tensors from threads that do not hold the Python GIL (implemented in
+// tensor_release.cpp).
 //
 // NOTE [Dropping tensors off the GIL]
 //   A tensor that Python also references keeps its PyObject alive while C++
@@ -11,17 +12,17 @@
 //   takes the GIL too: threads without it only move tensors.) So a tensor
 //   dropped on a thread without the GIL is queued here instead ("buried"),
 //   and destroyed by the next binding call that holds the GIL anyway (write,
-//   read, done, wait, close...; see bindings.cpp), or by a drain that the
-//   first bury() since the last drain asks the main thread to run at its next
-//   bytecode boundary (Py_AddPendingCall), whichever comes first. So memory
-//   comes back about as soon as before, and also when no engine call follows
-//   (the last restores of a backward pass).
+//   read, done, wait, close...; see bindings.cpp and cuda_bindings.cpp), or
+//   by a drain that the first bury() since the last drain asks the main
+//   thread to run at its next bytecode boundary (Py_AddPendingCall),
+//   whichever comes first. So memory comes back about as soon as before, and
+//   also when no engine call follows (the last restores of a backward pass).
 //   Limit: with sub-interpreters, CPython's PyGILState_Check() says yes on
 //   every thread; tensors are then dropped on engine threads, correct but
 //   slow as before (torch does not support sub-interpreters either).
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 #include <memory>
 

@@ -21,8 +21,9 @@ def test_wheel_contains_the_engine_sources(tmp_path):
     assert proc.returncode == 0, proc.stderr
     (wheel,) = glob.glob(str(tmp_path / "tiermem-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
-    for src in ("io_engine.cpp", "io_engine.h", "tensor_release.h", "bindings.cpp",
-                "cuda_chain.cpp"):
+    for src in ("io_engine.cpp", "io_engine.h", "tensor_release.h", "tensor_release.cpp",
+                "bindings.cpp", "checks.h", "cuda_chain.h", "cuda_chain.cpp", "cuda_bindings.h",
+                "cuda_bindings.cpp"):
         assert f"tiermem/_csrc/{src}" in names, sorted(names)
     assert "tiermem/tiers/recompute.py" in names and "tiermem/io/cpp.py" in names
 

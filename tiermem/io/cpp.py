@@ -1,8 +1,9 @@
 """The C++ I/O engine (``csrc/``), built just in time with torch's extension loader.
 
-:func:`load_extension` compiles ``csrc/io_engine.cpp`` and ``csrc/bindings.cpp``
-into the module ``tiermem_C`` on first use (about 30 s on 2 cores) and caches it
-in torch's extension directory (``TORCH_EXTENSIONS_DIR``, default
+:func:`load_extension` compiles :data:`SOURCES` (``csrc/io_engine.cpp``,
+``csrc/tensor_release.cpp`` and ``csrc/bindings.cpp``) into the module
+``tiermem_C`` on first use (about 30 s on 2 cores) and caches it in torch's
+extension directory (``TORCH_EXTENSIONS_DIR``, default
 ``<tmp>/torch_extensions``); later processes only check that it is up to date.
 Never built with pip build isolation, which would pull a different torch.
 
@@ -12,12 +13,14 @@ Never built with pip build isolation, which would pull a different torch.
 # the extension is built as ``tiermem_C_cuda`` (its own cache entry, so CPU and
 # CUDA builds never overwrite each other) with ``with_cuda=True`` (CUDA headers
 # from ``CUDA_HOME``, linked against cudart), ``-DTIERMEM_WITH_CUDA`` and
-# ``csrc/cuda_chain.cpp``: the engine then moves CUDA tensors itself
-# (``CudaChain``, see NOTE [CUDA chain] there) and :attr:`CppEngine.cuda_chain`
-# is True. Building it needs a CUDA toolkit of torch's major version
-# (``CUDA_HOME``, or ``nvcc`` on PATH, or /usr/local/cuda), no GPU. If that
-# build fails (no toolkit, say), the CPU-only ``tiermem_C`` is built instead,
-# with one warning: the nvme tier then copies CUDA tensors from Python.
+# :data:`CUDA_SOURCES`, which add ``csrc/cuda_chain.cpp`` (the chain) and
+# ``csrc/cuda_bindings.cpp`` (its Python classes): the engine then moves CUDA
+# tensors itself (``CudaChain``, see NOTE [CUDA chain] in cuda_chain.cpp) and
+# :attr:`CppEngine.cuda_chain` is True. Building it needs a CUDA toolkit of
+# torch's major version (``CUDA_HOME``, or ``nvcc`` on PATH, or
+# /usr/local/cuda), no GPU. If that build fails (no toolkit, say), the
+# CPU-only ``tiermem_C`` is built instead, with one warning: the nvme tier
+# then copies CUDA tensors from Python.
 # :func:`cuda_status` says which, and why.
 """
 
@@ -53,10 +56,13 @@ def _find_csrc() -> str:
 
 _CSRC = _find_csrc()
 #: The sources compiled into the extension, in build order.
-SOURCES = [os.path.join(_CSRC, "io_engine.cpp"), os.path.join(_CSRC, "bindings.cpp")]
+SOURCES = [os.path.join(_CSRC, name)
+           for name in ("io_engine.cpp", "tensor_release.cpp", "bindings.cpp")]
 #: ... and in its CUDA build. See NOTE [CUDA build of the engine].
-CUDA_SOURCES = SOURCES + [os.path.join(_CSRC, "cuda_chain.cpp")]
-_HEADERS = [os.path.join(_CSRC, "io_engine.h"), os.path.join(_CSRC, "tensor_release.h")]
+CUDA_SOURCES = SOURCES + [os.path.join(_CSRC, name)
+                          for name in ("cuda_chain.cpp", "cuda_bindings.cpp")]
+_HEADERS = [os.path.join(_CSRC, name) for name in ("io_engine.h", "tensor_release.h", "checks.h")]
+_CUDA_HEADERS = [os.path.join(_CSRC, name) for name in ("cuda_chain.h", "cuda_bindings.h")]
 _NAME = "tiermem_C"
 _CUDA_NAME = "tiermem_C_cuda"
 
@@ -123,7 +129,7 @@ def _build(cpp_extension, cuda: bool, verbose: bool):
     """Build (or find up to date) and import the CPU-only or the CUDA extension."""
     name = _CUDA_NAME if cuda else _NAME
     sources = CUDA_SOURCES if cuda else SOURCES
-    missing = [p for p in sources if not os.path.isfile(p)]
+    missing = [p for p in sources + (_CUDA_HEADERS if cuda else []) if not os.path.isfile(p)]
     if missing:
         raise TierMemError(f"tiermem: missing source files: {', '.join(missing)}")
     if cuda and cpp_extension.CUDA_HOME is None:
