@@ -24,7 +24,10 @@ Calls run one way: the unpack hook (:func:`tiermem.hooks.unpack`) calls
 :meth:`Prefetcher.advance`, which asks tiers to start restores
 (``store.prefetch(handle)``). Nothing calls the prefetcher from a tier or from
 a handle's finalizer: a restore prefetched for a handle that dies unconsumed
-is noticed through the entry's weak reference at the next ``advance``.
+is noticed through a weak reference whose callback only appends to a deque
+(atomic, no lock: it may run from the cyclic collector at any allocation),
+drained at the next ``advance``; so the window's accounting costs O(1) per
+restore, whatever the number of tensors in flight.
 
 The window: ``budget_bytes`` when set (``TIERMEM_PREFETCH_BYTES``); unset, it
 is sized when backward starts from what the step moved: a quarter of it,
@@ -41,6 +44,7 @@ while the window fills with tensors needed last).
 
 from __future__ import annotations
 
+import collections
 import threading
 import weakref
 from typing import Optional
@@ -63,7 +67,7 @@ class Entry:
     prefetched, e.g. a recompute handle, counted for its uses only).
     """
 
-    __slots__ = ("ref", "pos", "nbytes", "gen", "taken", "uses", "inflight")
+    __slots__ = ("ref", "pos", "nbytes", "gen", "taken", "uses", "inflight", "watch")
 
     def __init__(self, handle, pos: Optional[int], nbytes: int) -> None:
         self.ref = weakref.ref(handle)
@@ -73,6 +77,14 @@ class Entry:
         self.taken = 0
         self.uses = 1        # saves of this tensor in the step (dedup hits add one)
         self.inflight = False
+        self.watch = None    # while inflight: a _Watch on the handle
+
+
+class _Watch(weakref.ref):
+    """A weak reference to a handle whose restore is in flight; on the handle's
+    death its callback queues this watch (and so its entry) for ``advance``."""
+
+    __slots__ = ("entry",)
 
 
 class Prefetcher:
@@ -86,7 +98,9 @@ class Prefetcher:
         self._moved_bytes = moved_bytes
         self._stats = stats
         self.inflight_bytes = 0
-        self._inflight: list = []      # entries with a restore started ahead of need
+        # Watches of handles that died with a restore in flight (appended by
+        # weakref callbacks, drained by advance).
+        self._dead: collections.deque = collections.deque()
         self._order: list = []
         self._cursor = -1
         self._last_pos = -1
@@ -120,14 +134,19 @@ class Prefetcher:
         entry.taken += 1
         if entry.inflight:        # its prefetched restore is taken now
             entry.inflight = False
+            entry.watch = None    # dropped: its callback can no longer run
             self.inflight_bytes -= entry.nbytes
         return entry.uses - entry.taken
 
-    def _prune(self) -> None:
-        """Forget restores taken or dropped with their handle."""
-        live = [e for e in self._inflight if e.inflight and e.ref() is not None]
-        self._inflight = live
-        self.inflight_bytes = sum(e.nbytes for e in live)
+    def _forget_dead(self) -> None:
+        """Give back the window bytes of restores dropped with their handle."""
+        dead = self._dead
+        while dead:
+            entry = dead.popleft().entry
+            if entry.inflight:
+                entry.inflight = False
+                entry.watch = None
+                self.inflight_bytes -= entry.nbytes
 
     def advance(self, entry: Entry) -> None:
         """Called (under ``lock``) when the entry's handle is unpacked: top the window up."""
@@ -137,7 +156,8 @@ class Prefetcher:
         if self.budget_bytes is None:
             moved = self._moved_bytes() if self._moved_bytes is not None else 0
             self.budget_bytes = auto_window_bytes(moved)
-        self._prune()
+        if self._dead:
+            self._forget_dead()
         if pos > self._last_pos or pos <= self._cursor:
             self._cursor = pos - 1
         self._last_pos = pos
@@ -151,7 +171,8 @@ class Prefetcher:
                     break   # its move out has not landed yet: retry at the next unpack
                 if started:
                     e.inflight = True
-                    self._inflight.append(e)
+                    e.watch = _Watch(h, self._dead.append)
+                    e.watch.entry = e
                     self.inflight_bytes += e.nbytes
                     if self._stats is not None:
                         self._stats.prefetched_bytes += e.nbytes
