@@ -48,9 +48,8 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, checkpoint_seq
 
 import tiermem
 import tiermem.testing
-from models import assert_same_tensors, make_case
-
-pytestmark = pytest.mark.usefixtures("clean_env")
+from helpers import assert_same_tensors
+from models import make_case
 
 STEPS = 3
 _aten = torch.ops.aten

@@ -8,8 +8,6 @@ import torch.nn.functional as F
 
 import tiermem
 
-pytestmark = pytest.mark.usefixtures("clean_env")
-
 
 @pytest.mark.parametrize("policy", ["keep", "cpu", "recompute,cpu", None])
 def test_compiled_function_under_an_offloader(policy):

@@ -43,7 +43,7 @@ def test_doctor_without_dir_still_reports():
 def test_o_direct_probe_answers_as_the_engines_and_leaves_no_file(tmp_path):
     """ramfs creates the file, then refuses O_DIRECT: 'no', and the probe file
     is gone; the doctor and the engine say the same thing."""
-    from mounts import mounted
+    from helpers import mounted
 
     from tiermem import doctor
     from tiermem.io import get_engine

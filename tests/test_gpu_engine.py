@@ -21,9 +21,7 @@ import torch
 import tiermem
 import tiermem.testing
 from tiermem.io import ALIGN_BYTES, aligned_empty, engine_info, get_engine
-from gpu_checks import assert_same_step, forbid_host_waits
-
-pytestmark = pytest.mark.usefixtures("clean_env")
+from helpers import assert_same_step, forbid_host_waits, until
 
 SLEEP_CYCLES = 50_000_000  # ~25 ms at ~2 GHz: far longer than any copy here
 
@@ -282,15 +280,6 @@ def test_errors_name_the_file_and_offset(eng, streams, tmp_path):
 
 # -- the nvme tier on the chain ---------------------------------------------------------
 
-@pytest.fixture
-def deterministic():
-    """Bit-exact comparisons across runs need deterministic kernels (as in test_gpu.py)."""
-    old = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(old)
-
-
 def _model(layers=3, width=256):
     torch.manual_seed(0)
     blocks = []
@@ -460,7 +449,6 @@ def test_device_memory_is_freed_once_copied_to_staging(eng, deterministic, tmp_p
     to pinned staging has landed, before its write; with the Python chain the
     writes are held back to show it, and backward then runs from staging."""
     import threading
-    import time
 
     model = _model()
     x = torch.randn(8, 64, 256, device="cuda")
@@ -488,11 +476,11 @@ def test_device_memory_is_freed_once_copied_to_staging(eng, deterministic, tmp_p
     handles = [r() for r, _ in store.pending_moves()]
     assert handles
     torch.cuda.synchronize()
-    deadline = time.monotonic() + 10
-    while any(h is not None and h.src is not None for h in handles):
-        assert time.monotonic() < deadline, "sources kept after their copies landed"
+
+    def sources_dropped():
         tiermem.testing.poll(off)
-        time.sleep(0.002)
+        return all(h is None or h.src is None for h in handles)
+    until(sources_dropped, "sources kept after their copies landed")
     if verify:
         assert all(h.host is not None for h in handles)   # writes held back
     loss.backward()

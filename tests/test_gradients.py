@@ -15,10 +15,8 @@ import pytest
 import torch
 
 import tiermem
-from models import (MODEL_NAMES, assert_same_tensors, make_case, reference_steps, run_step,
-                    train_steps)
-
-pytestmark = pytest.mark.usefixtures("clean_env")
+from helpers import assert_same_tensors, reference_steps, run_step, train_steps
+from models import MODEL_NAMES, make_case
 
 STEPS = 3
 

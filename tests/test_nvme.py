@@ -20,33 +20,16 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import tiermem
 import tiermem.testing
-from mounts import mounted
-from models import MODEL_NAMES, compare_records, make_case, reference_steps, train_steps
-
-pytestmark = pytest.mark.usefixtures("clean_env")
-
-ENGINES = ["python", "cpp"]
+from helpers import (compare_records, expect_compact, mounted, offloader, reference_steps,
+                     same_bits, train_steps, until)
+from models import MODEL_NAMES, SaveIt, make_case
 
 
-@pytest.fixture
-def nvme_dir(tmp_path):
-    return str(tmp_path / "spill")
-
-
-@pytest.fixture(params=ENGINES)
-def engine(request):
-    if request.param == "cpp":
-        from tiermem.io import engine_info
-        info = engine_info()
-        if info["engine"] != "cpp":
-            pytest.skip(f"C++ engine unavailable: {info['reason']}")
-    return request.param
-
-
-def _off(nvme_dir, policy="nvme", **kw):
-    kw.setdefault("min_offload_bytes", 0)
-    kw.setdefault("engine", "python")
-    return tiermem.Offloader(policy=policy, nvme_dir=nvme_dir, **kw)
+def _off(nvme_dir, **settings):
+    """An Offloader of policy nvme (unless ``settings`` say otherwise) spilling
+    to ``nvme_dir`` (``helpers.offloader``: every tensor, the Python engine)."""
+    settings.setdefault("policy", "nvme")
+    return offloader(nvme_dir=nvme_dir, **settings)
 
 
 def _mixed(info: tiermem.TensorInfo):
@@ -534,8 +517,7 @@ def test_exception_mid_forward_frees_disk_extents(nvme_dir):
                                   "expand_row", "overlapping", "zero_dim_view", "int64",
                                   "bool", "bfloat16", "complex_conj", "float64_nan_inf"])
 def test_layout_roundtrip_through_nvme(name, landed, nvme_dir):
-    from models import SaveIt
-    from test_semantics import LAYOUTS, _expect_compact, _same_values
+    from test_semantics import LAYOUTS
     t = LAYOUTS[name]()
     expected = t.clone()
     sink: list = []
@@ -549,9 +531,9 @@ def test_layout_roundtrip_through_nvme(name, landed, nvme_dir):
     out.backward()
     (u,) = sink
     assert u.shape == t.shape and u.dtype == t.dtype
-    assert _same_values(u, expected)
+    assert same_bits(u, expected)
     assert off.stats.count_by_tier["nvme"] == 1
-    if _expect_compact(t):
+    if expect_compact(t):
         assert u.is_contiguous()
     else:
         assert u.stride() == t.stride()
@@ -601,19 +583,12 @@ def _chain(x):
     return (x * 2).sin().cos().exp()
 
 
-def _until(cond, what):
-    deadline = time.monotonic() + 10
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.002)
-
-
 def _until_staged(off, handles):
     """Poll until every handle's source is gone and its bytes are in staging."""
     def staged():
         tiermem.testing.poll(off)
         return all(h.host is not None and h.src is None for h in handles)
-    _until(staged, "the copies to staging never landed")
+    until(staged, "the copies to staging never landed")
 
 
 def test_staged_source_is_freed_once_copied_and_served_from_staging(nvme_dir):
@@ -754,13 +729,13 @@ def test_staged_sources_dropped_when_writes_finish_out_of_order(nvme_dir):
         out = _chain(x)
     handles = [r() for r, _ in store.pending_moves()]
     assert len(handles) >= 3
-    _until(lambda: all(job.done() for _, job in list(store.pending_moves())[1:]),
+    until(lambda: all(job.done() for _, job in list(store.pending_moves())[1:]),
            "the later writes never finished")
 
     def later_dropped():
         tiermem.testing.poll(off)
         return all(h.src is None for h in handles[1:])
-    _until(later_dropped, "sources kept behind a write still in flight")
+    until(later_dropped, "sources kept behind a write still in flight")
     assert handles[0].host is not None or handles[0].src is not None   # not landed
     first.set()
     out.sum().backward()
@@ -775,8 +750,6 @@ def test_restored_view_keeps_its_address_modulo_64_and_reads_direct(nvme_dir, fi
     NOTE [Layout of a moved tensor]); a tensor whose data is 64-aligned is
     read straight into page-aligned memory (the engine's direct path), even
     where torch placed it at a page plus 64 bytes."""
-    from models import SaveIt
-
     from tiermem.io import aligned_empty
     base = aligned_empty(4 * (4096 + 64) + 64)[64:].view(torch.float32)   # page + 64
     base.copy_(torch.randn(4096 + 64))

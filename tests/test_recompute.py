@@ -13,10 +13,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tiermem
-from models import (MODEL_NAMES, SaveIt, assert_same_tensors, compare_records, make_case,
-                    reference_steps, train_steps)
-
-pytestmark = pytest.mark.usefixtures("clean_env")
+from helpers import assert_same_tensors, compare_records, reference_steps, train_steps
+from models import MODEL_NAMES, SaveIt, make_case
 
 STEPS = 3
 
