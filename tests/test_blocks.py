@@ -38,13 +38,12 @@ def _step(model, off=None, seed=7):
 
 
 @pytest.mark.parametrize("checkpoint", [True, "selective"])
-@pytest.mark.parametrize("policy", ["keep", "cpu", "recompute,cpu"])
-def test_checkpointed_blocks_bit_identical(checkpoint, policy):
+def test_checkpointed_blocks_bit_identical(checkpoint, tier, make_off):
     ref = _step(_model())
     model = _model()
     wrapped = tiermem.wrap_blocks(model, Block, checkpoint=checkpoint)
     assert wrapped.names == ["blocks.0", "blocks.1", "blocks.2"]
-    off = tiermem.Offloader(policy=policy, min_offload_bytes=0)
+    off = make_off(tier)
     assert_same_step(_step(model, off), ref)
     # Two steps in a row: the wrapping is reusable.
     assert_same_step(_step(model, off), ref)

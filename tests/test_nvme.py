@@ -20,9 +20,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import tiermem
 import tiermem.testing
-from helpers import (compare_records, expect_compact, mounted, offloader, reference_steps,
-                     same_bits, train_steps, until)
-from models import MODEL_NAMES, SaveIt, make_case
+from helpers import compare_records, mounted, offloader, reference_steps, train_steps, until
+from models import SaveIt, make_case
 
 
 def _off(nvme_dir, **settings):
@@ -32,35 +31,15 @@ def _off(nvme_dir, **settings):
     return offloader(nvme_dir=nvme_dir, **settings)
 
 
-def _mixed(info: tiermem.TensorInfo):
-    return ("keep", "cpu", "nvme")[info.index % 3]
-
-
-@pytest.mark.parametrize("model_name", MODEL_NAMES)
-def test_nvme_gradients_bit_identical(model_name, nvme_dir):
-    ref = reference_steps(model_name, 3)
-    off = _off(nvme_dir)
-    compare_records(train_steps(make_case(model_name), lambda: off, 3), ref, model_name)
-    assert off.stats.count_by_tier["nvme"] > 0
-    off.close()
-
-
+# Every model through the nvme tier, and a callable mixing keep, cpu and nvme:
+# the core matrix in test_gradients.py. Here: each engine, with and without
+# checksums.
 @pytest.mark.parametrize("verify", [False, True], ids=["plain", "verify"])
 def test_nvme_gradients_bit_identical_per_engine(engine, verify, nvme_dir):
     ref = reference_steps("block", 3)
     off = _off(nvme_dir, engine=engine, verify=verify)
     compare_records(train_steps(make_case("block"), lambda: off, 3), ref, f"block/{engine}")
     assert off.stats.count_by_tier["nvme"] > 0
-    off.close()
-
-
-@pytest.mark.parametrize("model_name", ["mlp", "block", "embed_gather"])
-def test_mixed_keep_cpu_nvme_policy_bit_identical(model_name, nvme_dir):
-    ref = reference_steps(model_name, 3)
-    off = _off(nvme_dir, policy=_mixed)
-    compare_records(train_steps(make_case(model_name), lambda: off, 3), ref, model_name)
-    counts = off.stats.count_by_tier
-    assert counts["nvme"] > 0 and counts["cpu"] > 0 and counts["keep"] > 0
     off.close()
 
 
@@ -511,36 +490,6 @@ def test_exception_mid_forward_frees_disk_extents(nvme_dir):
     off.close()
 
 
-@pytest.mark.parametrize("landed", [False, True], ids=["in_flight", "landed"])
-@pytest.mark.parametrize("name", ["contiguous", "transpose", "step_slice_2", "step_slice_3",
-                                  "narrow_rows", "offset_by_one", "narrow_row_tail",
-                                  "expand_row", "overlapping", "zero_dim_view", "int64",
-                                  "bool", "bfloat16", "complex_conj", "float64_nan_inf"])
-def test_layout_roundtrip_through_nvme(name, landed, nvme_dir):
-    from test_semantics import LAYOUTS
-    t = LAYOUTS[name]()
-    expected = t.clone()
-    sink: list = []
-    w = torch.ones((), requires_grad=True)
-    off = _off(nvme_dir)
-    with off:
-        out = SaveIt.apply(t, w, sink)
-    if landed:
-        tiermem.testing.store_of(off, tiermem.Tier.NVME).drain()
-        tiermem.testing.poll(off)
-    out.backward()
-    (u,) = sink
-    assert u.shape == t.shape and u.dtype == t.dtype
-    assert same_bits(u, expected)
-    assert off.stats.count_by_tier["nvme"] == 1
-    if expect_compact(t):
-        assert u.is_contiguous()
-    else:
-        assert u.stride() == t.stride()
-        assert u.data_ptr() % 64 == t.data_ptr() % 64
-    off.close()
-
-
 # -- staged moves (NOTE [Staged moves] in tiermem/tiers/moving.py) -----------------
 # CUDA tensors go device -> staging -> disk, and their device memory is freed
 # once the bytes are in staging. Here CPU tensors take the same path
@@ -552,11 +501,10 @@ def _staged(nvme_dir, **kw):
     return off
 
 
-@pytest.mark.parametrize("model_name", MODEL_NAMES)
-def test_staged_writes_gradients_bit_identical(model_name, nvme_dir, engine):
-    ref = reference_steps(model_name, 3)
+def test_staged_writes_gradients_bit_identical(model_case, nvme_dir, engine):
+    ref = reference_steps(model_case.name, 3)
     off = _staged(nvme_dir, engine=engine)
-    compare_records(train_steps(make_case(model_name), lambda: off, 3), ref, model_name)
+    compare_records(train_steps(model_case, lambda: off, 3), ref, model_case.name)
     assert off.stats.count_by_tier["nvme"] > 0
     off.close()
     assert os.listdir(nvme_dir) == []

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import tiermem
 from helpers import assert_same_tensors, compare_records, reference_steps, train_steps
-from models import MODEL_NAMES, SaveIt, make_case
+from models import SaveIt, make_case
 
 STEPS = 3
 
@@ -26,40 +26,28 @@ def _cheap_then_cpu(info: tiermem.TensorInfo):
     return "cpu"
 
 
-POLICIES = {"recompute": "recompute", "recompute,cpu": "recompute,cpu",
-            "callable": _cheap_then_cpu}
-
-
-@pytest.mark.parametrize("model_name", MODEL_NAMES)
-@pytest.mark.parametrize("policy", list(POLICIES))
-def test_bit_identical_over_adamw_steps(model_name, policy):
-    ref = reference_steps(model_name, STEPS)
-    off = tiermem.Offloader(policy=POLICIES[policy], min_offload_bytes=0)
-    case = make_case(model_name)
-    stats = []
-
-    def ctx():
-        stats.append(off)
-        return off
-
-    records = train_steps(case, ctx, STEPS)
-    compare_records(records, ref, f"{model_name}/{policy}")
+# The named policies (recompute, recompute,cpu) over every model: the core
+# matrix in test_gradients.py. Here: a callable answering by the producer op.
+def test_callable_policy_by_op_bit_identical_over_adamw_steps(model_case, make_off):
+    name = model_case.name
+    ref = reference_steps(name, STEPS)
+    off = make_off(_cheap_then_cpu)
+    records = train_steps(model_case, lambda: off, STEPS)
+    compare_records(records, ref, f"{name}/callable")
     s = off.stats
-    if model_name in ("mlp", "block", "mlp_bf16", "block_bf16"):
+    assert s.count_by_tier["cpu"] > 0
+    if name in ("mlp", "block", "mlp_bf16", "block_bf16"):
         # GELU/tanh/LayerNorm outputs have their inputs saved anyway: dropped.
         assert s.count_by_tier["recompute"] > 0, s
         assert s.recompute_count > 0, s
         assert s.recompute_seconds > 0
-    if policy == "recompute,cpu":
-        assert s.count_by_tier["cpu"] > 0, "what is not eligible goes to the next choice"
     off.close()
     assert off.host_bytes_in_use == 0
 
 
-def test_recompute_with_nvme_next(tmp_path):
+def test_recompute_with_nvme_next(make_off):
     ref = reference_steps("block", STEPS)
-    off = tiermem.Offloader(policy="recompute,nvme", nvme_dir=tmp_path, engine="python",
-                            min_offload_bytes=0)
+    off = make_off("recompute,nvme")
     records = train_steps(make_case("block"), lambda: off, STEPS)
     compare_records(records, ref, "block/recompute,nvme")
     assert off.stats.count_by_tier["recompute"] > 0 and off.stats.count_by_tier["nvme"] > 0
