@@ -13,7 +13,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tiermem
-from helpers import assert_same_tensors, compare_records, reference_steps, train_steps
+from helpers import (assert_same_tensors, compare_records, expect_compact, reference_steps,
+                     train_steps)
 from models import SaveIt, make_case
 
 STEPS = 3
@@ -440,7 +441,13 @@ def test_conj_view_is_not_deduplicated_with_its_base(policy):
         out.backward()
         return {"a": a.grad.clone(), "b": b.grad.clone()}
 
-    _same_as_plain(fn, policy, min_offload_bytes=0)
+    stats = _same_as_plain(fn, policy, min_offload_bytes=0)
+    # Four tensors saved, four stored (or dropped): c, c.conj() (same storage,
+    # sizes and strides; only the conjugate bit differs) and the two products
+    # abs() saves. Deduplicating the view with its base would make it a hit and
+    # leave three.
+    assert stats.dedup_hits == 0, stats
+    assert sum(stats.count_by_tier.values()) == 4, stats
 
 
 def test_as_strided_is_named_but_never_replayed():
@@ -485,11 +492,13 @@ def test_views_of_a_compactly_moved_input_are_not_recomputed_from_it():
     b = torch.randn(64, 64)
     w1 = torch.randn(64, 16, requires_grad=True)
     w = torch.randn(64, 50, 16, requires_grad=True)
+    gapped = []
 
     def fn(ctx):
         a.grad = w.grad = w1.grad = None
         with ctx:
             s = (a @ b)[:, ::4]                    # gapped: the cpu tier moves a dense copy
+            gapped.append(expect_compact(s))
             z = (s * w1).sum()
             y = s[:, None, :].expand(64, 50, 16)
             out = (y * w).sum() + z
@@ -497,7 +506,13 @@ def test_views_of_a_compactly_moved_input_are_not_recomputed_from_it():
         out.backward()
         return {"a": a.grad.clone(), "w": w.grad.clone(), "w1": w1.grad.clone()}
 
-    _same_as_plain(fn, "recompute,cpu", min_offload_bytes=0)
+    stats = _same_as_plain(fn, "recompute,cpu", min_offload_bytes=0)
+    assert gapped == [True, True], "s must be moved as a dense copy for this test"
+    # y (a view of s, made by view ops the tier could replay) is not dropped:
+    # replayed on the dense copy of s it would get other strides. Nothing is
+    # recomputed; b, s and y all went to the next choice, cpu.
+    assert stats.count_by_tier["recompute"] == 0 and stats.recompute_count == 0, stats
+    assert stats.count_by_tier["cpu"] == 3 and stats.recompute_fallbacks == 3, stats
 
 
 def test_buffer_updated_in_place_after_use_is_not_an_error():
