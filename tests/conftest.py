@@ -2,6 +2,8 @@
 tiers, engines and models.
 
 - Tests marked ``gpu`` are skipped when ``torch.cuda.is_available()`` is false.
+  Tests marked ``slow`` (over ~1.5 s here) run by default; ``-m "not slow"``
+  leaves them out for a quick round.
 - ``clean_env`` (autouse): no ``TIERMEM_*`` variable is set while a test runs,
   so that a developer's settings cannot change what it checks. A test that
   needs one sets it with ``monkeypatch.setenv`` (applied after the clearing).

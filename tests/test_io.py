@@ -220,6 +220,7 @@ def test_future_keeps_the_buffer_alive(engine, tmp_path):
     f.close()
 
 
+@pytest.mark.slow
 def test_done_means_the_engine_let_go_of_the_buffer(engine, tmp_path):
     """Once done() (or wait()) says a request finished, the engine holds its
     buffer no more: memory is given back as the tiers count it."""
@@ -508,6 +509,7 @@ def test_submits_from_several_python_threads(engine, tmp_path):
     f.close()
 
 
+@pytest.mark.slow
 def test_cpp_core_is_race_free_under_thread_sanitizer(tmp_path):
     """csrc/io_engine.cpp driven by csrc/tests/stress_io.cpp, built with -fsanitize=thread."""
     cxx = shutil.which("g++") or shutil.which("c++")

@@ -214,6 +214,7 @@ def _spawn(nvme_dir):
     return p
 
 
+@pytest.mark.slow
 def test_directory_of_a_killed_process_is_removed_at_next_start(nvme_dir):
     dead = _spawn(nvme_dir)
     alive = _spawn(nvme_dir)
@@ -356,6 +357,7 @@ def test_forked_child_leaves_the_parents_directory(nvme_dir):
     assert os.listdir(nvme_dir) == []
 
 
+@pytest.mark.slow
 def test_directory_removed_at_interpreter_exit(nvme_dir):
     code = _CHILD.replace("time.sleep(60)", "")
     assert code != _CHILD

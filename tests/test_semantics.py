@@ -422,6 +422,7 @@ def test_exception_mid_forward_frees_everything_and_offloader_is_reusable():
     assert [i.module for i in infos] == ["MLP.0", "MLP.1", "MLP.2", "MLP.3", ""]
 
 
+@pytest.mark.slow
 def test_host_buffers_freed_with_graph_when_copies_land_late():
     """Once a step's graph is freed and its copies have landed, the host buffers
     are free (``host_bytes_in_use`` docstring: "0 when their graphs are freed")
