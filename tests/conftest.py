@@ -1,14 +1,29 @@
-"""Shared pytest setup: the ``gpu`` marker and helpers for the CPU tests.
+"""Shared pytest setup: markers, a clean environment, and the fixtures over
+tiers, engines and models.
 
-Tests marked ``gpu`` are skipped when ``torch.cuda.is_available()`` is false.
-``run_step`` (a fixture returning :func:`models.run_step`) does one training
-step under a context and returns the loss and cloned gradients; the
-reference run uses ``contextlib.nullcontext()``.
+- Tests marked ``gpu`` are skipped when ``torch.cuda.is_available()`` is false.
+  Tests marked ``slow`` (over ~1.5 s here) run by default; ``-m "not slow"``
+  leaves them out for a quick round.
+- ``clean_env`` (autouse): no ``TIERMEM_*`` variable is set while a test runs,
+  so that a developer's settings cannot change what it checks. A test that
+  needs one sets it with ``monkeypatch.setenv`` (applied after the clearing).
+- ``tier``: each policy string of :data:`helpers.TIERS` (keep, cpu, nvme,
+  recompute, recompute,cpu); ``storage_tier``: keep, cpu, nvme.
+- ``make_off(policy, **settings)``: an Offloader (``helpers.offloader``: every
+  tensor through the policy, the Python engine) closed at teardown; a named
+  policy that mentions nvme gets ``nvme_dir``, a fresh directory of the test
+  (a callable policy that may answer nvme passes ``nvme_dir=nvme_dir``).
+- ``nvme_dir``: that directory (a path string, not created yet).
+- ``engine``: ``"python"`` and ``"cpp"`` (skipped with the reason when the C++
+  engine cannot be built).
+- ``model_case``: a fresh :class:`models.Case` of each of
+  :data:`models.MODEL_NAMES` (same parameters and inputs as
+  ``make_case(case.name)``).
+- ``deterministic``: deterministic kernels for the test (GPU bit-exactness).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 
@@ -17,6 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import helpers  # noqa: E402  (tests/helpers.py, not collected)
 import models  # noqa: E402  (tests/models.py, not collected)
 
 
@@ -29,22 +45,63 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture
-def run_step():
-    """``run_step(model, inputs, ctx, seed=1, loss_fn=...) -> (loss, {name: grad})``."""
-    return models.run_step
-
-
-@pytest.fixture
-def reference():
-    """A fresh ``contextlib.nullcontext()`` (the run without tiermem)."""
-    return contextlib.nullcontext()
-
-
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
-    """A clean ``TIERMEM_*`` environment, so that a developer's settings cannot
-    change what a test checks. Use with ``pytest.mark.usefixtures``."""
+    """Every ``TIERMEM_*`` variable removed for the test (restored after it)."""
     for key in list(os.environ):
         if key.startswith("TIERMEM_"):
             monkeypatch.delenv(key)
+
+
+@pytest.fixture(params=helpers.TIERS)
+def tier(request) -> str:
+    return request.param
+
+
+@pytest.fixture(params=helpers.STORAGE_TIERS)
+def storage_tier(request) -> str:
+    return request.param
+
+
+@pytest.fixture(params=helpers.ENGINES)
+def engine(request) -> str:
+    if request.param == "cpp":
+        reason = helpers.cpp_engine_unavailable()
+        if reason:
+            pytest.skip(f"C++ engine unavailable: {reason}")
+    return request.param
+
+
+@pytest.fixture(params=models.MODEL_NAMES)
+def model_case(request) -> models.Case:
+    return models.make_case(request.param)
+
+
+@pytest.fixture
+def nvme_dir(tmp_path) -> str:
+    return str(tmp_path / "spill")
+
+
+@pytest.fixture
+def make_off(nvme_dir):
+    made = []
+
+    def make(policy, **settings):
+        if helpers.names_nvme(policy):
+            settings.setdefault("nvme_dir", nvme_dir)
+        off = helpers.offloader(policy, **settings)
+        made.append(off)
+        return off
+
+    yield make
+    for off in made:
+        off.close()
+
+
+@pytest.fixture
+def deterministic():
+    """Bit-exact comparisons across runs on a GPU need deterministic kernels."""
+    old = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(old)

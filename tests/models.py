@@ -1,4 +1,5 @@
-"""Small real models and step helpers shared by the CPU tests (not collected).
+"""Small real models shared by the CPU tests (not collected); the steps that
+train them and the exact comparisons are in ``helpers.py``.
 
 Every model is cheap on two CPU cores yet saves a varied mix of tensors for
 backward: matmul inputs, views of parameters (``weight.t()``), activation
@@ -12,9 +13,8 @@ from identical parameters and identical RNG state.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.nn as nn
@@ -22,8 +22,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "MLP", "Attention", "Block", "ConvNet", "EmbedGather", "Case", "CASES", "MODEL_NAMES",
-    "make_case", "run_step", "train_steps", "reference_steps", "assert_same_tensors", "SaveIt",
-    "compare_records",
+    "make_case", "square_mean", "SaveIt",
 ]
 
 
@@ -137,12 +136,13 @@ class Case:
         return self.loss_fn(self.model(*self.inputs))
 
 
-def _square_mean(out: torch.Tensor) -> torch.Tensor:
+def square_mean(out: torch.Tensor) -> torch.Tensor:
+    """The default loss: mean of squares, in float32."""
     return out.float().square().mean()
 
 
 def _mlp(g: torch.Generator):
-    return MLP(), (torch.randn(32, MLP.D_IN, generator=g),), _square_mean
+    return MLP(), (torch.randn(32, MLP.D_IN, generator=g),), square_mean
 
 
 def _mlp_bf16(g: torch.Generator):
@@ -151,7 +151,7 @@ def _mlp_bf16(g: torch.Generator):
 
 
 def _block(g: torch.Generator):
-    return Block(), (torch.randn(2, 16, 32, generator=g),), _square_mean
+    return Block(), (torch.randn(2, 16, 32, generator=g),), square_mean
 
 
 def _block_bf16(g: torch.Generator):
@@ -168,7 +168,7 @@ def _convnet(g: torch.Generator):
 def _embed_gather(g: torch.Generator):
     ids = torch.randint(0, 50, (4, 12), generator=g)
     idx = torch.randint(0, 12, (4, 5, 16), generator=g)
-    return EmbedGather(), (ids, idx), _square_mean
+    return EmbedGather(), (ids, idx), square_mean
 
 
 CASES: Dict[str, Callable] = {
@@ -190,70 +190,6 @@ def make_case(name: str, seed: int = 0) -> Case:
     model, inputs, loss_fn = CASES[name](g)
     model.train()
     return Case(name, model, inputs, loss_fn)
-
-
-# ---------------------------------------------------------------------------
-# Steps
-# ---------------------------------------------------------------------------
-
-def run_step(model: nn.Module, inputs: Sequence[torch.Tensor], ctx, seed: int = 1,
-             loss_fn: Callable[[torch.Tensor], torch.Tensor] = _square_mean):
-    """One forward under ``ctx`` (an Offloader, or ``contextlib.nullcontext()``
-    for the reference) and one backward outside it.
-
-    Returns ``(loss, {param name: grad})``, all cloned.
-    """
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    with ctx:
-        loss = loss_fn(model(*inputs))
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
-             if p.grad is not None}
-    return loss.detach().clone(), grads
-
-
-def train_steps(case: Case, ctx_factory: Callable[[], object], steps: int = 3,
-                seed: int = 10):
-    """``steps`` AdamW steps; the forward of each under ``ctx_factory()``.
-
-    Returns one record per step: ``(loss, grads, params after the step)``.
-    """
-    opt = torch.optim.AdamW(case.model.parameters(), lr=1e-2)
-    records = []
-    for i in range(steps):
-        loss, grads = run_step(case.model, case.inputs, ctx_factory(), seed=seed + i,
-                               loss_fn=case.loss_fn)
-        opt.step()
-        params = {n: p.detach().clone() for n, p in case.model.named_parameters()}
-        records.append((loss, grads, params))
-    return records
-
-
-def reference_steps(name: str, steps: int = 3, seed: int = 10):
-    """``train_steps`` of a fresh ``name`` case without tiermem."""
-    return train_steps(make_case(name), contextlib.nullcontext, steps, seed)
-
-
-def assert_same_tensors(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor], what: str):
-    assert a.keys() == b.keys(), f"{what}: different names {sorted(a)} vs {sorted(b)}"
-    assert a, f"{what}: nothing to compare"
-    for n in a:
-        x, y = a[n], b[n]
-        assert x.dtype == y.dtype and x.shape == y.shape, f"{what}: {n} dtype/shape differ"
-        if not torch.equal(x, y):
-            diff = (x.double() - y.double()).abs().max().item()
-            raise AssertionError(f"{what}: {n} differs (max abs diff {diff:g})")
-
-
-def compare_records(records, ref, name: str) -> None:
-    """Loss, gradients and parameters of every step of ``train_steps`` records
-    equal (``torch.equal``) to those of ``ref``."""
-    assert len(records) == len(ref), f"{name}: {len(records)} steps vs {len(ref)}"
-    for step, ((loss, grads, params), (rloss, rgrads, rparams)) in enumerate(zip(records, ref)):
-        assert torch.equal(loss, rloss), f"{name} step {step}: loss {loss} != {rloss}"
-        assert_same_tensors(grads, rgrads, f"{name} step {step} grads")
-        assert_same_tensors(params, rparams, f"{name} step {step} params")
 
 
 # ---------------------------------------------------------------------------

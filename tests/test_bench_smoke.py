@@ -47,6 +47,7 @@ def smoke(tmp_path_factory):
     return out, res, proc
 
 
+@pytest.mark.slow
 def test_every_config_reported(smoke):
     _, res, _ = smoke
     assert set(res["configs"]) == set(res["configs_requested"])
@@ -57,6 +58,7 @@ def test_every_config_reported(smoke):
             assert e.get("reason"), f"{name}: status {e['status']} without a reason"
 
 
+@pytest.mark.slow
 def test_must_run_configs_ran_and_are_exact(smoke):
     _, res, _ = smoke
     assert res["exactness_reference"] == "baseline"
@@ -74,6 +76,7 @@ def test_must_run_configs_ran_and_are_exact(smoke):
         assert ex["isolated_losses_equal"] and ex["isolated_state_equal"], (name, ex)
 
 
+@pytest.mark.slow
 def test_tiermem_rows_moved_what_their_policy_says(smoke):
     _, res, _ = smoke
     c = res["configs"]
@@ -90,6 +93,7 @@ def test_tiermem_rows_moved_what_their_policy_says(smoke):
     assert res["link_analysis"]["configs"]["tiermem_nvme"]["disk_write_seconds"] > 0
 
 
+@pytest.mark.slow
 def test_baseline_repeat_control(smoke):
     _, res, _ = smoke
     rep = res["interleaved"]["baseline_repeat"]
@@ -97,6 +101,7 @@ def test_baseline_repeat_control(smoke):
     assert "_baseline_repeat" not in res["configs"]
 
 
+@pytest.mark.slow
 def test_ceilings_and_machine(smoke):
     _, res, _ = smoke
     ceil = res["ceilings"]
@@ -108,6 +113,7 @@ def test_ceilings_and_machine(smoke):
         assert m.get(k), k
 
 
+@pytest.mark.slow
 def test_peers_say_whether_they_ran(smoke):
     _, res, _ = smoke
     for peer in ("torchtune", "deepspeed"):
@@ -121,6 +127,7 @@ def test_peers_say_whether_they_ran(smoke):
     assert res["configs"]["tiermem_auto"]["status"] == "skipped"   # the planner: not yet
 
 
+@pytest.mark.slow
 def test_outputs(smoke):
     out, res, _ = smoke
     md = (out / "smoke.md").read_text()
@@ -135,6 +142,7 @@ def test_outputs(smoke):
         assert "matplotlib" in res["plots"]["skipped"]
 
 
+@pytest.mark.slow
 def test_plots_and_rerender_from_json(smoke, tmp_path):
     out, res, _ = smoke
     src = tmp_path / "again.json"

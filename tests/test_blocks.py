@@ -13,7 +13,7 @@ import tiermem
 import tiermem.testing
 from tiermem.models import Block, GPTConfig, TinyGPT
 
-pytestmark = pytest.mark.usefixtures("clean_env")
+from helpers import assert_same_step
 
 CFG = GPTConfig(vocab=64, seq_len=32, width=32, heads=2, layers=3, dropout=0.1)
 
@@ -37,24 +37,16 @@ def _step(model, off=None, seed=7):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _same(a, b):
-    assert torch.equal(a[0], b[0])
-    assert a[1].keys() == b[1].keys()
-    for n in a[1]:
-        assert torch.equal(a[1][n], b[1][n]), n
-
-
 @pytest.mark.parametrize("checkpoint", [True, "selective"])
-@pytest.mark.parametrize("policy", ["keep", "cpu", "recompute,cpu"])
-def test_checkpointed_blocks_bit_identical(checkpoint, policy):
+def test_checkpointed_blocks_bit_identical(checkpoint, tier, make_off):
     ref = _step(_model())
     model = _model()
     wrapped = tiermem.wrap_blocks(model, Block, checkpoint=checkpoint)
     assert wrapped.names == ["blocks.0", "blocks.1", "blocks.2"]
-    off = tiermem.Offloader(policy=policy, min_offload_bytes=0)
-    _same(_step(model, off), ref)
+    off = make_off(tier)
+    assert_same_step(_step(model, off), ref)
     # Two steps in a row: the wrapping is reusable.
-    _same(_step(model, off), ref)
+    assert_same_step(_step(model, off), ref)
 
 
 def test_checkpoint_saves_far_less_and_block_inputs_go_to_the_policy():
@@ -83,7 +75,7 @@ def test_block_policy_overrides_the_offloader_policy_inside_blocks():
     tiermem.wrap_blocks(model, Block, checkpoint=False, policy="cpu")
     off = tiermem.Offloader(policy="recompute", min_offload_bytes=0)
     with tiermem.testing.record_placements(off) as where:
-        _same(_step(model, off), ref)
+        assert_same_step(_step(model, off), ref)
     inside = {tier for m, tier in where if m.startswith("TinyGPT.blocks.")}
     outside = {tier for m, tier in where if not m.startswith("TinyGPT.blocks.")}
     assert inside == {"cpu"} and outside == {"recompute"}
@@ -109,7 +101,7 @@ def test_deepcopy_and_pickle_keep_the_wrapping_on_the_copy():
     assert twin.blocks[0].forward.module is twin.blocks[0]
     clone = pickle.loads(pickle.dumps(model))
     assert clone.blocks[1].forward.module is clone.blocks[1]
-    _same(_step(twin), _step(model))
+    assert_same_step(_step(twin), _step(model))
 
 
 def test_selectors_names_and_predicates():
@@ -162,7 +154,7 @@ def test_block_policy_with_recompute_turns_producer_tracking_on():
     model = _model()
     w = tiermem.wrap_blocks(model, Block, checkpoint=False, policy="recompute,cpu")
     off = tiermem.Offloader(policy="cpu", min_offload_bytes=0)
-    _same(_step(model, off), ref)
+    assert_same_step(_step(model, off), ref)
     assert off.stats.count_by_tier["recompute"] > 0     # inside the blocks
     twin = copy.deepcopy(model)                          # the copy's blocks count too
     w.unwrap()

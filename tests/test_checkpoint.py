@@ -23,8 +23,9 @@ the same order, and checkpoint preserves the RNG state, so everything is
 compared with ``torch.equal`` against two references: the same checkpointed
 model without tiermem, and the plain model without checkpointing.
 
-Tiers: ``keep``, ``cpu``, ``nvme`` (Python engine), ``recompute`` and
-``recompute,cpu``, all with ``min_offload_bytes=0``.
+Tiers: the ``tier`` fixture (``keep``, ``cpu``, ``nvme`` (Python engine),
+``recompute`` and ``recompute,cpu``), all with ``min_offload_bytes=0``
+(``make_off``, see conftest.py).
 
 What tiermem sees of a checkpointed region: only its boundary, the inputs the
 checkpoint saves (``_NoopSaveInputs``/``SavedTensor`` for the non-reentrant
@@ -48,9 +49,8 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, checkpoint_seq
 
 import tiermem
 import tiermem.testing
-from models import assert_same_tensors, make_case
-
-pytestmark = pytest.mark.usefixtures("clean_env")
+from helpers import assert_same_tensors, compare_records
+from models import make_case
 
 STEPS = 3
 _aten = torch.ops.aten
@@ -169,28 +169,6 @@ COMBO_IDS = [f"{m}-{v}" for m, v in COMBOS]
 #: Where the checkpoint's input (the GELU output) is dropped by the recompute tier.
 _CKPT_INPUT_RECOMPUTED = {("mlp", "checkpoint"), ("mlp", "reentrant"), ("mlp", "sac")}
 
-POLICIES = ["keep", "cpu", "nvme", "recompute", "recompute,cpu"]
-
-
-@pytest.fixture
-def make_off(tmp_path):
-    """``make_off(policy)``: an Offloader sending everything through ``policy``
-    (nvme: a fresh directory, Python engine); closed at teardown."""
-    made = []
-
-    def make(policy, **kw):
-        kw.setdefault("min_offload_bytes", 0)
-        kw.setdefault("nvme_dir", str(tmp_path / "spill"))
-        kw.setdefault("engine", "python")
-        off = tiermem.Offloader(policy=policy, **kw)
-        made.append(off)
-        return off
-
-    yield make
-    for off in made:
-        off.close()
-
-
 # ---------------------------------------------------------------------------
 # Steps
 # ---------------------------------------------------------------------------
@@ -277,14 +255,6 @@ def _reference(model_name, variant, input_grad):
     return _train(model_name, variant, input_grad, contextlib.nullcontext)
 
 
-def _compare(records, ref, what):
-    assert len(records) == len(ref)
-    for step, ((loss, grads, params), (rloss, rgrads, rparams)) in enumerate(zip(records, ref)):
-        assert torch.equal(loss, rloss), f"{what} step {step}: loss {loss} != {rloss}"
-        assert_same_tensors(grads, rgrads, f"{what} step {step} grads")
-        assert_same_tensors(params, rparams, f"{what} step {step} params")
-
-
 def _offloaded_counts(stats):
     return {t: stats.count_by_tier[t] for t in ("cpu", "nvme", "recompute")}
 
@@ -299,23 +269,24 @@ def test_checkpointed_reference_equals_plain_model(model_name, variant):
     bit-identical to the plain model (same ops, RNG state preserved)."""
     ig = _input_grad(model_name, variant)
     records = _reference(model_name, variant, ig)
-    _compare(records, _reference(model_name, None, ig), f"{model_name}/{variant} vs plain")
+    compare_records(records, _reference(model_name, None, ig), f"{model_name}/{variant} vs plain")
     # The steps changed the parameters: not a frozen model.
     first, last = records[0][2], records[-1][2]
     assert any(not torch.equal(first[n], last[n]) for n in first)
 
 
-@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("model_name,variant", COMBOS, ids=COMBO_IDS)
-def test_exact_gradients(model_name, variant, policy, make_off):
+def test_exact_gradients(model_name, variant, tier, make_off):
+    policy = tier
     ig = _input_grad(model_name, variant)
     off = make_off(policy)
     seen = []
     records = _train(model_name, variant, ig, lambda: off,
                      on_step=lambda phase: phase == "backward" and seen.append(off.stats))
     what = f"{model_name}/{variant}/{policy}"
-    _compare(records, _reference(model_name, variant, ig), what + " vs checkpoint without tiermem")
-    _compare(records, _reference(model_name, None, ig), what + " vs plain model")
+    compare_records(records, _reference(model_name, variant, ig),
+                    what + " vs checkpoint without tiermem")
+    compare_records(records, _reference(model_name, None, ig), what + " vs plain model")
 
     assert len(seen) == STEPS
     for stats in seen:
@@ -456,7 +427,7 @@ def _forward_fields(stats):
 @pytest.mark.parametrize("answer", list(_ANSWERS))
 @pytest.mark.parametrize("model_name,variant", COMBOS, ids=COMBO_IDS)
 def test_backward_does_not_consult_policy_or_change_stats(model_name, variant, answer,
-                                                          make_off):
+                                                          make_off, nvme_dir):
     """Backward outside the context (what training does): the checkpoints'
     recomputation neither asks the policy nor adds to the step's stats."""
     calls = []
@@ -465,7 +436,7 @@ def test_backward_does_not_consult_policy_or_change_stats(model_name, variant, a
         calls.append(info)
         return _ANSWERS[answer]
 
-    off = make_off(policy)
+    off = make_off(policy, nvme_dir=nvme_dir)
     snap = {}
 
     def on_step(phase):
@@ -476,13 +447,13 @@ def test_backward_does_not_consult_policy_or_change_stats(model_name, variant, a
 
     ig = _input_grad(model_name, variant)
     records = _train(model_name, variant, ig, lambda: off, steps=2, on_step=on_step)
-    _compare(records, _reference(model_name, variant, ig)[:2], f"{model_name}/{variant}")
+    compare_records(records, _reference(model_name, variant, ig)[:2], f"{model_name}/{variant}")
     assert calls, "the policy was never asked"
 
 
 @pytest.mark.parametrize("policy", ["cpu", "nvme", "recompute,cpu"])
 @pytest.mark.parametrize("model_name,variant", COMBOS, ids=COMBO_IDS)
-def test_backward_inside_context(model_name, variant, policy, make_off):
+def test_backward_inside_context(model_name, variant, policy, make_off, nvme_dir):
     """Backward inside ``with off:`` (autograd.grad, or backward() for the
     reentrant variants): the tensors a reentrant checkpoint regenerates are
     saved while tiermem's hooks are active; they are kept on the device (the
@@ -493,7 +464,7 @@ def test_backward_inside_context(model_name, variant, policy, make_off):
         calls.append(info)
         return policy.split(",")
 
-    off = make_off(counting)
+    off = make_off(counting, nvme_dir=nvme_dir)
     snap = {}
 
     def on_step(phase):
@@ -507,8 +478,8 @@ def test_backward_inside_context(model_name, variant, policy, make_off):
     records = _train(model_name, variant, ig, lambda: off, steps=2, backward_inside=True,
                      on_step=on_step)
     what = f"{model_name}/{variant}/{policy} backward inside"
-    _compare(records, _reference(model_name, variant, ig)[:2], what)
-    _compare(records, _reference(model_name, None, ig)[:2], what + " vs plain")
+    compare_records(records, _reference(model_name, variant, ig)[:2], what)
+    compare_records(records, _reference(model_name, None, ig)[:2], what + " vs plain")
     assert calls
 
 
@@ -607,10 +578,10 @@ _DOUBLE_COMBOS = [("block", "checkpoint"), ("block", "reentrant"), ("block", "sa
                   ("mlp", "sequential"), ("mlp", "sequential_reentrant")]
 
 
-@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("model_name,variant", _DOUBLE_COMBOS,
                          ids=[f"{m}-{v}" for m, v in _DOUBLE_COMBOS])
-def test_double_backward(model_name, variant, policy, make_off):
+def test_double_backward(model_name, variant, tier, make_off):
+    policy = tier
     off = make_off(policy)
     if variant not in _DOUBLE_OK:
         errors = []
@@ -635,18 +606,19 @@ def test_double_backward(model_name, variant, policy, make_off):
 
 @pytest.mark.parametrize("policy", ["cpu", "nvme", "recompute,cpu"])
 @pytest.mark.parametrize("model_name,variant", [("block", "checkpoint"), ("mlp", "sequential")])
-def test_double_backward_first_grad_inside_context(model_name, variant, policy, make_off):
+def test_double_backward_first_grad_inside_context(model_name, variant, policy, make_off,
+                                                   nvme_dir):
     """create_graph=True inside the context: the tensors the first backward saves
     for the second are kept (the policy is not asked for them)."""
     calls = []
-    off = make_off(lambda info: calls.append(info) or policy.split(","))
+    off = make_off(lambda info: calls.append(info) or policy.split(","), nvme_dir=nvme_dir)
     ref = _penalty_step(model_name, variant, contextlib.nullcontext())
     got = _penalty_step(model_name, variant, off, grad_inside=True)
     _expect_same(got, ref, f"{model_name}/{variant}/{policy} grad inside")
     asked = len(calls)
     # As many policy calls as a forward alone makes.
     calls.clear()
-    off2 = make_off(lambda info: calls.append(info) or policy.split(","))
+    off2 = make_off(lambda info: calls.append(info) or policy.split(","), nvme_dir=nvme_dir)
     s = _Setup(model_name, variant, False)
     torch.manual_seed(7)
     with off2:

@@ -15,13 +15,6 @@ from tiermem.config import parse_bool, parse_size
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
-    for name in list(__import__("os").environ):
-        if name.startswith("TIERMEM_"):
-            monkeypatch.delenv(name)
-
-
 @pytest.mark.parametrize("text,expected", [
     ("4096", 4096), ("0", 0), ("512MiB", 512 * 2**20), ("16GB", 16 * 10**9),
     ("1k", 1000), ("2KiB", 2048), ("1.5GiB", int(1.5 * 2**30)), (" 64 kib ", 64 * 1024),

@@ -5,7 +5,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow
 def test_demo_two_steps_gradients_match_plain_autograd():
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIERMEM_")}
     proc = subprocess.run(
@@ -21,6 +24,7 @@ def test_demo_two_steps_gradients_match_plain_autograd():
     assert "gradients match plain autograd bit-for-bit in all 2 steps" in out, out
 
 
+@pytest.mark.slow
 def test_demo_recompute_cpu_policy_runs_and_matches():
     from tiermem.demo import run_demo
 

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def _run(*args, env_extra=None):
     import os
@@ -14,6 +16,7 @@ def _run(*args, env_extra=None):
                           text=True, env=env, timeout=300)
 
 
+@pytest.mark.slow
 def test_doctor_measures_the_nvme_dir(tmp_path):
     r = _run("doctor", "--dir", str(tmp_path), "--mib", "8", "--json")
     assert r.returncode == 0, r.stderr
@@ -34,6 +37,7 @@ def test_doctor_reports_a_bad_dir_and_fails(tmp_path):
     assert "is a file, not a directory" in r.stdout
 
 
+@pytest.mark.slow
 def test_doctor_without_dir_still_reports():
     r = _run("doctor")
     assert r.returncode == 0, r.stderr
@@ -43,7 +47,7 @@ def test_doctor_without_dir_still_reports():
 def test_o_direct_probe_answers_as_the_engines_and_leaves_no_file(tmp_path):
     """ramfs creates the file, then refuses O_DIRECT: 'no', and the probe file
     is gone; the doctor and the engine say the same thing."""
-    from mounts import mounted
+    from helpers import mounted
 
     from tiermem import doctor
     from tiermem.io import get_engine
@@ -67,6 +71,7 @@ def test_o_direct_probe_answers_as_the_engines_and_leaves_no_file(tmp_path):
     assert os.listdir(disk) == ["data"]
 
 
+@pytest.mark.slow
 def test_build_prints_the_extension_and_whether_it_has_the_cuda_chain():
     from tiermem.io import engine_info
     if engine_info()["engine"] != "cpp":
@@ -81,6 +86,7 @@ def test_build_prints_the_extension_and_whether_it_has_the_cuda_chain():
     assert any(line.startswith("CUDA chain: ") for line in lines), r.stdout
 
 
+@pytest.mark.slow
 def test_a_bad_setting_is_one_line_on_stderr_and_exit_2():
     r = _run("demo", "--steps", "1", "--no-progress", env_extra={"TIERMEM_ENGINE": "rust"})
     assert r.returncode == 2, (r.returncode, r.stderr)

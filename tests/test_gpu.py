@@ -18,9 +18,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import tiermem
 import tiermem.testing
 from tiermem import copier, jobs
-from gpu_checks import assert_same_step, forbid_host_waits
+from helpers import assert_same_step, forbid_host_waits
 
-pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("clean_env")]
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("deterministic")]
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
@@ -29,15 +29,10 @@ DEV = torch.device("cuda")
 SLEEP_CYCLES = 50_000_000  # ~25 ms at ~2 GHz: far longer than any copy here
 
 
-@pytest.fixture(autouse=True)
-def _deterministic():
-    """Bit-exact comparisons across runs need deterministic kernels: the fused
-    attention backwards split work non-deterministically by default, so the
-    test model uses the math SDPA backend, and cuBLAS a fixed workspace."""
-    old = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(old)
+# Bit-exact comparisons across runs need deterministic kernels (the
+# ``deterministic`` fixture, for every test here): the fused attention
+# backwards split work non-deterministically by default, so the test model uses
+# the math SDPA backend, and cuBLAS a fixed workspace (CUBLAS_WORKSPACE_CONFIG).
 
 
 class Block(torch.nn.Module):
@@ -287,15 +282,10 @@ def test_conjugate_view_moved_to_cpu_tier_keeps_its_values(monkeypatch):
 
 
 def _nvme_off(tmp_path, engine, **kw):
-    if engine == "cpp":
-        info = tiermem.engine_info("cpp")
-        if info["engine"] != "cpp":
-            pytest.skip(f"C++ engine unavailable: {info['reason']}")
     return tiermem.Offloader(policy="nvme", nvme_dir=str(tmp_path / "spill"), engine=engine,
                              min_offload_bytes=0, **kw)
 
 
-@pytest.mark.parametrize("engine", ["python", "cpp"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_nvme_gradients_bit_identical_on_cuda(tmp_path, engine, dtype):
     """The transformer block with dropout through the nvme tier: the Python

@@ -26,7 +26,7 @@ import torch
 import tiermem
 import tiermem.io as tio
 from tiermem.io import ALIGN_BYTES, IOEngine, IOFile, IOFuture, aligned_empty, get_engine
-from mounts import mounted
+from helpers import cpp_engine_unavailable, mounted
 
 MiB = 1 << 20
 SIZES = [1, 4095, 4096, 4097, MiB + 3, 5 * MiB]
@@ -38,19 +38,13 @@ DTYPES = [getattr(torch, name) for name in (
     if isinstance(getattr(torch, name, None), torch.dtype)]
 
 
-def _cpp_unavailable() -> str | None:
-    from tiermem.io import cpp
-    try:
-        cpp.load_extension()
-    except tiermem.TierMemError as e:
-        return str(e)[:500]
-    return None
-
-
+# ``kind`` and ``engine`` here are this suite's own: the engine's name, and an
+# IOEngine object of that kind (conftest's ``engine`` fixture, a name, is
+# shadowed in this file).
 @pytest.fixture(params=["python", "cpp"])
 def kind(request) -> str:
     if request.param == "cpp":
-        reason = _cpp_unavailable()
+        reason = cpp_engine_unavailable()
         if reason:
             pytest.skip(f"the C++ extension cannot be built: {reason}")
     return request.param
@@ -226,6 +220,7 @@ def test_future_keeps_the_buffer_alive(engine, tmp_path):
     f.close()
 
 
+@pytest.mark.slow
 def test_done_means_the_engine_let_go_of_the_buffer(engine, tmp_path):
     """Once done() (or wait()) says a request finished, the engine holds its
     buffer no more: memory is given back as the tiers count it."""
@@ -251,7 +246,7 @@ def test_cpp_requests_finish_while_python_holds_the_gil(tmp_path):
     to wait for the GIL to drop each buffer: up to a switch interval per
     request while a training thread ran Python. The switch interval is made
     huge so that a worker that needs the GIL cannot get it during the test."""
-    reason = _cpp_unavailable()
+    reason = cpp_engine_unavailable()
     if reason:
         pytest.skip(f"the C++ extension cannot be built: {reason}")
     from tiermem.io.cpp import CppEngine
@@ -283,7 +278,7 @@ def test_cpp_buffers_come_back_without_another_engine_call(tmp_path):
     """A buffer the C++ workers let go of off the GIL is destroyed by a drain
     the main thread runs at its next bytecode boundary, not only at the next
     engine call (the last restores of a backward pass have none after them)."""
-    reason = _cpp_unavailable()
+    reason = cpp_engine_unavailable()
     if reason:
         pytest.skip(f"the C++ extension cannot be built: {reason}")
     from tiermem.io.cpp import CppEngine
@@ -514,6 +509,7 @@ def test_submits_from_several_python_threads(engine, tmp_path):
     f.close()
 
 
+@pytest.mark.slow
 def test_cpp_core_is_race_free_under_thread_sanitizer(tmp_path):
     """csrc/io_engine.cpp driven by csrc/tests/stress_io.cpp, built with -fsanitize=thread."""
     cxx = shutil.which("g++") or shutil.which("c++")

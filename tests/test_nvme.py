@@ -20,64 +20,26 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import tiermem
 import tiermem.testing
-from mounts import mounted
-from models import MODEL_NAMES, compare_records, make_case, reference_steps, train_steps
-
-pytestmark = pytest.mark.usefixtures("clean_env")
-
-ENGINES = ["python", "cpp"]
+from helpers import compare_records, mounted, offloader, reference_steps, train_steps, until
+from models import SaveIt, make_case
 
 
-@pytest.fixture
-def nvme_dir(tmp_path):
-    return str(tmp_path / "spill")
+def _off(nvme_dir, **settings):
+    """An Offloader of policy nvme (unless ``settings`` say otherwise) spilling
+    to ``nvme_dir`` (``helpers.offloader``: every tensor, the Python engine)."""
+    settings.setdefault("policy", "nvme")
+    return offloader(nvme_dir=nvme_dir, **settings)
 
 
-@pytest.fixture(params=ENGINES)
-def engine(request):
-    if request.param == "cpp":
-        from tiermem.io import engine_info
-        info = engine_info()
-        if info["engine"] != "cpp":
-            pytest.skip(f"C++ engine unavailable: {info['reason']}")
-    return request.param
-
-
-def _off(nvme_dir, policy="nvme", **kw):
-    kw.setdefault("min_offload_bytes", 0)
-    kw.setdefault("engine", "python")
-    return tiermem.Offloader(policy=policy, nvme_dir=nvme_dir, **kw)
-
-
-def _mixed(info: tiermem.TensorInfo):
-    return ("keep", "cpu", "nvme")[info.index % 3]
-
-
-@pytest.mark.parametrize("model_name", MODEL_NAMES)
-def test_nvme_gradients_bit_identical(model_name, nvme_dir):
-    ref = reference_steps(model_name, 3)
-    off = _off(nvme_dir)
-    compare_records(train_steps(make_case(model_name), lambda: off, 3), ref, model_name)
-    assert off.stats.count_by_tier["nvme"] > 0
-    off.close()
-
-
+# Every model through the nvme tier, and a callable mixing keep, cpu and nvme:
+# the core matrix in test_gradients.py. Here: each engine, with and without
+# checksums.
 @pytest.mark.parametrize("verify", [False, True], ids=["plain", "verify"])
 def test_nvme_gradients_bit_identical_per_engine(engine, verify, nvme_dir):
     ref = reference_steps("block", 3)
     off = _off(nvme_dir, engine=engine, verify=verify)
     compare_records(train_steps(make_case("block"), lambda: off, 3), ref, f"block/{engine}")
     assert off.stats.count_by_tier["nvme"] > 0
-    off.close()
-
-
-@pytest.mark.parametrize("model_name", ["mlp", "block", "embed_gather"])
-def test_mixed_keep_cpu_nvme_policy_bit_identical(model_name, nvme_dir):
-    ref = reference_steps(model_name, 3)
-    off = _off(nvme_dir, policy=_mixed)
-    compare_records(train_steps(make_case(model_name), lambda: off, 3), ref, model_name)
-    counts = off.stats.count_by_tier
-    assert counts["nvme"] > 0 and counts["cpu"] > 0 and counts["keep"] > 0
     off.close()
 
 
@@ -252,6 +214,7 @@ def _spawn(nvme_dir):
     return p
 
 
+@pytest.mark.slow
 def test_directory_of_a_killed_process_is_removed_at_next_start(nvme_dir):
     dead = _spawn(nvme_dir)
     alive = _spawn(nvme_dir)
@@ -394,6 +357,7 @@ def test_forked_child_leaves_the_parents_directory(nvme_dir):
     assert os.listdir(nvme_dir) == []
 
 
+@pytest.mark.slow
 def test_directory_removed_at_interpreter_exit(nvme_dir):
     code = _CHILD.replace("time.sleep(60)", "")
     assert code != _CHILD
@@ -528,37 +492,6 @@ def test_exception_mid_forward_frees_disk_extents(nvme_dir):
     off.close()
 
 
-@pytest.mark.parametrize("landed", [False, True], ids=["in_flight", "landed"])
-@pytest.mark.parametrize("name", ["contiguous", "transpose", "step_slice_2", "step_slice_3",
-                                  "narrow_rows", "offset_by_one", "narrow_row_tail",
-                                  "expand_row", "overlapping", "zero_dim_view", "int64",
-                                  "bool", "bfloat16", "complex_conj", "float64_nan_inf"])
-def test_layout_roundtrip_through_nvme(name, landed, nvme_dir):
-    from models import SaveIt
-    from test_semantics import LAYOUTS, _expect_compact, _same_values
-    t = LAYOUTS[name]()
-    expected = t.clone()
-    sink: list = []
-    w = torch.ones((), requires_grad=True)
-    off = _off(nvme_dir)
-    with off:
-        out = SaveIt.apply(t, w, sink)
-    if landed:
-        tiermem.testing.store_of(off, tiermem.Tier.NVME).drain()
-        tiermem.testing.poll(off)
-    out.backward()
-    (u,) = sink
-    assert u.shape == t.shape and u.dtype == t.dtype
-    assert _same_values(u, expected)
-    assert off.stats.count_by_tier["nvme"] == 1
-    if _expect_compact(t):
-        assert u.is_contiguous()
-    else:
-        assert u.stride() == t.stride()
-        assert u.data_ptr() % 64 == t.data_ptr() % 64
-    off.close()
-
-
 # -- staged moves (NOTE [Staged moves] in tiermem/tiers/moving.py) -----------------
 # CUDA tensors go device -> staging -> disk, and their device memory is freed
 # once the bytes are in staging. Here CPU tensors take the same path
@@ -570,11 +503,10 @@ def _staged(nvme_dir, **kw):
     return off
 
 
-@pytest.mark.parametrize("model_name", MODEL_NAMES)
-def test_staged_writes_gradients_bit_identical(model_name, nvme_dir, engine):
-    ref = reference_steps(model_name, 3)
+def test_staged_writes_gradients_bit_identical(model_case, nvme_dir, engine):
+    ref = reference_steps(model_case.name, 3)
     off = _staged(nvme_dir, engine=engine)
-    compare_records(train_steps(make_case(model_name), lambda: off, 3), ref, model_name)
+    compare_records(train_steps(model_case, lambda: off, 3), ref, model_case.name)
     assert off.stats.count_by_tier["nvme"] > 0
     off.close()
     assert os.listdir(nvme_dir) == []
@@ -601,19 +533,12 @@ def _chain(x):
     return (x * 2).sin().cos().exp()
 
 
-def _until(cond, what):
-    deadline = time.monotonic() + 10
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.002)
-
-
 def _until_staged(off, handles):
     """Poll until every handle's source is gone and its bytes are in staging."""
     def staged():
         tiermem.testing.poll(off)
         return all(h.host is not None and h.src is None for h in handles)
-    _until(staged, "the copies to staging never landed")
+    until(staged, "the copies to staging never landed")
 
 
 def test_staged_source_is_freed_once_copied_and_served_from_staging(nvme_dir):
@@ -754,13 +679,13 @@ def test_staged_sources_dropped_when_writes_finish_out_of_order(nvme_dir):
         out = _chain(x)
     handles = [r() for r, _ in store.pending_moves()]
     assert len(handles) >= 3
-    _until(lambda: all(job.done() for _, job in list(store.pending_moves())[1:]),
+    until(lambda: all(job.done() for _, job in list(store.pending_moves())[1:]),
            "the later writes never finished")
 
     def later_dropped():
         tiermem.testing.poll(off)
         return all(h.src is None for h in handles[1:])
-    _until(later_dropped, "sources kept behind a write still in flight")
+    until(later_dropped, "sources kept behind a write still in flight")
     assert handles[0].host is not None or handles[0].src is not None   # not landed
     first.set()
     out.sum().backward()
@@ -775,8 +700,6 @@ def test_restored_view_keeps_its_address_modulo_64_and_reads_direct(nvme_dir, fi
     NOTE [Layout of a moved tensor]); a tensor whose data is 64-aligned is
     read straight into page-aligned memory (the engine's direct path), even
     where torch placed it at a page plus 64 bytes."""
-    from models import SaveIt
-
     from tiermem.io import aligned_empty
     base = aligned_empty(4 * (4096 + 64) + 64)[64:].view(torch.float32)   # page + 64
     base.copy_(torch.randn(4096 + 64))

@@ -1,14 +1,11 @@
 """The prefetch window: sized from what the step moved when unset, and
 respected by restores from disk."""
 
-import pytest
 import torch
 
 import tiermem
 import tiermem.testing
 from tiermem.prefetch import AUTO_MAX_BYTES, AUTO_MIN_BYTES, auto_window_bytes
-
-pytestmark = pytest.mark.usefixtures("clean_env")
 
 
 def test_auto_window_is_a_quarter_of_the_moved_bytes_within_bounds():
@@ -46,16 +43,11 @@ def test_set_window_is_used_as_given(monkeypatch):
     off.close()
 
 
-@pytest.mark.parametrize("engine", ["python", "cpp"])
 def test_nvme_restores_stay_within_the_window(tmp_path, monkeypatch, engine):
     """Reads from disk are started ahead of need, but never more than the
     window (plus the one tensor that crosses it) restored and not yet taken."""
     from tiermem.prefetch import Prefetcher
 
-    if engine == "cpp":
-        info = tiermem.engine_info("cpp")
-        if info["engine"] != "cpp":
-            pytest.skip(f"C++ engine unavailable: {info['reason']}")
     monkeypatch.setenv("TIERMEM_PREFETCH_BYTES", "3MiB")
     peaks = []
     advance = Prefetcher.advance

@@ -1,4 +1,5 @@
-"""The semantics every tier must keep (DESIGN.md), tested on the CPU.
+"""The semantics every tier must keep (docs/design.md, section "Semantics every
+tier must keep"; the README's "What is guaranteed"), tested on the CPU.
 
 Saved tensors are observed directly through ``models.SaveIt``, a Function whose
 forward saves exactly the tensor it is given and whose backward hands back what
@@ -22,17 +23,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import tiermem
 import tiermem.testing
-from models import (MLP, SaveIt, assert_same_tensors, make_case, reference_steps, run_step,
-                    train_steps)
-
-pytestmark = pytest.mark.usefixtures("clean_env")
-
-TIERS = ["keep", "cpu"]
-
-
-def _off(policy="cpu", **kw):
-    kw.setdefault("min_offload_bytes", 0)
-    return tiermem.Offloader(policy=policy, **kw)
+from helpers import (assert_same_tensors, expect_compact, land_moves, moved_count, offloader,
+                     reference_steps, run_step, same_bits, train_steps)
+from models import MLP, SaveIt, make_case
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
@@ -74,48 +67,31 @@ LAYOUTS = {
 }
 
 
-def _expect_compact(t: torch.Tensor) -> bool:
-    """tiermem's rule: a gapped view whose storage span exceeds twice its
-    elements is moved as a dense copy."""
-    if t.numel() == 0 or t.is_contiguous():
-        return False
-    span = 1 + sum((n - 1) * s for n, s in zip(t.size(), t.stride()))
-    return span > 2 * t.numel()
-
-
-def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality (NaN == NaN, -0.0 != 0.0)."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if a.numel() == 0:
-        return True
-    if a.dtype.is_floating_point:
-        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-        return torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
-    return torch.equal(a, b)
-
-
 @pytest.mark.parametrize("landed", [False, True], ids=["in_flight", "landed"])
-@pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_roundtrip(name, tier, landed):
+def test_layout_roundtrip(name, storage_tier, landed, make_off):
+    tier = storage_tier
     t = LAYOUTS[name]()
     expected = t.clone()
     sink: list = []
     w = torch.ones((), requires_grad=True)
-    off = _off(tier)
+    off = make_off(tier)
     with off:
         out = SaveIt.apply(t, w, sink)
     if landed:
-        off.close()  # waits for the copies in flight: backward restores from host memory
+        if tier == "cpu":
+            off.close()      # waits for the copies in flight: backward restores from host memory
+        else:
+            land_moves(off)  # (closed, the nvme tier could not read back: it is left open)
     out.backward()
     (u,) = sink
     assert u.dtype == t.dtype and u.device == t.device
     assert u.shape == t.shape
-    assert _same_values(u, expected), f"{name}/{tier}: values differ"
+    assert same_bits(u, expected), f"{name}/{tier}: values differ"
     stats = off.stats
-    moved = t.numel() > 0 and tier == "cpu"
-    assert stats.count_by_tier["cpu"] == (1 if moved else 0)
+    moved = t.numel() > 0 and tier != "keep"
+    assert stats.count_by_tier[tier if moved else "keep"] == 1
+    assert moved_count(stats) == (1 if moved else 0)
     if t.numel() == 0:
         assert stats.small_count == 1
     if tier == "keep":
@@ -123,17 +99,17 @@ def test_layout_roundtrip(name, tier, landed):
         return
     if not moved:
         return
-    assert stats.bytes_by_tier["cpu"] == t.numel() * t.element_size()
-    if not landed and u.stride() == t.stride():
+    assert stats.bytes_by_tier[tier] == t.numel() * t.element_size()
+    if tier == "cpu" and not landed and u.stride() == t.stride():
         pass  # backward came before the copy landed: the original itself may be used
-    elif _expect_compact(t):
+    elif expect_compact(t):
         assert u.is_contiguous(), f"{name}: a compact copy should be dense, got {u.stride()}"
     else:
         assert u.stride() == t.stride(), f"{name}: strides {u.stride()} != {t.stride()}"
         # Same pointer alignment (vectorized kernels, hence reduction order, depend on it).
         assert u.data_ptr() % 64 == t.data_ptr() % 64, f"{name}: alignment changed"
     if landed:
-        # Restored from the host copy, not the original storage.
+        # Restored from the host copy or the disk, not the original storage.
         assert _storage_ptr(u) != _storage_ptr(t)
         assert stats.prefetch_hits + stats.prefetch_misses == 1
 
@@ -147,7 +123,7 @@ def test_restored_view_does_not_alias_neighbours():
     expected = t.clone()
     sink: list = []
     w = torch.ones((), requires_grad=True)
-    off = _off("cpu")
+    off = offloader("cpu")
     with off:
         out = SaveIt.apply(t, w, sink)
     off.close()
@@ -168,7 +144,7 @@ def test_dedup_one_tensor_saved_twice_is_stored_once():
     t = torch.randn(64, 64)
     sink: list = []
     w = torch.ones((), requires_grad=True)
-    off = _off("cpu")
+    off = offloader("cpu")
     with off:
         o1 = SaveIt.apply(t, w, sink)
         o2 = SaveIt.apply(t, w, sink)
@@ -187,7 +163,7 @@ def test_dedup_distinguishes_views_and_real_ops():
     t = torch.randn(64, 64)
     sink: list = []
     w = torch.ones((), requires_grad=True)
-    off = _off("cpu")
+    off = offloader("cpu")
     with off:
         o1 = SaveIt.apply(t, w, sink)
         o2 = SaveIt.apply(t.t(), w, sink)
@@ -199,7 +175,7 @@ def test_dedup_distinguishes_views_and_real_ops():
 
     lin = nn.Linear(32, 32)
     x = torch.randn(16, 32)
-    for ctx in (contextlib.nullcontext(), _off("cpu")):
+    for ctx in (contextlib.nullcontext(), offloader("cpu")):
         lin.zero_grad()
         with ctx:
             h = lin(x)
@@ -232,7 +208,7 @@ def test_parameters_and_buffers_never_moved():
     sink: list = []
     w = torch.ones((), requires_grad=True)
     infos = []
-    off = _off(lambda info: infos.append(info) or "cpu")
+    off = offloader(lambda info: infos.append(info) or "cpu")
     with off:
         out = m(torch.randn(8, 64), w, sink)
     out.backward()
@@ -255,7 +231,7 @@ def test_linear_weight_t_view_never_reaches_policy():
     model = MLP()
     x = torch.randn(32, MLP.D_IN, requires_grad=False)
     infos = []
-    off = _off(lambda info: infos.append(info) or "cpu")
+    off = offloader(lambda info: infos.append(info) or "cpu")
     with off:
         loss = model(x).square().mean()
     loss.backward()
@@ -291,10 +267,19 @@ def test_small_tensors_stay():
 # Autograd entry points: grad, retain_graph, create_graph, checkpoint
 # ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("tier", TIERS)
-def test_autograd_grad(tier):
+def _expect_tier_used(stats, tier) -> None:
+    """The run with policy ``tier`` really put tensors there (not a vacuous pass)."""
+    if tier == "keep":
+        assert moved_count(stats) == 0, stats
+        return
+    for t in ("cpu", "nvme", "recompute"):
+        if t in tier.split(","):
+            assert stats.count_by_tier[t] > 0, f"nothing went to {t}: {stats}"
+
+
+def test_autograd_grad(tier, make_off):
     results = []
-    for ctx in (contextlib.nullcontext(), _off(tier)):
+    for ctx in (contextlib.nullcontext(), make_off(tier)):
         case = make_case("block")
         params = list(case.model.parameters())
         torch.manual_seed(5)
@@ -306,20 +291,18 @@ def test_autograd_grad(tier):
     (rl, rg), (l, g) = results
     assert torch.equal(l, rl)
     assert all(torch.equal(a, b) for a, b in zip(g, rg))
-    if tier == "cpu":
-        assert ctx.stats.count_by_tier["cpu"] > 0
+    _expect_tier_used(ctx.stats, tier)
 
 
-@pytest.mark.parametrize("tier", TIERS)
-def test_retain_graph_two_backwards(tier):
+def test_retain_graph_two_backwards(tier, make_off):
     results = []
-    for ctx in (contextlib.nullcontext(), _off(tier)):
+    for ctx in (contextlib.nullcontext(), make_off(tier)):
         case = make_case("block")
         torch.manual_seed(5)
         with ctx:
             loss = case.loss()
-        for store in getattr(ctx, "_movers", ()):
-            store.drain()   # every move has landed: the prefetch counts below are exact
+        if isinstance(ctx, tiermem.Offloader):
+            land_moves(ctx)   # every move has landed: the restore counts below are exact
         loss.backward(retain_graph=True)
         g1 = {n: p.grad.clone() for n, p in case.model.named_parameters()}
         case.model.zero_grad(set_to_none=True)
@@ -332,11 +315,13 @@ def test_retain_graph_two_backwards(tier):
         assert_same_tensors(g1, g3, f"{tier}: backward 1 vs 3")
         results.append(g1)
     assert_same_tensors(results[1], results[0], f"{tier} vs reference")
-    if tier == "cpu":
-        s = ctx.stats
-        assert s.count_by_tier["cpu"] > 0
-        # Three passes restore every moved tensor that had landed, each time.
-        assert s.prefetch_hits + s.prefetch_misses >= s.count_by_tier["cpu"]
+    s = ctx.stats
+    _expect_tier_used(s, tier)
+    # Three passes restore every moved tensor, and regenerate every dropped
+    # one, each time.
+    moved = s.count_by_tier["cpu"] + s.count_by_tier["nvme"]
+    assert s.prefetch_hits + s.prefetch_misses == 3 * moved, s
+    assert s.recompute_count == 3 * s.count_by_tier["recompute"], s
 
 
 def _gradient_penalty_step(ctx, grad_inside: bool):
@@ -359,17 +344,15 @@ def _gradient_penalty_step(ctx, grad_inside: bool):
 
 
 @pytest.mark.parametrize("grad_inside", [False, True], ids=["grad_outside", "grad_inside"])
-@pytest.mark.parametrize("tier", TIERS)
-def test_create_graph_double_backward(tier, grad_inside):
+def test_create_graph_double_backward(tier, grad_inside, make_off):
     rtotal, rgrads = _gradient_penalty_step(contextlib.nullcontext(), grad_inside)
-    off = _off(tier)
+    off = make_off(tier)
     total, grads = _gradient_penalty_step(off, grad_inside)
     assert torch.equal(total, rtotal)
     assert_same_tensors(grads, rgrads, f"double backward {tier}")
     # The penalty really depends on second derivatives through saved activations.
     assert rgrads["0.weight"].abs().sum() > 0
-    if tier == "cpu":
-        assert off.stats.count_by_tier["cpu"] > 0
+    _expect_tier_used(off.stats, tier)
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
@@ -389,7 +372,7 @@ def test_checkpoint_inside_offloader(reentrant):
         return loss.detach(), grads
 
     rl, rg = step(contextlib.nullcontext())
-    off = _off("cpu")
+    off = offloader("cpu")
     l, g = step(off)
     assert torch.equal(l, rl)
     assert_same_tensors(g, rg, "checkpoint")
@@ -406,7 +389,7 @@ class _Boom(nn.Module):
 
 def test_exception_mid_forward_frees_everything_and_offloader_is_reusable():
     case = make_case("mlp")
-    off = _off("cpu")
+    off = offloader("cpu")
     in_use_before_raise = []
 
     def forward():
@@ -428,7 +411,7 @@ def test_exception_mid_forward_frees_everything_and_offloader_is_reusable():
     # Reusable: the next step runs, modules are named afresh (no stale "_Boom"),
     # and gradients are exact.
     infos = []
-    off2 = _off(lambda i: infos.append(i) or "cpu")
+    off2 = offloader(lambda i: infos.append(i) or "cpu")
     for o in (off, off2):
         loss, grads = run_step(case.model, case.inputs, o, loss_fn=case.loss_fn)
         rloss, rgrads = run_step(make_case("mlp").model, case.inputs, contextlib.nullcontext(),
@@ -439,6 +422,7 @@ def test_exception_mid_forward_frees_everything_and_offloader_is_reusable():
     assert [i.module for i in infos] == ["MLP.0", "MLP.1", "MLP.2", "MLP.3", ""]
 
 
+@pytest.mark.slow
 def test_host_buffers_freed_with_graph_when_copies_land_late():
     """Once a step's graph is freed and its copies have landed, the host buffers
     are free (``host_bytes_in_use`` docstring: "0 when their graphs are freed")
@@ -447,7 +431,7 @@ def test_host_buffers_freed_with_graph_when_copies_land_late():
     and a fresh Offloader (fresh, unfaulted buffers) make the copy slower than
     the tiny backward."""
     for attempt in range(5):
-        off = _off("cpu")
+        off = offloader("cpu")
         t = torch.randn(8 * 1024 * 1024)     # 32 MiB
         sink: list = []
         w = torch.ones((), requires_grad=True)
@@ -476,7 +460,7 @@ def test_device_memory_freed_when_copy_lands():
     """The point of offloading: the saved tensor's own storage is released once
     its copy has landed (seen at the next pack), long before backward."""
     x = torch.randn(1 << 20, requires_grad=True)
-    off = _off("cpu")
+    off = offloader("cpu")
     with off:
         y = x.exp()                                  # saves y (4 MiB)
         storage = StorageWeakRef(y.untyped_storage())
@@ -507,8 +491,7 @@ class _GraphConv(nn.Module):
 
 
 @pytest.mark.parametrize("as_buffer", [False, True], ids=["sparse_input", "sparse_buffer"])
-@pytest.mark.parametrize("tier", TIERS)
-def test_sparse_tensor_saved_inside_module_stays(tier, as_buffer):
+def test_sparse_tensor_saved_inside_module_stays(storage_tier, as_buffer, make_off):
     """Sparse tensors cannot be moved: they stay (``unsupported_count``) and
     gradients are exact, also when a module runs (parameters are being looked
     up) and when the sparse tensor is a module buffer."""
@@ -518,7 +501,7 @@ def test_sparse_tensor_saved_inside_module_stays(tier, as_buffer):
     torch.manual_seed(0)
     model = _GraphConv(adj if as_buffer else None)
     grads = []
-    for ctx in (contextlib.nullcontext(), _off(tier)):
+    for ctx in (contextlib.nullcontext(), make_off(storage_tier)):
         model.zero_grad(set_to_none=True)
         with ctx:
             out = model(x) if as_buffer else model(x, adj)
@@ -526,7 +509,7 @@ def test_sparse_tensor_saved_inside_module_stays(tier, as_buffer):
         loss.backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     assert_same_tensors(grads[1], grads[0], "sparse")
-    if tier == "cpu":
+    if storage_tier != "keep":
         s = ctx.stats
         if as_buffer:   # a buffer: never moved, as a parameter or as unmovable
             assert s.unsupported_count + s.param_count >= 1
@@ -555,7 +538,7 @@ def test_no_offload_inside_offloader_keeps_tensors():
                                if p.grad is not None}
 
     ref = step(contextlib.nullcontext(), False)
-    full, quiet = _off("cpu"), _off("cpu")
+    full, quiet = offloader("cpu"), offloader("cpu")
     r_full, r_quiet = step(full, False), step(quiet, True)
     for r in (r_full, r_quiet):
         assert torch.equal(r[0], ref[0])
@@ -568,7 +551,7 @@ def test_no_offload_inside_offloader_keeps_tensors():
 def test_no_offload_keeps_inplace_check():
     x = torch.randn(1000, requires_grad=True)
     with pytest.raises(tiermem.TierMemError):
-        with _off("cpu"):
+        with offloader("cpu"):
             with tiermem.no_offload():
                 y = x.exp()
             y.add_(1)
@@ -581,7 +564,7 @@ def test_nested_offloaders_innermost_wins(outer_tier, inner_tier):
     ts = [torch.randn(256) for _ in range(3)]
     sink: list = []
     w = torch.ones((), requires_grad=True)
-    outer, inner = _off(outer_tier), _off(inner_tier)
+    outer, inner = offloader(outer_tier), offloader(inner_tier)
     with outer:
         a = SaveIt.apply(ts[0], w, sink)
         with inner:
@@ -596,7 +579,7 @@ def test_nested_offloaders_innermost_wins(outer_tier, inner_tier):
 
 
 def test_same_offloader_nested_in_one_thread_raises():
-    off = _off("cpu")
+    off = offloader("cpu")
     with off:
         with pytest.raises(tiermem.TierMemError):
             with off:
@@ -615,7 +598,7 @@ def test_threads_each_with_own_offloader_train_concurrently():
 
     def worker(name):
         try:
-            off = _off("cpu")
+            off = offloader("cpu")
             barrier.wait()
             results[name] = (train_steps(cases[name], lambda: off), off.stats)
         except BaseException as e:  # reported below
@@ -638,7 +621,7 @@ def test_threads_each_with_own_offloader_train_concurrently():
 
 
 def test_same_offloader_in_two_threads_raises():
-    off = _off("cpu")
+    off = offloader("cpu")
     entered, release = threading.Event(), threading.Event()
     errors = []
 
@@ -678,13 +661,13 @@ def test_inplace_after_save_raises_on_keep_tier():
         y.add_(1)
         y.sum().backward()
     with pytest.raises(tiermem.TierMemError, match="in-place"):
-        with _off("keep"):
+        with offloader("keep"):
             y = x.exp()
             y.add_(1)
             y.sum().backward()
     # Through a view of the saved tensor too.
     with pytest.raises(tiermem.TierMemError):
-        with _off("keep"):
+        with offloader("keep"):
             y = x.exp()
             y.view(10, 100)[3].mul_(2)
             y.sum().backward()
@@ -704,7 +687,7 @@ def test_inplace_race_on_cpu_tier_never_gives_wrong_gradient(pack_between):
     y, z = _race_forward(x, pack_between)              # reference: no hooks, no in-place
     (y.sum() + (z.sum() if pack_between else 0)).backward()
     expected = x.grad.clone()
-    off = _off("cpu")
+    off = offloader("cpu")
     outcomes = {"raised": 0, "exact": 0}
     for _ in range(50):
         x.grad = None
@@ -728,7 +711,7 @@ def test_inplace_after_copy_landed_gives_pack_time_gradient():
     in-place writes to the original do not change the gradient."""
     x = torch.randn(4096, requires_grad=True)
     expected = x.detach().exp()
-    off = _off("cpu")
+    off = offloader("cpu")
     with off:
         y = x.exp()
     off.close()           # waits for the copy to land
@@ -743,9 +726,10 @@ def test_inplace_after_copy_landed_gives_pack_time_gradient():
 
 def test_stats_fields_and_one_line_summary():
     case = make_case("block")
-    off = _off("cpu")
+    off = offloader("cpu")
     with off as ctx:
         loss = case.loss()
+    land_moves(off)   # backward restores from host memory: the prefetch counts are not 0
     loss.backward()
     s = off.stats
     assert ctx.stats is s
@@ -767,7 +751,7 @@ def test_disable_env_makes_offloader_a_noop(monkeypatch):
     case = make_case("block")
     ref = run_step(make_case("block").model, case.inputs, contextlib.nullcontext(), seed=7,
                    loss_fn=case.loss_fn)
-    off = _off("cpu")
+    off = offloader("cpu")
     got = run_step(case.model, case.inputs, off, seed=7, loss_fn=case.loss_fn)
     assert torch.equal(got[0], ref[0])
     assert_same_tensors(got[1], ref[1], "disabled")
@@ -838,7 +822,7 @@ def _host_pool(off):
 
 def test_pooled_host_buffers_are_reused_across_steps():
     case = make_case("block")
-    off = _off("cpu")
+    off = offloader("cpu")
     opt = torch.optim.AdamW(case.model.parameters(), lr=1e-3)
     allocations = []
     for step in range(5):
@@ -856,7 +840,7 @@ def test_tensor_info_module_names_and_index():
         recorded.append(info)
         return "cpu"
 
-    off = _off(policy)
+    off = offloader(policy)
     case = make_case("mlp")
     for step in range(2):
         recorded.clear()
@@ -873,7 +857,7 @@ def test_tensor_info_module_names_and_index():
             assert i.nbytes == i.shape.numel() * 4
 
     recorded.clear()
-    off = _off(policy)
+    off = offloader(policy)
     case = make_case("block")
     run_step(case.model, case.inputs, off, seed=0, loss_fn=case.loss_fn)
     modules = [i.module for i in recorded]
@@ -900,7 +884,7 @@ def test_tensor_saved_by_two_ops_is_restored_once_per_backward():
     layers = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(64, 64), nn.Tanh())])
     x = torch.randn(32, 64)
     ref = run_step(layers, [x], contextlib.nullcontext())
-    off = _off("cpu")
+    off = offloader("cpu")
     for _ in range(2):
         layers.zero_grad(set_to_none=True)
         with off:
@@ -918,7 +902,7 @@ def test_retain_graph_second_backward_restores_again_and_matches():
     torch.manual_seed(0)
     layers = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(64, 64), nn.Tanh())])
     x = torch.randn(32, 64)
-    off = _off("cpu")
+    off = offloader("cpu")
     with off:
         loss = layers(x).square().mean()
     tiermem.testing.store_of(off, tiermem.Tier.CPU).drain()
