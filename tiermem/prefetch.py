@@ -24,10 +24,10 @@ Calls run one way: the unpack hook (:func:`tiermem.hooks.unpack`) calls
 :meth:`Prefetcher.advance`, which asks tiers to start restores
 (``store.prefetch(handle)``). Nothing calls the prefetcher from a tier or from
 a handle's finalizer: a restore prefetched for a handle that dies unconsumed
-is noticed through a weak reference whose callback only appends to a deque
-(atomic, no lock: it may run from the cyclic collector at any allocation),
-drained at the next ``advance``; so the window's accounting costs O(1) per
-restore, whatever the number of tensors in flight.
+is noticed through its entry, a weak reference whose callback only appends
+to a deque (atomic, no lock: it may run from the cyclic collector at any
+allocation), drained at the next ``advance``; so the window's accounting
+costs O(1) per handle, whatever the number of tensors in flight.
 
 The window: ``budget_bytes`` when set (``TIERMEM_PREFETCH_BYTES``); unset, it
 is sized when backward starts from what the step moved: a quarter of it,
@@ -60,31 +60,29 @@ def auto_window_bytes(moved_bytes: int) -> int:
     return min(AUTO_MAX_BYTES, max(AUTO_MIN_BYTES, moved_bytes // 4))
 
 
-class Entry:
-    """The prefetcher's record of one handle (written by the prefetcher only).
+class Entry(weakref.ref):
+    """The prefetcher's record of one handle, and a weak reference to it
+    (``entry()``); written by the prefetcher only.
 
     ``pos``: packing order among the handles it may prefetch (``None``: never
-    prefetched, e.g. a recompute handle, counted for its uses only).
+    prefetched, e.g. a recompute handle, counted for its uses only). A
+    prefetchable entry's callback queues it when its handle dies, so that a
+    restore in flight for it is given back to the window (module docstring).
     """
 
-    __slots__ = ("ref", "pos", "nbytes", "gen", "taken", "uses", "inflight", "watch")
+    __slots__ = ("pos", "nbytes", "gen", "taken", "uses", "inflight")
 
-    def __init__(self, handle, pos: Optional[int], nbytes: int) -> None:
-        self.ref = weakref.ref(handle)
+    def __new__(cls, handle, callback, pos: Optional[int], nbytes: int):
+        return super().__new__(cls, handle, callback)
+
+    def __init__(self, handle, callback, pos: Optional[int], nbytes: int) -> None:
+        super().__init__(handle, callback)
         self.pos = pos
         self.nbytes = nbytes
         self.gen = -1
         self.taken = 0
         self.uses = 1        # saves of this tensor in the step (dedup hits add one)
         self.inflight = False
-        self.watch = None    # while inflight: a _Watch on the handle
-
-
-class _Watch(weakref.ref):
-    """A weak reference to a handle whose restore is in flight; on the handle's
-    death its callback queues this watch (and so its entry) for ``advance``."""
-
-    __slots__ = ("entry",)
 
 
 class Prefetcher:
@@ -98,8 +96,8 @@ class Prefetcher:
         self._moved_bytes = moved_bytes
         self._stats = stats
         self.inflight_bytes = 0
-        # Watches of handles that died with a restore in flight (appended by
-        # weakref callbacks, drained by advance).
+        # Entries whose handles died (appended by their weakref callbacks,
+        # drained by advance).
         self._dead: collections.deque = collections.deque()
         self._order: list = []
         self._cursor = -1
@@ -112,8 +110,8 @@ class Prefetcher:
         """Register ``handle`` (forward thread), in packing order when it may be
         prefetched; returns its entry, which the handle carries for its unpacks."""
         if not prefetchable:
-            return Entry(handle, None, nbytes)
-        entry = Entry(handle, len(self._order), nbytes)
+            return Entry(handle, None, None, nbytes)
+        entry = Entry(handle, self._dead.append, len(self._order), nbytes)
         self._order.append(entry)
         return entry
 
@@ -134,7 +132,6 @@ class Prefetcher:
         entry.taken += 1
         if entry.inflight:        # its prefetched restore is taken now
             entry.inflight = False
-            entry.watch = None    # dropped: its callback can no longer run
             self.inflight_bytes -= entry.nbytes
         return entry.uses - entry.taken
 
@@ -142,10 +139,9 @@ class Prefetcher:
         """Give back the window bytes of restores dropped with their handle."""
         dead = self._dead
         while dead:
-            entry = dead.popleft().entry
+            entry = dead.popleft()
             if entry.inflight:
                 entry.inflight = False
-                entry.watch = None
                 self.inflight_bytes -= entry.nbytes
 
     def advance(self, entry: Entry) -> None:
@@ -164,15 +160,13 @@ class Prefetcher:
         order = self._order
         while self._cursor >= 0 and self.inflight_bytes < self.budget_bytes:
             e = order[self._cursor]
-            h = e.ref()
+            h = e()
             if h is not None and e.gen != self.gen:   # not consumed in this pass yet
                 started = h.store.prefetch(h)
                 if started is None:
                     break   # its move out has not landed yet: retry at the next unpack
                 if started:
                     e.inflight = True
-                    e.watch = _Watch(h, self._dead.append)
-                    e.watch.entry = e
                     self.inflight_bytes += e.nbytes
                     if self._stats is not None:
                         self._stats.prefetched_bytes += e.nbytes

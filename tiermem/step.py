@@ -129,17 +129,14 @@ class Step:
         """A move failed after it started: the tensor stays where it was."""
         self.stats.budget_fallbacks += 1
 
-    def restore_taken(self, prefetched: bool) -> None:
-        """An unpack took a restore: started ahead of need, or just now."""
-        if prefetched:
-            self.stats.prefetch_hits += 1
-        else:
-            self.stats.prefetch_misses += 1
-
-    def waited(self, seconds: float, late: bool) -> None:
-        """An unpack waited ``seconds`` for its restore (``late``: not complete
-        when the unpack came)."""
+    def restored(self, prefetched: bool, seconds: float, late: bool) -> None:
+        """An unpack took a restore (``prefetched``: started ahead of need) and
+        waited ``seconds`` for it (``late``: not complete when it came)."""
         stats = self.stats
+        if prefetched:
+            stats.prefetch_hits += 1
+        else:
+            stats.prefetch_misses += 1
         if late:
             stats.late_restores += 1
         stats.stall_seconds += seconds

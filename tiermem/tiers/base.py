@@ -149,11 +149,8 @@ class StepEvents(Protocol):
     def move_failed(self) -> None:
         """A move failed after it started (the tensor stays where it was)."""
 
-    def restore_taken(self, prefetched: bool) -> None:
-        """An unpack took a restore, started ahead of need or not."""
-
-    def waited(self, seconds: float, late: bool) -> None:
-        """An unpack waited for its restore."""
+    def restored(self, prefetched: bool, seconds: float, late: bool) -> None:
+        """An unpack took a restore (started ahead of need or not) and waited for it."""
 
     def recomputed(self, seconds: float) -> None:
         """A recipe ran in backward."""

@@ -316,9 +316,8 @@ class MovingStore(TierStore):
             # consumers of one tensor may run on different streams).
             out, job = cached
             return (out, None) if job is None else (None, _Ordered(out, job))
-        step = h.step
-        step.restore_taken(prefetched=h.restore is not None)
-        if h.restore is None:
+        prefetched = h.restore is not None
+        if not prefetched:
             h.restore = self._restore(h)
         dev, job = h.restore
         h.restore = None
@@ -326,7 +325,7 @@ class MovingStore(TierStore):
         if more_uses > 0:
             # For the other consumers of this pass (each orders itself after the copy).
             h.cached = (out, job)
-        return None, _Waited(out, dev, job, step)
+        return None, _Waited(out, dev, job, h.step, prefetched)
 
     # -- release --------------------------------------------------------------
     def _release(self, h: MovedHandle) -> None:
@@ -360,15 +359,17 @@ class _Ordered:
 class _Waited:
     """``finish`` of a restore taken now: wait for it, and report the wait."""
 
-    __slots__ = ("out", "dev", "job", "step")
+    __slots__ = ("out", "dev", "job", "step", "prefetched")
 
-    def __init__(self, out: torch.Tensor, dev: torch.Tensor, job, step) -> None:
+    def __init__(self, out: torch.Tensor, dev: torch.Tensor, job, step,
+                 prefetched: bool) -> None:
         self.out, self.dev, self.job, self.step = out, dev, job, step
+        self.prefetched = prefetched
 
     def __call__(self) -> torch.Tensor:
         job = self.job
         late = not job.done()
         t0 = time.perf_counter()
         job.order_before_use(self.dev)
-        self.step.waited(time.perf_counter() - t0, late)
+        self.step.restored(self.prefetched, time.perf_counter() - t0, late)
         return self.out
