@@ -46,7 +46,7 @@ def test_same_shapes_every_step_do_not_grow_the_file():
             a.free(off, n)
         assert a.used_bytes == 0
     assert a.size_bytes == size_after_first
-    assert len(a._starts) == 1  # everything coalesced into one free extent
+    assert a.free_extents == 1  # everything coalesced into one free extent
 
 
 def test_budget_is_never_exceeded():

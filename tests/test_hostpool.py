@@ -131,7 +131,7 @@ def test_trimming_pinned_buffers_returns_them_and_is_counted(fake_pinned):
     assert f.numel() == 256 * KiB and pool.free_bytes == 0
     assert pool.pinned_returns == 1 and fake_pinned == [1]
     assert all(r.expired() for r in refs)              # really freed, not just forgotten
-    assert pool._free == {}
+    assert pool.idle_buffers() == []
     pool.clear()
     assert len(fake_pinned) == 2
 

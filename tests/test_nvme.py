@@ -741,8 +741,7 @@ def test_staging_given_back_keeps_no_view_alive(nvme_dir, engine):
     tiermem.testing.poll(off)
     pool = store.staging
     assert pool.in_use_bytes == 0 and pool.free_bytes > 0
-    refs = [StorageWeakRef(buf.untyped_storage())
-            for entries in pool._free.values() for buf, _ in entries]
+    refs = [StorageWeakRef(buf.untyped_storage()) for buf in pool.idle_buffers()]
     assert refs
     pool.clear()
     gc.collect()

@@ -46,6 +46,11 @@ class Arena:
         self._lengths: dict = {}  # offset -> length
         self._lock = threading.Lock()
 
+    @property
+    def free_extents(self) -> int:
+        """Number of free extents (coalesced: adjacent free bytes are one extent)."""
+        return len(self._starts)
+
     def alloc(self, nbytes: int) -> Optional[int]:
         """Offset of a free extent of ``round_up(nbytes, align)`` bytes, or ``None``."""
         need = round_up(max(nbytes, 1), self.align)

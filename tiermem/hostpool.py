@@ -77,6 +77,11 @@ class HostPool:
     def held_bytes(self) -> int:
         return self.in_use_bytes + self.free_bytes
 
+    def idle_buffers(self) -> list:
+        """The buffers the pool holds for reuse now (not in use), for inspection."""
+        with self._lock:
+            return [buf for entries in self._free.values() for buf, _ in entries]
+
     @staticmethod
     def class_bytes(nbytes: int, pinned: bool) -> int:
         return _pinned_class(nbytes) if pinned else nbytes
