@@ -30,10 +30,22 @@ NOTE [Trimming pinned buffers]
 
 The pool is thread-safe: buffers come back from whichever thread autograd frees
 a handle on.
+
+NOTE [Releases from finalizers]
+  ``release`` runs from handles' finalizers, which the cyclic garbage collector
+  may run at any allocation, on a thread that may be inside this pool's lock
+  (``acquire`` allocates under it): a release that took the lock would then
+  wait for itself forever. So ``release`` takes no lock: it appends to a deque
+  (atomic), and every method that reads or changes the pool's state drains
+  that deque first, under the lock. The same rule holds for every release
+  path of tiermem (NvmeStore's extents, the prefetcher's window): nothing that
+  runs from ``__del__`` or a weakref callback takes a lock that code
+  allocating Python objects may hold.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from typing import Optional
@@ -65,21 +77,51 @@ class HostPool:
         self.budget_bytes = budget_bytes
         self._lock = threading.Lock()
         self._free: dict[tuple, list] = {}   # (pinned, class) -> [(buffer, job or None)]
-        self.in_use_bytes = 0
-        self.free_bytes = 0
+        self._in_use_bytes = 0
+        self._free_bytes = 0
+        # (buffer, job, pinned) given back and not yet filed: NOTE [Releases from finalizers].
+        self._returned: collections.deque = collections.deque()
         self.allocations = 0                  # buffers ever allocated (reuse check)
         #: Times acquire() handed trimmed pinned memory back to the OS: on CUDA
         #: each is a device-wide sync (NOTE [Trimming pinned buffers]).
         self.pinned_returns = 0
         self._warned_alloc = False
 
+    def _drain(self) -> None:
+        """File the buffers given back since (caller holds the lock)."""
+        returned = self._returned
+        while returned:
+            buf, job, pinned = returned.popleft()
+            cls = buf.numel()
+            self._in_use_bytes -= cls
+            self._free_bytes += cls
+            self._free.setdefault((pinned, cls), []).append((buf, job))
+
+    @property
+    def in_use_bytes(self) -> int:
+        """Bytes of buffers handed out and not given back."""
+        with self._lock:
+            self._drain()
+            return self._in_use_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes of idle buffers kept for reuse."""
+        with self._lock:
+            self._drain()
+            return self._free_bytes
+
     @property
     def held_bytes(self) -> int:
-        return self.in_use_bytes + self.free_bytes
+        """In use + idle: what the budget bounds."""
+        with self._lock:
+            self._drain()
+            return self._in_use_bytes + self._free_bytes
 
     def idle_buffers(self) -> list:
         """The buffers the pool holds for reuse now (not in use), for inspection."""
         with self._lock:
+            self._drain()
             return [buf for entries in self._free.values() for buf, _ in entries]
 
     @staticmethod
@@ -94,17 +136,18 @@ class HostPool:
         cls = self.class_bytes(nbytes, pinned)
         trimmed_pinned = False
         with self._lock:
+            self._drain()
             buf = self._take_ready(pinned, cls)
             if buf is not None:
-                self.free_bytes -= buf.numel()
-                self.in_use_bytes += buf.numel()
+                self._free_bytes -= buf.numel()
+                self._in_use_bytes += buf.numel()
                 return buf
-            over = self.held_bytes + cls - self.budget_bytes
+            over = self._in_use_bytes + self._free_bytes + cls - self.budget_bytes
             if over > 0:
                 if self._ready_idle_bytes() < over:
                     return None   # trimming would drop buffers and still not make room
                 trimmed_pinned = self._trim(over)
-            self.in_use_bytes += cls
+            self._in_use_bytes += cls
             self.allocations += 1
             if trimmed_pinned:
                 self.pinned_returns += 1
@@ -114,7 +157,7 @@ class HostPool:
             return torch.empty(cls, dtype=torch.uint8, pin_memory=pinned)
         except RuntimeError as e:   # torch.OutOfMemoryError included
             with self._lock:
-                self.in_use_bytes -= cls
+                self._in_use_bytes -= cls
                 self.allocations -= 1
             if not self._warned_alloc:
                 self._warned_alloc = True
@@ -125,17 +168,14 @@ class HostPool:
 
     def release(self, buf: torch.Tensor, job=None, pinned: bool = False) -> None:
         """Give ``buf`` back (``pinned`` as it was acquired); it is reused once
-        ``job`` (if any) is done."""
-        cls = buf.numel()
-        with self._lock:
-            self.in_use_bytes -= cls
-            self.free_bytes += cls
-            self._free.setdefault((pinned, cls), []).append((buf, job))
+        ``job`` (if any) is done. Takes no lock: NOTE [Releases from finalizers]."""
+        self._returned.append((buf, job, pinned))
 
     def clear(self) -> None:
         """Drop every idle buffer (in-use ones are unaffected)."""
         with self._lock:
-            self._trim(self.free_bytes)
+            self._drain()
+            self._trim(self._free_bytes)
         # Also what torch's cache kept of pinned buffers dropped before
         # (transient staging outside the pool).
         _return_pinned_cache()
@@ -173,7 +213,7 @@ class HostPool:
                 job = entry[1]
                 if want_bytes > 0 and (job is None or job.done()):
                     want_bytes -= cls
-                    self.free_bytes -= cls
+                    self._free_bytes -= cls
                     trimmed_pinned |= key[0]
                 else:
                     keep.append(entry)

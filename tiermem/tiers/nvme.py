@@ -49,6 +49,7 @@ underneath) raises :class:`~tiermem.TierMemError` naming the tensor and file.
 
 from __future__ import annotations
 
+import collections
 import errno
 import logging
 import threading
@@ -136,12 +137,16 @@ class NvmeStore(MovingStore):
         self._copiers: dict = {}
         self._chain = PythonChain(io_threads)
         self._deferred: list = []   # (job, offset, nbytes): extents freed after their I/O
+        self._released: collections.deque = collections.deque()   # from finalizers, unfiled
         self._deferred_lock = threading.Lock()
         self.closed = False
 
     # -- accounting -------------------------------------------------------------
     @property
     def used_bytes(self) -> int:
+        """Bytes of the arena in use (extents of released handles whose I/O is
+        done are given back first)."""
+        self._free_finished()
         return self.arena.used_bytes
 
     def _held_bytes(self) -> int:
@@ -317,13 +322,15 @@ class NvmeStore(MovingStore):
 
     # -- release --------------------------------------------------------------------
     def _free(self, h: MovedHandle) -> None:
-        entry = (h.last_job, h.slot[0], h.nbytes)
-        with self._deferred_lock:
-            self._deferred.append(entry)
-        self._free_finished()
+        # From the handle's finalizer: no lock (NOTE [Releases from finalizers]
+        # in hostpool.py); filed by the next poll, settle or close.
+        self._released.append((h.last_job, h.slot[0], h.nbytes))
 
     def _free_finished(self) -> None:
         with self._deferred_lock:
+            released = self._released
+            while released:
+                self._deferred.append(released.popleft())
             if not self._deferred:
                 return
             keep = []
@@ -336,7 +343,7 @@ class NvmeStore(MovingStore):
 
     def poll(self) -> None:
         super().poll()
-        if self._deferred:
+        if self._deferred or self._released:
             self._free_finished()
 
     def remove_dir(self) -> None:
@@ -347,6 +354,7 @@ class NvmeStore(MovingStore):
         """Wait for every I/O in flight: writes land, and the extents of handles
         released while their I/O was in flight go back to the arena."""
         self.drain()
+        self._free_finished()
         with self._deferred_lock:
             deferred = list(self._deferred)
         for job, _, _ in deferred:
