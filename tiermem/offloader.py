@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -151,6 +152,9 @@ class Offloader:
             return
         self._placement = Placement(cfg)
         self.cpu_budget_bytes = self._placement.cpu_budget_bytes
+        # Steps whose saved tensors may still be unpacked (a handle, or the
+        # context, holds each): see ``in_use``.
+        self._steps: "weakref.WeakSet" = weakref.WeakSet()
 
     # -- context protocol ---------------------------------------------------
     def __enter__(self):
@@ -169,6 +173,7 @@ class Offloader:
         ctx = OffloadContext(self)
         self.stats = ctx.stats
         self._ctx = ctx
+        self._steps.add(ctx.step)
         try:
             return ctx.__enter__()
         except BaseException:
@@ -200,6 +205,14 @@ class Offloader:
     def disk_bytes_in_use(self) -> int:
         """Bytes of the nvme tier's file held by saved tensors still alive."""
         return 0 if self.config.disable else self._placement.disk_bytes_in_use
+
+    @property
+    def in_use(self) -> bool:
+        """Whether a step of this Offloader may still unpack saved tensors (its
+        graph, or its context object, is alive): ``close()`` would then lose
+        them. Conservative: a graph held only by a reference cycle counts until
+        the collector frees it."""
+        return not self.config.disable and len(self._steps) > 0
 
     def store_stats(self) -> dict:
         """What the moving tiers hold now, since the Offloader was made:
@@ -239,13 +252,30 @@ def offload(policy: Any = None, **settings: Any) -> Offloader:
     cache = getattr(_tls, "cache", None)
     if cache is None:
         cache = _tls.cache = {}
+        _tls.retired = []
+    _close_retired()
     off = cache.get(cfg)
     if off is None:
         if len(cache) >= _CACHE_SIZE:
-            oldest = next(iter(cache))
-            cache.pop(oldest).close()
+            # Evicted, but closed only once no graph of it may still unpack:
+            # closing earlier would lose saved tensors (NVMe files, buffers).
+            _tls.retired.append(cache.pop(next(iter(cache))))
+            _close_retired()
         off = cache[cfg] = Offloader(**{f: getattr(cfg, f) for f in cfg.__dataclass_fields__})
     return off
+
+
+def _close_retired() -> None:
+    """Close the evicted Offloaders of this thread that nothing uses any more."""
+    retired = _tls.retired
+    if retired:
+        keep = []
+        for off in retired:
+            if off.in_use:
+                keep.append(off)
+            else:
+                off.close()
+        retired[:] = keep
 
 
 class no_offload(torch.autograd.graph.saved_tensors_hooks):
