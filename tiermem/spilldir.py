@@ -86,13 +86,20 @@ _LOCK_NAME = "owner.lock"
 
 
 def _lock_held(directory: str) -> bool:
-    """True if some process holds the owner lock of ``directory``."""
+    """True if some process holds the owner lock of ``directory``, or if the
+    lock file is not a regular file of this user (then nothing here is ours to
+    judge). Never blocks: a FIFO or device put there by anyone is opened
+    non-blocking and refused by type."""
     try:
         fd = os.open(os.path.join(directory, _LOCK_NAME),
-                     os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                     os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return False   # no lock file (not yet made, or an older tiermem)
     try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            return True
+
         # Shared: it conflicts with the owner's exclusive lock, and unlike an
         # exclusive one it needs no write access (NFS emulates flock with
         # POSIX locks, where it would). Any other failure (no locking here):
@@ -140,8 +147,8 @@ def remove_stale_dirs(root: str) -> list:
             continue  # alive (allow for clock rounding of the start time)
         # Our own pid with another start time is an earlier process that had
         # it (a container's trainer is often pid 1 at every restart).
-        if _lock_held(entry.path):
-            continue  # alive, though not as a pid we can see
+        # Type, owner and age first: nothing in a directory that is not ours
+        # is opened at all.
         try:
             st = os.lstat(entry.path)
         except OSError:
@@ -150,6 +157,8 @@ def remove_stale_dirs(root: str) -> list:
             continue
         if time.time() - st.st_mtime < YOUNG_SECONDS:
             continue  # its owner may not have locked it yet
+        if _lock_held(entry.path):
+            continue  # alive, though not as a pid we can see
         shutil.rmtree(entry.path, ignore_errors=True)
         removed.append(entry.path)
         _log.info("tiermem: removed %s, left by process %d which is gone", entry.path, pid)
