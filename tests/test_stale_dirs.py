@@ -9,6 +9,7 @@ import time
 import pytest
 
 import tiermem
+import tiermem.testing
 from tiermem.spilldir import remove_stale_dirs
 
 _DEAD = "tiermem-999999999-0-aaaa"     # no such pid here
@@ -68,3 +69,71 @@ def test_a_stale_directory_of_ours_is_still_removed(tmp_path):
     (d / "arena-0.bin").write_bytes(b"\0" * 4096)
     _aged(d)
     assert remove_stale_dirs(str(tmp_path)) == [str(d)] and not d.exists()
+
+
+def test_default_nvme_budget_is_measured_after_a_killed_runs_arena_is_removed(tmp_path):
+    import psutil
+
+    free_before = psutil.disk_usage(str(tmp_path)).free
+    d = tmp_path / _DEAD
+    d.mkdir(mode=0o700)
+    (d / "owner.lock").write_text("")
+    leftover = 512 << 20
+    with open(d / "arena-0.bin", "wb") as f:   # real blocks, not a sparse file
+        chunk = b"\1" * (8 << 20)
+        for _ in range(leftover // len(chunk)):
+            f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    _aged(d)
+    off = tiermem.Offloader(policy="nvme", nvme_dir=str(tmp_path))
+    budget = tiermem.testing.store_of(off, tiermem.Tier.NVME).arena.budget_bytes
+    off.close()
+    assert not d.exists()
+    # Measured with the leftover on disk it would be 0.8 * (free - 512 MiB).
+    assert budget > 0.8 * (free_before - leftover) + 0.8 * leftover / 2, (
+        budget, free_before)
+
+
+_SLEEPER = """
+import sys, time, tiermem
+off = tiermem.Offloader(policy="nvme", nvme_dir=sys.argv[1])
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+_CHAINED = """
+import signal, sys, time, tiermem
+signal.signal(signal.SIGTERM, lambda s, f: (print("mine", flush=True), sys.exit(3)))
+off = tiermem.Offloader(policy="nvme", nvme_dir=sys.argv[1])
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP"])
+def test_a_terminating_signal_removes_the_private_directory(tmp_path, signame):
+    import signal
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", _SLEEPER, str(tmp_path)],
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    assert os.listdir(tmp_path)
+    p.send_signal(getattr(signal, signame))
+    assert p.wait(30) == -getattr(signal, signame), "the process must end as the signal says"
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_existing_sigterm_handler_still_runs(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", _CHAINED, str(tmp_path)],
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(30) == 3 and p.stdout.readline().strip() == "mine"
+    assert os.listdir(tmp_path) == []

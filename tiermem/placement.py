@@ -26,6 +26,7 @@ import torch
 from .config import Config
 from .errors import ConfigError, TierMemError
 from .policy import Tier, TensorInfo, resolve_policy, tier_order
+from .spilldir import default_nvme_budget_bytes
 from .tiers.base import TierStore
 from .tiers.host import HostStore
 from .tiers.keep import KeepStore
@@ -34,12 +35,6 @@ from .tiers.recompute import RecomputeStore
 __all__ = ["Placement", "default_cpu_budget_bytes", "default_nvme_budget_bytes"]
 
 _log = logging.getLogger("tiermem")
-
-
-def default_nvme_budget_bytes(path: str) -> int:
-    """80% of the free space of ``path`` now: checkpoints and logs often share
-    the disk, and ENOSPC is caught anyway (the arena then stops growing)."""
-    return int(psutil.disk_usage(path).free * 0.8)
 
 
 def default_cpu_budget_bytes() -> int:
@@ -67,14 +62,14 @@ def _make_nvme_store(cfg: Config) -> TierStore:
     from .spilldir import check_nvme_dir
     from .tiers.nvme import NvmeStore
     root = check_nvme_dir(cfg.nvme_dir)
-    budget = (cfg.nvme_budget if cfg.nvme_budget is not None
-              else default_nvme_budget_bytes(root))
     engine = get_engine(cfg.engine, cfg.io_threads)
     # Pinned staging for CUDA tensors' writes and reads in flight; when it is
     # full, further tensors go to the next tier rather than waiting.
     staging = max(cfg.prefetch_bytes or 0, 256 << 20)
     try:
-        return NvmeStore(root, engine, budget, staging, cfg.verify, cfg.io_threads)
+        # Budget None: the default, measured by the store once stale
+        # directories are gone.
+        return NvmeStore(root, engine, cfg.nvme_budget, staging, cfg.verify, cfg.io_threads)
     except OSError as e:   # the private directory or the arena file could not be made
         if e.errno not in _BAD_DIR_ERRNOS:
             raise

@@ -28,6 +28,7 @@ import logging
 import os
 import secrets
 import shutil
+import signal
 import stat
 import threading
 import time
@@ -123,6 +124,14 @@ YOUNG_SECONDS = 30.0
 _LIVE_PATHS: set = set()
 
 
+def default_nvme_budget_bytes(path: str) -> int:
+    """80% of the free space of ``path`` now: checkpoints and logs often share
+    the disk, and ENOSPC is caught anyway (the arena then stops growing).
+    Measured after :func:`remove_stale_dirs`, so that a killed run's arena
+    does not shrink the budget of the next."""
+    return int(psutil.disk_usage(path).free * 0.8)
+
+
 def remove_stale_dirs(root: str) -> list:
     """Remove the private directories under ``root`` whose owner process is
     gone; return their paths. Only real directories owned by this user are
@@ -189,6 +198,7 @@ class PrivateDir:
             raise
         self._owner_pid = pid
         atexit.register(self.remove)
+        _clean_up_on_signals()
 
     def _make(self) -> None:
         os.mkdir(self.path, 0o700)        # fails if anything exists there
@@ -230,3 +240,54 @@ class PrivateDir:
         except OSError:
             pass
         atexit.unregister(self.remove)
+
+
+# NOTE [Cleanup on SIGTERM]
+# A scheduler stops a trainer with SIGTERM (SIGHUP when its terminal goes);
+# their default action kills the process without atexit, which would leave the
+# arena files behind until the next start removes them. So, once per process,
+# from the main thread, tiermem installs a handler for each of them whose
+# current disposition is the default or a Python handler: it removes this
+# process's live private directories (no lock taken: the handler may have
+# interrupted the main thread inside one), then chains: to the previous Python
+# handler, or, for the default, restores it and sends the signal again, so the
+# process ends exactly as it would have. A process forked from the owner (pid
+# differs) removes nothing: the directories are the parent's. Signals that are
+# ignored, or handled outside Python, are left alone.
+_SIGNALS = ("SIGTERM", "SIGHUP")
+_signals_installed = False
+
+
+def _clean_up_on_signals() -> None:
+    global _signals_installed
+    if _signals_installed or threading.current_thread() is not threading.main_thread():
+        return
+    _signals_installed = True
+    owner = os.getpid()
+    for name in _SIGNALS:
+        sig = getattr(signal, name, None)
+        if sig is None:
+            continue
+        try:
+            previous = signal.getsignal(sig)
+        except (ValueError, OSError):
+            continue
+        if previous is None or previous == signal.SIG_IGN:
+            continue   # handled outside Python, or ignored: not ours to change
+        try:
+            signal.signal(sig, _handler(owner, previous))
+        except (ValueError, OSError):
+            continue
+
+
+def _handler(owner: int, previous):
+    def on_signal(signum, frame):
+        if os.getpid() == owner:
+            for path in list(_LIVE_PATHS):
+                shutil.rmtree(path, ignore_errors=True)
+        if callable(previous):
+            previous(signum, frame)
+        else:   # the default action: end as the signal would have
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+    return on_signal

@@ -67,7 +67,7 @@ from ..jobs import EngineCudaJob, FutureJob, StagedJob
 from ..leases import StagingLease
 from ..malloc import return_freed_memory_to_the_os
 from ..policy import Tier
-from ..spilldir import PrivateDir, remove_stale_dirs
+from ..spilldir import PrivateDir, default_nvme_budget_bytes, remove_stale_dirs
 from .base import Layout
 from .moving import MovedHandle, MovingStore, _where_kept
 from .nvme_chain import PythonChain
@@ -104,11 +104,13 @@ class NvmeStore(MovingStore):
 
     tier = Tier.NVME
 
-    def __init__(self, root: str, engine, budget_bytes: int, staging_bytes: int,
+    def __init__(self, root: str, engine, budget_bytes: Optional[int], staging_bytes: int,
                  verify: bool, io_threads: int) -> None:
         super().__init__()
         return_freed_memory_to_the_os()
         remove_stale_dirs(root)
+        if budget_bytes is None:   # measured now that a killed run's arena is gone
+            budget_bytes = default_nvme_budget_bytes(root)
         self._dir = PrivateDir(root)
         self._finalizer = weakref.finalize(self, self._dir.remove)
         self.path = self._dir.file("arena-0.bin")
