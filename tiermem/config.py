@@ -26,6 +26,9 @@ _log = logging.getLogger("tiermem")
 POLICY_NAMES = ("keep", "cpu", "nvme", "recompute", "auto")
 ENGINE_NAMES = ("auto", "cpp", "python")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+#: Most I/O threads an engine may have: more gains nothing on any NVMe drive
+#: (queue depth is per request, not per thread) and only costs OS threads.
+MAX_IO_THREADS = 128
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -107,8 +110,9 @@ def _path(text: str, name: str) -> str:
 
 
 def _setting(env: str, parse: Callable[[str, str], Any], doc: str, default: Any = None,
-             default_doc: Optional[str] = None, minimum: Optional[int] = None) -> Any:
-    meta = {"env": env, "parse": parse, "doc": doc, "min": minimum,
+             default_doc: Optional[str] = None, minimum: Optional[int] = None,
+             maximum: Optional[int] = None) -> Any:
+    meta = {"env": env, "parse": parse, "doc": doc, "min": minimum, "max": maximum,
             "default_doc": default_doc if default_doc is not None else repr(default)}
     return field(default=default, metadata=meta)
 
@@ -156,8 +160,8 @@ class Config:
         "NVMe I/O engine: auto (C++, else Python with a warning), cpp, python.",
         default="auto", default_doc="auto")
     io_threads: int = _setting(
-        "TIERMEM_IO_THREADS", _int, "Worker threads of the I/O engine.", default=4,
-        default_doc="4", minimum=1)
+        "TIERMEM_IO_THREADS", _int, "Worker threads of the I/O engine (1 to 128).",
+        default=4, default_doc="4", minimum=1, maximum=MAX_IO_THREADS)
     verify: bool = _setting(
         "TIERMEM_VERIFY", _bool, "Checksum each NVMe tensor and check it on read.",
         default=False, default_doc="0")
@@ -227,10 +231,12 @@ def _from_argument(f: dataclasses.Field, value: Any) -> Any:
 
 
 def _check_min(f: dataclasses.Field, value: Any, name: str, shown: Any = None) -> Any:
-    minimum = f.metadata["min"]
+    minimum, maximum = f.metadata["min"], f.metadata.get("max")
+    shown = value if shown is None else shown
     if minimum is not None and value < minimum:
-        shown = value if shown is None else shown
         raise ConfigError(f"tiermem: {name}={shown!r} must be at least {minimum}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"tiermem: {name}={shown!r} must be at most {maximum}")
     return value
 
 

@@ -58,11 +58,11 @@ _BAD_DIR_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.E
 
 
 def _make_nvme_store(cfg: Config) -> TierStore:
-    from .io import get_engine
+    from .io import acquire_engine, release_engine
     from .spilldir import check_nvme_dir
     from .tiers.nvme import NvmeStore
     root = check_nvme_dir(cfg.nvme_dir)
-    engine = get_engine(cfg.engine, cfg.io_threads)
+    engine = acquire_engine(cfg.engine, cfg.io_threads)   # released by the store's close
     # Pinned staging for CUDA tensors' writes and reads in flight; when it is
     # full, further tensors go to the next tier rather than waiting.
     staging = max(cfg.prefetch_bytes or 0, 256 << 20)
@@ -70,8 +70,9 @@ def _make_nvme_store(cfg: Config) -> TierStore:
         # Budget None: the default, measured by the store once stale
         # directories are gone.
         return NvmeStore(root, engine, cfg.nvme_budget, staging, cfg.verify, cfg.io_threads)
-    except OSError as e:   # the private directory or the arena file could not be made
-        if e.errno not in _BAD_DIR_ERRNOS:
+    except BaseException as e:
+        release_engine(engine)
+        if not isinstance(e, OSError) or e.errno not in _BAD_DIR_ERRNOS:
             raise
         raise ConfigError(f"tiermem: TIERMEM_NVME_DIR={root!r}: cannot create tiermem's "
                           f"private directory or arena file there: {e}") from None

@@ -19,10 +19,11 @@ import os
 import threading
 from typing import Dict, Optional, Tuple
 
+from ..config import MAX_IO_THREADS
 from ..errors import TierMemError
 from .base import ALIGN_BYTES, IOEngine, IOFile, IOFuture, aligned_empty
 
-__all__ = ["ALIGN_BYTES", "IOEngine", "IOFile", "IOFuture", "aligned_empty", "engine_info",
+__all__ = ["acquire_engine", "release_engine", "ALIGN_BYTES", "IOEngine", "IOFile", "IOFuture", "aligned_empty", "engine_info",
            "get_engine"]
 
 _log = logging.getLogger("tiermem")
@@ -30,14 +31,18 @@ _log = logging.getLogger("tiermem")
 _KINDS = ("auto", "cpp", "python")
 _lock = threading.Lock()
 _engines: Dict[Tuple[str, int], IOEngine] = {}
+_users: Dict[Tuple[str, int], int] = {}    # stores holding each engine (acquire_engine)
+_shared: set = set()                        # engines handed out by get_engine: kept
 _warned_auto = False
 
 
 def _check(kind: str, threads: int) -> None:
     if kind not in _KINDS:
         raise ValueError(f"tiermem: engine kind {kind!r} is not one of {', '.join(_KINDS)}")
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"tiermem: I/O threads must be an int >= 1, got {threads!r}")
+    if (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
+            or threads > MAX_IO_THREADS):
+        raise ValueError(f"tiermem: I/O threads must be an int from 1 to {MAX_IO_THREADS}, "
+                         f"got {threads!r}")
 
 
 def _new(kind: str, threads: int) -> IOEngine:
@@ -52,7 +57,44 @@ def _cached(kind: str, threads: int) -> IOEngine:
     eng = _engines.get((kind, threads))
     if eng is None or eng.closed:
         eng = _engines[(kind, threads)] = _new(kind, threads)
+        _users.pop((kind, threads), None)
     return eng
+
+
+def acquire_engine(kind: str = "auto", threads: int = 4) -> IOEngine:
+    """Like :func:`get_engine`, for a user that gives it back with
+    :func:`release_engine` (the nvme store): an engine no store holds any
+    more, and never handed out by :func:`get_engine`, is closed and its
+    threads end."""
+    eng = _get(kind, threads, shared=False)
+    with _lock:
+        key = _key_of(eng)
+        _users[key] = _users.get(key, 0) + 1
+    return eng
+
+
+def release_engine(eng: IOEngine) -> None:
+    """Give back an engine of :func:`acquire_engine` (see there)."""
+    with _lock:
+        key = _key_of(eng)
+        if key is None:
+            return
+        left = _users.get(key, 0) - 1
+        if left > 0:
+            _users[key] = left
+            return
+        _users.pop(key, None)
+        if key in _shared:
+            return
+        _engines.pop(key, None)
+    eng.close()   # outside the lock: it waits for the engine's queued work
+
+
+def _key_of(eng: IOEngine):
+    for key, cached in _engines.items():
+        if cached is eng:
+            return key
+    return None
 
 
 def get_engine(kind: str = "auto", threads: int = 4) -> IOEngine:
@@ -65,21 +107,30 @@ def get_engine(kind: str = "auto", threads: int = 4) -> IOEngine:
     - ``"python"``: the pure-Python engine.
 
     Any other kind raises ``ValueError``. An engine closed by its user is
-    replaced by a new one on the next call.
+    replaced by a new one on the next call. Engines handed out here stay open
+    (until closed by their user, or at exit).
     """
+    return _get(kind, threads, shared=True)
+
+
+def _get(kind: str, threads: int, shared: bool) -> IOEngine:
     global _warned_auto
     _check(kind, threads)
     with _lock:
-        if kind != "auto":
-            return _cached(kind, threads)
-        try:
-            return _cached("cpp", threads)
-        except TierMemError as e:
-            if not _warned_auto:
-                _warned_auto = True
-                _log.warning("tiermem: using the Python I/O engine, the C++ engine is "
-                             "unavailable: %s", _first_lines(str(e)))
-            return _cached("python", threads)
+        if kind == "auto":
+            try:
+                eng = _cached("cpp", threads)
+            except TierMemError as e:
+                if not _warned_auto:
+                    _warned_auto = True
+                    _log.warning("tiermem: using the Python I/O engine, the C++ engine is "
+                                 "unavailable: %s", _first_lines(str(e)))
+                eng = _cached("python", threads)
+        else:
+            eng = _cached(kind, threads)
+        if shared:
+            _shared.add(_key_of(eng))
+        return eng
 
 
 def engine_info(kind: Optional[str] = None) -> dict:

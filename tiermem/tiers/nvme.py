@@ -62,7 +62,7 @@ from ..arena import Arena
 from ..copier import copier_for
 from ..errors import TierMemError
 from ..hostpool import HostPool
-from ..io import aligned_empty
+from ..io import aligned_empty, release_engine
 from ..jobs import EngineCudaJob, FutureJob, StagedJob
 from ..leases import StagingLease
 from ..malloc import return_freed_memory_to_the_os
@@ -378,5 +378,6 @@ class NvmeStore(MovingStore):
             self.file.close()
             self._finalizer()
             self.staging.clear()
+            release_engine(self.engine)   # its threads end if no other store holds it
 
 
