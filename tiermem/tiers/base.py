@@ -58,6 +58,8 @@ class Layout:
     numel: int          # elements moved (the span, or the dense copy)
     compact: bool       # True: a dense copy; False: the span
     pad: int = 0        # elements before the data on restore (alignment, see NOTE)
+    conj: bool = False  # a lazy conjugate view: moved as its memory, the bit restored
+    neg: bool = False   # a lazy negative view: likewise
 
     @property
     def nbytes(self) -> int:
@@ -68,15 +70,22 @@ class Layout:
         size, stride = t.size(), t.stride()
         numel = t.numel()
         pad = _pad_elements(t)
+        bits = (t.is_conj(), t.is_neg())
         if t.is_contiguous() or numel == 0:
-            return Layout(size, stride, t.dtype, t.device, numel, False, pad)
+            return Layout(size, stride, t.dtype, t.device, numel, False, pad, *bits)
         span = _span_elements(size, stride)
         if span > COMPACT_SPAN_RATIO * numel:
-            return Layout(size, stride, t.dtype, t.device, numel, True, 0)
-        return Layout(size, stride, t.dtype, t.device, span, False, pad)
+            return Layout(size, stride, t.dtype, t.device, numel, True, 0, *bits)
+        return Layout(size, stride, t.dtype, t.device, span, False, pad, *bits)
 
     def source(self, t: torch.Tensor) -> torch.Tensor:
-        """The tensor to copy out: the span as a flat view, or ``t`` itself when compact."""
+        """The tensor to copy out: the span as a flat view, or ``t`` itself when
+        compact; of a conj/neg view, its memory as it is (the bits are put back
+        by :meth:`rebuild`, so the restored tensor is the same kind of view)."""
+        if self.conj:
+            t = t.conj()          # clears the bit: a view of the memory as stored
+        if self.neg:
+            t = t._neg_view()
         if self.compact:
             return t
         return t.as_strided((self.numel,), (1,), t.storage_offset())
@@ -89,10 +98,16 @@ class Layout:
         """The tensor equal to the saved one, as a view of ``flat`` (``pad + numel``
         elements, the data after the pad)."""
         if self.compact:
-            return flat.view(self.size)
-        # as_strided's offset is absolute in the storage: ``flat`` may itself be
-        # a view (an aligned slice of a bigger buffer).
-        return flat.as_strided(self.size, self.stride, flat.storage_offset() + self.pad)
+            out = flat.view(self.size)
+        else:
+            # as_strided's offset is absolute in the storage: ``flat`` may itself
+            # be a view (an aligned slice of a bigger buffer).
+            out = flat.as_strided(self.size, self.stride, flat.storage_offset() + self.pad)
+        if self.neg:
+            out = out._neg_view()
+        if self.conj:
+            out = out.conj()
+        return out
 
 
 def _span_elements(size, stride) -> int:

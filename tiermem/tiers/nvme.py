@@ -171,10 +171,10 @@ class NvmeStore(MovingStore):
             return None
         what = f"writing a {_describe(layout)} to {self.path} at offset {offset}"
         if staging is None:
-            data = layout.source(src) if not layout.compact else src.contiguous()
-            # The engine writes memory as it is: lazy conjugate/negative views
-            # (a bit on the tensor, not in memory) must be materialised first.
-            data = data.resolve_conj().resolve_neg().reshape(-1)
+            # The engine writes memory as it is: ``source`` gives a conj/neg
+            # view's memory without its bit (put back at rebuild, Layout).
+            data = layout.source(src)
+            data = (data.contiguous() if layout.compact else data).reshape(-1)
             if not self.verify:
                 try:
                     fut = self.file.write(data, offset)
