@@ -11,6 +11,7 @@ Precedence: keyword argument > environment variable > default.
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import logging
 import os
 import re
@@ -36,7 +37,7 @@ _SIZE_UNITS = {
     "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
 }
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$", re.ASCII)
 _TRUE = ("1", "true", "on", "yes")
 _FALSE = ("0", "false", "off", "no")
 
@@ -52,7 +53,10 @@ def parse_size(text: str, *, name: str) -> int:
         raise ConfigError(
             f"tiermem: {name}={text!r} is not a size; use bytes or a suffix, "
             "e.g. 4096, 512MiB, 16GB")
-    return int(float(m.group(1)) * _SIZE_UNITS[unit])
+    number = fractions.Fraction(m.group(1)) * _SIZE_UNITS[unit]
+    if number.denominator != 1:
+        raise ConfigError(f"tiermem: {name}={text!r} is not a whole number of bytes")
+    return int(number)
 
 
 def parse_bool(text: str, *, name: str) -> bool:

@@ -30,7 +30,7 @@ from typing import Callable, Optional
 import psutil
 import torch
 
-from .config import parse_size
+from .config import Config, parse_size
 from .errors import ConfigError
 from .models import GPTConfig, TinyGPT
 from .offloader import Offloader
@@ -47,8 +47,10 @@ DEMO_BATCH = 8
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The demo's command-line options (used by ``python -m tiermem demo``)."""
     p.add_argument("--steps", type=int, default=5, help="training steps (default: 5)")
-    p.add_argument("--policy", choices=("keep", "cpu", "recompute", "recompute,cpu"),
-                   default="cpu", help="tiermem policy of the offloaded run (default: cpu)")
+    p.add_argument("--policy", choices=("keep", "cpu", "nvme", "recompute", "recompute,cpu",
+                                        "recompute,nvme"),
+                   default=None, help="tiermem policy of the offloaded run (default: "
+                   "TIERMEM_POLICY if set, else cpu; nvme needs TIERMEM_NVME_DIR)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: cuda if torch.cuda.is_available(), else cpu (default: auto)")
     p.add_argument("--seed", type=int, default=0, help="base random seed (default: 0)")
@@ -270,6 +272,11 @@ def run(args: argparse.Namespace) -> int:
         min_bytes = (None if args.min_offload_bytes is None
                      else parse_size(args.min_offload_bytes, name="--min-offload-bytes"))
         dev = pick_device(args.device)
+        if args.policy is None:   # the environment's, as every Offloader would take it
+            args.policy = Config.from_env().policy or "cpu"
+        if "nvme" in args.policy and not Config.from_env().nvme_dir:
+            raise ConfigError(f"tiermem demo: --policy {args.policy} needs an NVMe directory: "
+                              "set TIERMEM_NVME_DIR")
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2

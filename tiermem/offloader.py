@@ -148,6 +148,8 @@ class Offloader:
         self._lock = threading.Lock()
         self._active_thread: Optional[int] = None
         self._ctx: Optional[OffloadContext] = None
+        #: ``close()`` was called: entering again raises (every tier alike).
+        self.closed = False
         if cfg.disable:
             return
         self._placement = Placement(cfg)
@@ -162,6 +164,10 @@ class Offloader:
             ctx = _NoOpContext()
             self.stats = ctx.stats
             return ctx
+        if self.closed:
+            raise TierMemError(
+                "tiermem: this Offloader was closed (its pools, files and threads are "
+                "gone); make a new Offloader for further steps")
         me = threading.get_ident()
         with self._lock:
             if self._active_thread is not None:
@@ -229,6 +235,7 @@ class Offloader:
         """Wait for moves in flight, free the pooled buffers and remove the NVMe
         directory. Call it after the last backward: tensors still saved on NVMe
         cannot be restored afterwards (their backward raises TierMemError)."""
+        self.closed = True
         if self.config.disable:
             return
         self._placement.close()
@@ -255,6 +262,9 @@ def offload(policy: Any = None, **settings: Any) -> Offloader:
         _tls.retired = []
     _close_retired()
     off = cache.get(cfg)
+    if off is not None and off.closed:   # closed by its user: make a fresh one
+        del cache[cfg]
+        off = None
     if off is None:
         if len(cache) >= _CACHE_SIZE:
             # Evicted, but closed only once no graph of it may still unpack:

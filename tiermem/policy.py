@@ -72,6 +72,8 @@ def tier_order(choice: Union[Tier, str, Sequence], *, source: str) -> Tuple[Tier
     """The tiers to try for a tensor, in order: the chosen ones, then the
     fallbacks of the last (``"nvme"`` -> nvme, cpu, keep; ``("recompute",
     "cpu")`` -> recompute, cpu, keep). Keep always ends the order."""
+    if isinstance(choice, str) and "," in choice:   # "recompute,cpu", as TIERMEM_POLICY takes
+        choice = [c.strip() for c in choice.split(",")]
     if isinstance(choice, (list, tuple)):
         chosen = [as_tier(c, source=source) for c in choice]
         if not chosen:

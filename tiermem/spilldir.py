@@ -56,6 +56,9 @@ def check_nvme_dir(path: str, setting: str = "TIERMEM_NVME_DIR") -> str:
     directory on a writable filesystem; :class:`ConfigError` names the setting,
     the value and what is wrong."""
     where = f"tiermem: {setting}={path!r}"
+    if os.path.islink(path) and not os.path.exists(path):
+        raise ConfigError(f"{where} is a symbolic link to {os.readlink(path)!r}, "
+                          "which does not exist")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"{where} is a file, not a directory")
     try:
@@ -69,6 +72,15 @@ def check_nvme_dir(path: str, setting: str = "TIERMEM_NVME_DIR") -> str:
         raise ConfigError(f"{where} cannot be inspected: {e.strerror}") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(f"{where} is not writable by this user")
+    # Pseudo-filesystems (/proc, /sys) pass the checks above and still refuse
+    # new entries: try one.
+    probe = os.path.join(path, f".tiermem-probe-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        os.mkdir(probe, 0o700)
+        os.rmdir(probe)
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot create files there: "
+                          f"{e.strerror or e}") from None
     return path
 
 

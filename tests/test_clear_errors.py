@@ -1,0 +1,90 @@
+"""Bad input and misuse get a clear error naming the setting and the value
+(issue 14 #11)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import tiermem
+from tiermem.config import parse_size
+
+
+@pytest.mark.parametrize("policy", ["cpu", "nvme", "keep"])
+def test_a_closed_offloader_refuses_a_new_step_on_every_tier(tmp_path, policy):
+    off = tiermem.Offloader(policy=policy, nvme_dir=str(tmp_path))
+    off.close()
+    x = torch.randn(1 << 14, requires_grad=True)
+    with pytest.raises(tiermem.TierMemError, match="was closed"):
+        with off:
+            x.sin()
+
+
+def test_offload_replaces_an_offloader_its_user_closed():
+    a = tiermem.offload(policy="cpu")
+    a.close()
+    b = tiermem.offload(policy="cpu")
+    assert b is not a and not b.closed
+
+
+@pytest.mark.parametrize("text", ["١٢٣", "1.5", "0.3B", "1.0001KiB"])
+def test_sizes_are_ascii_digits_and_whole_bytes(text):
+    with pytest.raises(tiermem.ConfigError, match="TIERMEM_CPU_BUDGET"):
+        parse_size(text, name="TIERMEM_CPU_BUDGET")
+
+
+def test_fractional_sizes_with_a_unit_that_make_whole_bytes_still_parse():
+    assert parse_size("1.5KiB", name="x") == 1536 and parse_size("0.5kB", name="x") == 500
+
+
+def test_a_dangling_symlink_as_nvme_dir_says_so(tmp_path):
+    link = tmp_path / "scratch"
+    os.symlink(tmp_path / "gone", link)
+    with pytest.raises(tiermem.ConfigError, match="symbolic link .* does not exist"):
+        tiermem.Offloader(policy="nvme", nvme_dir=str(link))
+
+
+def test_a_pseudo_filesystem_as_nvme_dir_is_a_config_error():
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc here")
+    with pytest.raises(tiermem.ConfigError, match="cannot create files there"):
+        tiermem.Offloader(policy="nvme", nvme_dir="/proc")
+
+
+def test_doctor_on_a_pseudo_filesystem_names_the_problem():
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc here")
+    out = subprocess.run([sys.executable, "-m", "tiermem", "doctor", "--dir", "/proc", "--mib", "1"],
+                         capture_output=True, text=True, timeout=120)
+    assert "cannot create files there" in out.stdout + out.stderr
+    assert "FileNotFoundError" not in out.stdout + out.stderr
+
+
+def test_a_callable_policy_may_answer_a_preference_list_as_a_string():
+    x = torch.randn(1 << 14, requires_grad=True)
+    x.sin().cos().sum().backward()
+    ref, x.grad = x.grad.clone(), None
+    off = tiermem.Offloader(policy=lambda info: "recompute,cpu", min_offload_bytes=0)
+    with off:
+        y = x.sin().cos()
+    y.sum().backward()
+    assert torch.equal(x.grad, ref)
+    assert off.stats.count_by_tier["recompute"] + off.stats.count_by_tier["cpu"] > 0
+    off.close()
+
+
+def test_demo_takes_the_policy_from_the_environment(monkeypatch, tmp_path):
+    env = dict(os.environ, TIERMEM_POLICY="nvme", TIERMEM_NVME_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-m", "tiermem", "demo", "--steps", "1", "--no-progress"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "policy nvme" in out.stdout
+
+
+def test_demo_nvme_without_a_dir_is_a_clear_error(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERMEM_")}
+    out = subprocess.run([sys.executable, "-m", "tiermem", "demo", "--policy", "nvme", "--steps", "1"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 2 and "TIERMEM_NVME_DIR" in out.stderr
