@@ -41,6 +41,7 @@ buffer's elements on the device and copy in after the pad):
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from typing import Callable, Optional
@@ -125,6 +126,17 @@ class CudaCopier:
         # Allocated while the compute stream is current: see NOTE [Stream lifetime] 2.
         dst = torch.empty(pad + src.numel(), dtype=dtype, device=self.device)
         return dst, self._copy(self.h2d, src, dst[pad:])
+
+
+def _after_fork_in_child() -> None:
+    """The workers did not survive the fork: the next ThreadCopier starts new
+    ones (NOTE [Fork] in offloader.py)."""
+    ThreadCopier._workers = None
+    ThreadCopier._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def copier_for(device: torch.device, cache: dict):

@@ -24,6 +24,7 @@ what lasts across steps: the settings and the
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import weakref
 from typing import Any, Optional
@@ -150,6 +151,7 @@ class Offloader:
         self._ctx: Optional[OffloadContext] = None
         #: ``close()`` was called: entering again raises (every tier alike).
         self.closed = False
+        self._pid = os.getpid()   # NOTE [Fork]
         if cfg.disable:
             return
         self._placement = Placement(cfg)
@@ -164,6 +166,11 @@ class Offloader:
             ctx = _NoOpContext()
             self.stats = ctx.stats
             return ctx
+        if self._pid != os.getpid():
+            raise TierMemError(
+                f"tiermem: this Offloader was made in process {self._pid}, before this "
+                "process was forked from it; its threads, pools and files are that "
+                "process's: make a new Offloader in this process (see NOTE [Fork])")
         if self.closed:
             raise TierMemError(
                 "tiermem: this Offloader was closed (its pools, files and threads are "
@@ -247,6 +254,24 @@ class Offloader:
 
 _tls = threading.local()
 _CACHE_SIZE = 8
+
+# NOTE [Fork]
+# After os.fork() (multiprocessing's default start method on Linux, DataLoader
+# workers, some launchers) only the forking thread exists in the child. The
+# process-wide worker threads (ThreadCopier's, the I/O engines') are therefore
+# forgotten in the child by at-fork hooks (copier.py, io/__init__.py), so that
+# a new Offloader made there starts its own; an Offloader made before the fork
+# refuses to be entered in the child (its pools, files and threads are the
+# parent's), and offload()'s cache starts empty there. A child that never uses
+# tiermem is not affected: the hooks only drop references.
+
+
+def _after_fork_in_child() -> None:
+    _tls.__dict__.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def offload(policy: Any = None, **settings: Any) -> Offloader:

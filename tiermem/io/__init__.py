@@ -180,6 +180,25 @@ def _first_lines(text: str, limit: int = 2000) -> str:
     return text if len(text) <= limit else text[:limit] + " ... (truncated)"
 
 
+#: Engines of the parent process, after a fork: their threads do not exist
+#: here, so they are neither used nor destroyed (a destructor would join them).
+_left_by_fork: list = []
+
+
+def _after_fork_in_child() -> None:
+    """NOTE [Fork] in offloader.py: the child starts with no engine."""
+    global _lock
+    _left_by_fork.extend(_engines.values())
+    _engines.clear()
+    _users.clear()
+    _shared.clear()
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 @atexit.register
 def _close_engines() -> None:
     # Let queued writes finish before the interpreter goes away.
