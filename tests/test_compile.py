@@ -78,3 +78,38 @@ def test_no_offload_inside_compiled_region_context(policy):
     assert_same_step(got, ref, f"no_offload, policy {policy}")
     assert moved_count(off.stats) == 0, off.stats
     off.close()
+
+
+def _recompile_loop(ctx_of):
+    """Six freshly compiled models, three shapes each, every step under the
+    context ``ctx_of()``: ``[(loss, [grads])]``."""
+    out = []
+    torch._dynamo.reset()
+    for i in range(6):
+        torch.manual_seed(i)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(),
+                                    torch.nn.Linear(128, 8))
+        fn = torch.compile(model, backend="aot_eager")
+        for j in range(3):
+            x = torch.randn(8 + i + j, 64)
+            with ctx_of():
+                loss = fn(x).square().mean()
+            loss.backward()
+            out.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+            model.zero_grad()
+    return out
+
+
+@pytest.mark.parametrize("policy", ["keep", "cpu"])
+def test_recompiles_under_one_offloader_stay_exact(policy):
+    """Issue 14 #8: the module tracker's global forward hooks, traced by
+    Dynamo, broke recompiles under an Offloader ("already tracked for
+    mutation" from the 5th compile). NOTE [Tracker under torch.compile]."""
+    off = tiermem.Offloader(policy=policy, min_offload_bytes=0)
+    got = _recompile_loop(lambda: off)
+    ref = _recompile_loop(lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t,
+                                                                          lambda t: t))
+    assert len(got) == len(ref) == 18
+    for k, (g, r) in enumerate(zip(got, ref)):
+        assert_same_step(g, r, f"compile loop step {k}, policy {policy}")
+    off.close()

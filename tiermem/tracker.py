@@ -66,7 +66,31 @@ def _name_of(module: torch.nn.Module, stack: list) -> str:
     return _names[module]
 
 
+def _compiling() -> bool:
+    """True while Dynamo traces (``torch.compiler.is_compiling``; a constant
+    to Dynamo, so the hooks below trace to nothing)."""
+    return False
+
+
+try:
+    _compiling = torch.compiler.is_compiling   # noqa: F811
+except AttributeError:   # an older torch
+    pass
+
+
 def _pre_hook(module: torch.nn.Module, args) -> None:
+    # NOTE [Tracker under torch.compile]
+    # These are global forward hooks: Dynamo traces them inside every compiled
+    # module call, unlike the saved-tensor hooks (hidden from it, NOTE [Hooks
+    # under torch.compile] in hooks.py). Traced, their weak dictionary of
+    # names and thread-local stack become guards and mutations of the graph,
+    # which broke recompiles (AssertionError "already tracked for mutation";
+    # intermittently "dictionary changed size during iteration"). So they do
+    # nothing while Dynamo traces: tensors saved by a compiled region are
+    # packed after it, by its eager wrapper, and are named by the modules
+    # running outside it.
+    if _compiling():
+        return
     stack = _stack()
     listeners = getattr(_tls, "root_listeners", None)
     if listeners:
@@ -78,6 +102,8 @@ def _pre_hook(module: torch.nn.Module, args) -> None:
 
 
 def _post_hook(module: torch.nn.Module, args, output) -> None:
+    if _compiling():   # NOTE [Tracker under torch.compile]
+        return
     stack = _stack()
     # Pop down to this module (robust against a module that raised inside).
     for i in range(len(stack) - 1, -1, -1):
