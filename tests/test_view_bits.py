@@ -47,3 +47,18 @@ def test_conj_and_neg_views_are_restored_as_views(tmp_path, policy, name):
     assert (got["conj"], got["neg"]) == (v.is_conj(), v.is_neg())
     assert torch.equal(got["values"], v.resolve_conj().resolve_neg())
     off.close()
+
+
+@pytest.mark.parametrize("name", list(_views()))
+def test_a_dense_copy_keeps_the_bits(name):
+    """What backward gets for a compact view whose move has not landed yet
+    (the original, made dense): the same values and the same conj/neg bits
+    as the restore would give."""
+    from tiermem.tiers.base import Layout
+
+    v = _views()[name]
+    layout = Layout.of(v)
+    d = layout.dense(v)
+    assert (d.is_conj(), d.is_neg()) == (v.is_conj(), v.is_neg())
+    assert torch.equal(d.resolve_conj().resolve_neg(), v.resolve_conj().resolve_neg())
+    assert d.is_contiguous()

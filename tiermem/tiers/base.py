@@ -103,6 +103,14 @@ class Layout:
             # as_strided's offset is absolute in the storage: ``flat`` may itself
             # be a view (an aligned slice of a bigger buffer).
             out = flat.as_strided(self.size, self.stride, flat.storage_offset() + self.pad)
+        return self._with_bits(out)
+
+    def dense(self, t: torch.Tensor) -> torch.Tensor:
+        """A dense copy of ``t`` (saved with this layout, compact), as the
+        restore would give it: same values, contiguous, the same conj/neg bits."""
+        return self._with_bits(self.source(t).contiguous())
+
+    def _with_bits(self, out: torch.Tensor) -> torch.Tensor:
         if self.neg:
             out = out._neg_view()
         if self.conj:

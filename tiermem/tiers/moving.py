@@ -288,7 +288,7 @@ class MovingStore(TierStore):
                 # Not landed yet: the original is still here and unchanged.
                 # A compact copy is dense: give a dense copy of the original,
                 # so that backward sees the same layout whatever the timing.
-                return (h.src.contiguous() if h.layout.compact else h.src), None
+                return (h.layout.dense(h.src) if h.layout.compact else h.src), None
             self._wait_landed(h)
         if h.failed and h.src is not None:
             check_version(h.src, h.version, h.module)
