@@ -18,12 +18,15 @@ One test id is one op x dtype x policy, e.g.
   requires_grad=True)`` that have a differentiable output, generated once per
   op and dtype (:func:`reference`) with their plain-autograd results; plain
   autograd runs twice and must agree (else the op belongs in :data:`SKIP`).
-- a run (:func:`run`): the sample's tensors cloned with their exact layout
-  (leaves, same ``requires_grad``), ``torch.manual_seed(SEED)``, the op and
-  the sample's ``output_process_fn_grad`` under the context, then outside it
-  ``autograd.grad`` of the sum of the floating/complex outputs that require
-  grad (``real.sum() + imag.sum()`` for complex ones) with respect to every
-  input tensor that requires grad.
+- a run (:func:`run`): the sample's tensors copied with their exact layout
+  (size, strides, storage offset); ``torch.manual_seed(SEED)``; under the
+  context, each input that requires grad made an activation (a ``clone()``
+  of its leaf, then its view if the sample's tensor is one: tiermem never
+  moves leaves that require grad, so the sample's own leaves would leave the
+  ops' saved inputs on the keep path), the op and the sample's
+  ``output_process_fn_grad``; outside it, ``autograd.grad`` of the sum of the
+  floating/complex outputs that require grad (``real.sum() + imag.sum()``
+  for complex ones) with respect to the leaves.
 - comparison (:func:`differences`): every tensor output (indices too), the
   loss and every gradient have the same dtype, shape, layout and bits (NaN
   where plain has NaN, -0.0 is not 0.0); a failure names the sample, what
@@ -42,7 +45,7 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import pytest
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 import tiermem
 from helpers import cpp_engine_unavailable
@@ -85,19 +88,47 @@ def _dtype_name(dtype: torch.dtype) -> str:
 # One run: clone the sample, forward under ctx, backward outside it
 # ---------------------------------------------------------------------------
 
-def _clone(t):
-    """A leaf copy of ``t`` with its exact layout (size, strides, storage
-    offset, over a copy of its storage) and its ``requires_grad``."""
+class _Input:
+    """A requires-grad tensor of a sample, as a leaf (``leaf``, whose gradient
+    is compared) and the activation the op is given (:meth:`tensor`)."""
+
+    __slots__ = ("leaf", "geometry")
+
+    def __init__(self, leaf: torch.Tensor, geometry=None) -> None:
+        self.leaf = leaf
+        self.geometry = geometry   # (size, stride, offset) over ``leaf``, or None
+
+    def tensor(self) -> torch.Tensor:
+        """A bitwise copy of ``leaf`` made inside the context (tiermem keeps
+        leaves that require grad and their views, so a sample's own leaves
+        would test only the keep path), with the sample's exact layout."""
+        act = self.leaf.clone()
+        return act if self.geometry is None else act.as_strided(*self.geometry)
+
+
+def _copy(t):
+    """A copy of a sample's tensor ``t`` over a copy of its storage, with its
+    exact layout (size, strides, storage offset); an :class:`_Input` if it
+    requires grad."""
     if not isinstance(t, torch.Tensor):
         return t
     with torch.no_grad():
         d = t.detach()
         if d.layout != torch.strided or d.is_conj() or d.is_neg():
-            c = d.resolve_conj().resolve_neg().clone()
-        else:
-            c = torch.empty(0, dtype=d.dtype, device=d.device)
-            c.set_(d.untyped_storage().clone(), d.storage_offset(), d.size(), d.stride())
-    return c.requires_grad_(t.requires_grad)
+            # Sparse inputs stay leaves (tiermem keeps non-strided tensors anyway).
+            return d.resolve_conj().resolve_neg().clone().requires_grad_(t.requires_grad)
+        storage = d.untyped_storage().clone()
+        size, stride, offset = d.size(), d.stride(), d.storage_offset()
+        n, rest = divmod(storage.nbytes(), d.element_size())
+        if not t.requires_grad or rest:
+            c = torch.empty(0, dtype=d.dtype, device=d.device).set_(storage, offset, size, stride)
+            return c.requires_grad_(t.requires_grad)
+        leaf = torch.empty(0, dtype=d.dtype, device=d.device)
+        if offset == 0 and n == d.numel() and torch.empty_like(d).stride() == stride:
+            # Its own storage exactly, and clone() keeps its strides.
+            return _Input(leaf.set_(storage, 0, size, stride).requires_grad_())
+        # A view (gaps, offset, overlap): the leaf is the whole storage.
+        return _Input(leaf.set_(storage, 0, (n,), (1,)).requires_grad_(), (size, stride, offset))
 
 
 class Result(NamedTuple):
@@ -122,12 +153,14 @@ def run(op, sample, ctx) -> Optional[Result]:
     """Forward of ``op`` on a fresh clone of ``sample`` under ``ctx``, backward
     of the summed differentiable outputs outside it. ``None``: no output
     requires grad."""
-    s = sample.transform(_clone)
-    leaves = [t for t in tree_flatten((s.input, s.args, s.kwargs))[0]
-              if isinstance(t, torch.Tensor) and t.requires_grad]
+    s = sample.transform(_copy)
+    copies = (s.input, s.args, s.kwargs)
+    leaves = [x.leaf if isinstance(x, _Input) else x for x in tree_flatten(copies)[0]
+              if isinstance(x, _Input) or (isinstance(x, torch.Tensor) and x.requires_grad)]
     torch.manual_seed(SEED)
     with ctx:
-        out = s.output_process_fn_grad(op(s.input, *s.args, **s.kwargs))
+        inp, args, kwargs = tree_map_only(_Input, _Input.tensor, copies)
+        out = s.output_process_fn_grad(op(inp, *args, **kwargs))
     outputs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
     loss = _loss(outputs)
     if loss is None:
