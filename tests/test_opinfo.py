@@ -35,7 +35,8 @@ One test id is one op x dtype x policy, e.g.
 Known tiermem failures are strict xfails (:data:`XFAIL`, with the issue), so
 the test turns red when they are fixed and when a new failure appears; the
 racy one is repeated (:data:`REPEAT`) so that its xfail is stable. Skips:
-:data:`SKIP`. About 55-85 s on 2 CPU cores (5196 ids, torch 2.13.0).
+:data:`SKIP`. Measured: 47-69 s on 2 shared CPU cores (5196 ids, torch
+2.13.0), plus the C++ engine's JIT build (~60 s) if no earlier test built it.
 """
 
 from __future__ import annotations
@@ -275,12 +276,14 @@ class _Plain:
 
 #: (op full name, dtype name or None for every dtype) -> why it is not run.
 #: Empty on torch 2.13.0: no op's first samples are nondeterministic in plain
-#: autograd (``reference`` checks it on every run) or fail to clone.
+#: autograd (``reference`` checks it on every run) or fail to clone. With more
+#: than 3 samples linalg.lstsq (and .grad_oriented) would need an entry: from
+#: sample 3 on (driver gelsy) plain autograd differs from run to run (~1e-6).
 SKIP: Dict[Tuple[str, Optional[str]], str] = {}
 
 _RRELU = ("issue 16: nn.functional.rrelu (training): its `noise` argument is packed "
-          "before the kernel writes it, and the copy races the kernel: wrong grad of "
-          "the input (garbage or stale noise)")
+          "before the kernel writes it; the tier's copy races the kernel: wrong grad of "
+          "the input (uninitialised or stale noise), under cpu too")
 _CONJ_VIEW = ("issue 16 / PyTorch #198118: under any TorchDispatchMode (tiermem's producer "
               "tracking) complex pinv consumes a lazy conj view unmaterialised: wrong "
               "forward values (a bare no-op TorchDispatchMode gives the same values)")
