@@ -55,6 +55,11 @@ pytest.importorskip(
     "expecttest", reason="torch.testing._internal needs expecttest (the 'test' extra)")
 _WHY = (f"torch {torch.__version__}: torch.testing._internal.common_methods_invocations.op_db "
         "(PyTorch's OpInfo database) cannot be imported")
+# Importing torch.testing._internal.common_utils freezes torch.backends' flags
+# (bare `torch.backends.cudnn.x = ...` then raises) and wraps TorchScript calls
+# for the whole pytest session: both are undone after the import.
+_flags_frozen = torch.backends.flags_frozen()
+_script_calls = (torch._C.ScriptFunction.__call__, torch._C.ScriptMethod.__call__)
 try:
     _cmi = pytest.importorskip("torch.testing._internal.common_methods_invocations",
                                reason=_WHY)
@@ -62,6 +67,11 @@ except pytest.skip.Exception:
     raise
 except Exception as e:   # another torch's layout may fail other than by ImportError
     pytest.skip(f"{_WHY}: {type(e).__name__}: {e}", allow_module_level=True)
+finally:
+    if not _flags_frozen:
+        # the module's own globals (torch.backends is wrapped in a GenericModule)
+        torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True
+    torch._C.ScriptFunction.__call__, torch._C.ScriptMethod.__call__ = _script_calls
 if not hasattr(_cmi, "op_db"):
     pytest.skip(f"{_WHY}: the module has no op_db", allow_module_level=True)
 
