@@ -206,6 +206,9 @@ class ProducerMode(TorchDispatchMode):
         #: storage cdata -> [weakref to a dropped tensor's handle]: see NOTE
         #: [Writes to dropped tensors].
         self._watched: dict = {}
+        #: storage cdata -> [weakref to a handle whose recipe holds a tensor on
+        #: it as it is]: see NOTE [Writes to recipe inputs].
+        self._watched_inputs: dict = {}
 
     # -- lookup (pack hook) -----------------------------------------------------
     def record_of(self, t: torch.Tensor) -> Optional[Record]:
@@ -242,21 +245,52 @@ class ProducerMode(TorchDispatchMode):
             entry = self._watched[ref.cdata] = (ref, [])
         entry[1].append(weakref.ref(handle))
 
+    def watch_input(self, t: torch.Tensor, leaf) -> None:
+        """Call ``leaf.snapshot(copies)`` before an op of this forward writes to
+        ``t``'s storage (``copies``: shared by the leaves of one write).
+
+        # NOTE [Writes to recipe inputs]
+        # A recipe holds parameters and leaves that require grad as they are
+        # (NOTE [What a recipe holds]): they are not modified during a forward
+        # pass, as a rule. Some programs do: nn.Embedding(max_norm=...) renorms
+        # its weight in place at each call, a leaf may be written through a
+        # .detach() alias. Autograd does not mind (it did not save them), so
+        # neither may tiermem: the mode sees the write before it happens, and
+        # each recipe leaf holding that tensor as it is takes a copy of its
+        # values of now (one copy per tensor and write, shared by the leaves),
+        # so the recipe regenerates exactly what the forward computed. Writes
+        # after the forward (a ``.data`` change before backward) are not seen.
+        """
+        ref = StorageWeakRef(t.untyped_storage())
+        entry = self._watched_inputs.get(ref.cdata)
+        if entry is None:
+            entry = self._watched_inputs[ref.cdata] = (ref, [])
+        entry[1].append(weakref.ref(leaf))
+
     def _note_writes(self, info: "_OpInfo", args, kwargs) -> None:
         for i, name in info.written:
             t = args[i] if i < len(args) else kwargs.get(name)
             if not isinstance(t, torch.Tensor) or not _plain(t):
                 continue
-            entry = self._watched.get(StorageWeakRef(t.untyped_storage()).cdata)
+            key = StorageWeakRef(t.untyped_storage()).cdata
+            entry = self._watched.get(key)
             if entry is not None:
                 for ref in entry[1]:
                     h = ref()
                     if h is not None:
                         h.tainted = True
+            entry = self._watched_inputs.pop(key, None)
+            if entry is not None:   # after the write these leaves hold copies
+                copies: dict = {}
+                for ref in entry[1]:
+                    leaf = ref()
+                    if leaf is not None:
+                        leaf.snapshot(copies)
 
     def clear(self) -> None:
         self._records.clear()
         self._watched.clear()
+        self._watched_inputs.clear()
 
     # -- recording ----------------------------------------------------------------
     def _ref(self, t: torch.Tensor) -> Ref:
@@ -282,7 +316,7 @@ class ProducerMode(TorchDispatchMode):
                 recomputable = False
             elif info.random:
                 rng = self._capture_rng(args, kwargs)
-        if info.written and self._watched:
+        if info.written and (self._watched or self._watched_inputs):
             self._note_writes(info, args, kwargs)
         out = func(*args, **kwargs)
         values_op = info.name

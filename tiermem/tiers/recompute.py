@@ -51,7 +51,8 @@ import torch
 from ..errors import TierMemError
 from ..policy import Tier
 from ..producers import Record, Ref
-from .base import Layout, RecipeServices, TierStore
+from .base import Layout, RecipeServices, TierStore, exact_copy
+from .keep import Kept
 
 __all__ = ["RecomputeStore", "RecomputeHandle", "MAX_RECIPE_NODES"]
 
@@ -68,10 +69,25 @@ class _Node:
 class _In:
     """A leaf of a recipe: a handle of a tier (unpacked through its store)."""
 
-    __slots__ = ("handle",)
+    __slots__ = ("handle", "__weakref__")
 
     def __init__(self, handle) -> None:
         self.handle = handle
+
+    def snapshot(self, copies: dict) -> None:
+        """The parameter or leaf this leaf holds as it is is about to be written
+        in place during the forward: hold a copy of its values of now instead
+        (NOTE [Writes to recipe inputs] in producers.py). ``copies``: the
+        copies made for this write, by tensor, shared by every leaf."""
+        h = self.handle
+        if type(h) is not Kept or h.tensor._version != h.version:
+            return   # a copy already, or changed unseen: its unpack will say so
+        t = h.tensor
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.size()), t.stride())
+        copy = copies.get(key)
+        if copy is None:
+            copy = copies[key] = Kept(exact_copy(h.tensor), h.module)
+        self.handle = copy
 
 
 class RecomputeHandle:
@@ -134,7 +150,8 @@ class RecomputeStore(TierStore):
             stored[key] = step.store_input(x, later)
         step.recipe_inputs_stored(plan.cost_bytes)
         h = RecomputeHandle()
-        h.plan = self._build(rec, step, stored)
+        as_is: list = []
+        h.plan = self._build(rec, step, stored, as_is)
         h.store, h.step, h.module = self, step, module
         h.size, h.stride, h.dtype = t.size(), t.stride(), t.dtype
         h.nbytes = nbytes
@@ -144,6 +161,8 @@ class RecomputeStore(TierStore):
         h.tainted = False
         h.entry = step.dropped(h, nbytes)
         producers.watch(t, h)   # NOTE [Writes to dropped tensors] in producers.py
+        for x, leaf in as_is:   # NOTE [Writes to recipe inputs] in producers.py
+            producers.watch_input(x, leaf)
         return h
 
     def _check(self, rec: Record, step, plan: _Plan, depth: int) -> None:
@@ -181,17 +200,17 @@ class RecomputeStore(TierStore):
             raise _Ineligible("an input is a gapped view")
         plan.store(x)
 
-    def _build(self, rec: Record, step, stored: dict) -> _Node:
+    def _build(self, rec: Record, step, stored: dict, as_is: list) -> _Node:
         """Materialise the plan chosen by :meth:`_check` (same order of choices)."""
         node = _Node()
         node.func, node.out_index, node.rng = rec.func, rec.out_index, rec.rng
-        node.args = tuple(self._arg(a, step, stored) for a in rec.args)
-        node.kwargs = {k: self._arg(v, step, stored) for k, v in rec.kwargs.items()}
+        node.args = tuple(self._arg(a, step, stored, as_is) for a in rec.args)
+        node.kwargs = {k: self._arg(v, step, stored, as_is) for k, v in rec.kwargs.items()}
         return node
 
-    def _arg(self, a: Any, step, stored: dict) -> Any:
+    def _arg(self, a: Any, step, stored: dict, as_is: list) -> Any:
         if type(a) is list:
-            return [self._arg(x, step, stored) for x in a]
+            return [self._arg(x, step, stored, as_is) for x in a]
         if type(a) is not Ref:
             return a
         x = a.alive()
@@ -204,10 +223,12 @@ class RecomputeStore(TierStore):
             return _In(h)
         if x is not None:
             if step.is_stable_param(x):
-                return _In(step.keep_handle(x, clone=False))
+                leaf = _In(step.keep_handle(x, clone=False))
+                as_is.append((x, leaf))
+                return leaf
             if step.is_small(x):
                 return _In(step.keep_handle(x, clone=True))
-        return self._build(a.record, step, stored)
+        return self._build(a.record, step, stored, as_is)
 
     # -- backward -----------------------------------------------------------------
     def take(self, h: RecomputeHandle, more_uses: int):
