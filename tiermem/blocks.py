@@ -39,7 +39,7 @@ from .config import Config
 from .errors import ConfigError
 from .policy import Tier, resolve_policy
 
-__all__ = ["wrap_blocks", "BlockWrapping", "SELECTIVE_SAVE_OPS", "current_block_order"]
+__all__ = ["wrap_blocks", "BlockWrapping", "SELECTIVE_SAVE_OPS"]
 
 _aten = torch.ops.aten
 
@@ -74,13 +74,6 @@ _recomputing_blocks: "weakref.WeakSet[_BlockForward]" = weakref.WeakSet()
 def blocks_need_producers() -> bool:
     """Whether a live wrapped block has a policy that may recompute."""
     return len(_recomputing_blocks) > 0
-
-
-def current_block_order() -> Optional[Tuple[Tier, ...]]:
-    """The tier order of the innermost wrapped block running in this thread
-    (``None`` outside blocks wrapped with a ``policy``)."""
-    stack = _scope.stack
-    return stack[-1] if stack else None
 
 
 def _selective_policy(ctx, op, *args, **kwargs):

@@ -127,6 +127,7 @@ class Packer:
         # nn.Linear saves ``weight.t()``, a *view* of a Parameter, so the base
         # and the storage count, not the Python type of ``t`` (``issubclass``:
         # ``isinstance(t, Parameter)`` goes through a slow metaclass hook).
+        # The first test is step.is_stable_param, inlined: this runs per tensor.
         base = t._base
         if base is None:
             base = t
