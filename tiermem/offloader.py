@@ -204,6 +204,7 @@ class Offloader:
             # partial graph's handles free their buffers when it is dropped.
             self._placement.drain()
         else:
+            self._placement.launch()
             self._placement.poll()
         with self._lock:
             self._active_thread = None

@@ -175,6 +175,12 @@ class Placement:
                          "(shown once).", tier.value)
 
     # -- moves in flight ----------------------------------------------------------
+    def launch(self) -> None:
+        """Launch every reserved move: the forward is over (NOTE [Launch after
+        the saving op] in tiers/moving.py)."""
+        for store in self.movers:
+            store.launch()
+
     def poll(self) -> None:
         """Finish the moves that have landed (forward thread; NOTE [Copy landed])."""
         for store in self.movers:

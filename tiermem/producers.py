@@ -46,6 +46,45 @@ __all__ = ["ProducerMode", "Record", "Ref", "storage_key", "RECOMPUTABLE_OPS", "
 
 _aten = torch.ops.aten
 
+# NOTE [Ops run as without a mode]
+# Tracking must not change the forward's values. PyTorch runs a dispatch
+# mode's handler with every dispatch key above Python excluded, among them
+# Conjugate, Negative and ZeroTensor, and the op the handler calls runs under
+# that exclusion. A kernel that makes a lazy conjugate (or negative) view
+# inside and hands it to another op then has it consumed as if it were a plain
+# tensor: complex ``linalg.pinv`` returns wrong values under any mode, even one
+# that only forwards (PyTorch #198118; also complex ``linalg.lstsq``'s
+# residuals). Without a mode those keys are not excluded, so the handler runs
+# the op with the three keys it finds excluded allowed again, and excludes
+# them again after: the op's tensors carry no such key (the handler sees
+# resolved arguments), and only what the kernel makes inside meets them, as
+# it would without tiermem. Only when ours is the last mode and no argument is
+# a tensor subclass (``types`` empty): another mode or a subclass (DTensor)
+# gets the op as PyTorch hands it over, as it would without tiermem.
+# Cost: ~0.5 µs per op.
+_KEY = torch._C.DispatchKey
+_VIEW_BIT_KEYS = tuple(getattr(_KEY, n) for n in ("Conjugate", "Negative", "ZeroTensor")
+                       if hasattr(_KEY, n))
+_is_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+_set_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
+_modes_below = torch._C._len_torch_dispatch_stack   # inside a handler: the modes under it
+
+
+def _run_as_without_mode(func, types, args, kwargs):
+    """``func(*args, **kwargs)`` with NOTE [Ops run as without a mode]."""
+    if types or _modes_below():   # a subclass or another mode handles it: as PyTorch does
+        return func(*args, **kwargs)
+    excluded = [k for k in _VIEW_BIT_KEYS if _is_excluded(k)]
+    if not excluded:
+        return func(*args, **kwargs)
+    for k in excluded:
+        _set_excluded(k, False)
+    try:
+        return func(*args, **kwargs)
+    finally:
+        for k in excluded:
+            _set_excluded(k, True)
+
 
 def _packets(*names: str) -> frozenset:
     return frozenset(getattr(_aten, n) for n in names if hasattr(_aten, n))
@@ -300,8 +339,8 @@ class ProducerMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if torch.is_inference_mode_enabled():
-            return func(*args, **kwargs)   # inference tensors: nothing to record
+        if torch.is_inference_mode_enabled():   # inference tensors: nothing to record
+            return _run_as_without_mode(func, types, args, kwargs)
         info = self._ops.get(func)
         if info is None:
             info = self._ops[func] = _OpInfo(func)
@@ -318,7 +357,7 @@ class ProducerMode(TorchDispatchMode):
                 rng = self._capture_rng(args, kwargs)
         if info.written and (self._watched or self._watched_inputs):
             self._note_writes(info, args, kwargs)
-        out = func(*args, **kwargs)
+        out = _run_as_without_mode(func, types, args, kwargs)
         values_op = info.name
         if info.view and args and isinstance(args[0], torch.Tensor):
             base = self._records.get(id(args[0]))

@@ -41,20 +41,26 @@ class HostStore(MovingStore):
         """Host bytes held, in use or pooled (what the budget bounds)."""
         return self.pool.held_bytes
 
-    def _store_out(self, src: torch.Tensor, layout: Layout, t: torch.Tensor):
-        nbytes = layout.nbytes
+    def _reserve(self, layout: Layout, t: torch.Tensor):
+        """A pooled host buffer (pinned for a CUDA tensor), or ``None``: full."""
         pinned = t.is_cuda
-        buf = self.pool.acquire(nbytes, pinned=pinned)
-        if buf is None:
-            return None
+        buf = self.pool.acquire(layout.nbytes, pinned=pinned)
+        return None if buf is None else (buf, pinned)
+
+    def _launch(self, src: torch.Tensor, layout: Layout, reservation):
+        buf, pinned = reservation
         try:
-            host_view = buf[:nbytes].view(layout.dtype)
-            job = copier_for(t.device, self._copiers).copy_out(layout.source(src),
-                                                                layout.dest_view(host_view))
+            host_view = buf[:layout.nbytes].view(layout.dtype)
+            job = copier_for(src.device, self._copiers).copy_out(layout.source(src),
+                                                                  layout.dest_view(host_view))
         except BaseException:
             self.pool.release(buf, None, pinned)
             raise
         return (buf, host_view, pinned), job
+
+    def _unreserve(self, reservation, layout: Layout) -> None:
+        buf, pinned = reservation
+        self.pool.release(buf, None, pinned)   # lock-free (finalizers)
 
     def _start_restore(self, h: MovedHandle):
         layout = h.layout

@@ -1,17 +1,24 @@
 """Shared logic of the tiers that move a tensor away and bring it back (cpu, nvme).
 
-A moving store implements three steps; this base class does the rest (the
-landing check, in-place safety, prefetch, release):
+A moving store implements these steps; this base class does the rest (the
+launch after the saving op, the landing check, in-place safety, prefetch,
+release):
 
-- ``_store_out(src, layout, t) -> (slot, job)`` or ``None`` when full: start
-  moving the tensor's bytes out; ``slot`` is the store's record of where they
-  go (host buffer, disk extent), ``job`` a :class:`~tiermem.jobs.Job`;
+- ``_reserve(layout, t) -> reservation`` or ``None`` when full: take the room
+  the tensor's bytes need (host buffer, disk extent), within the budget;
+- ``_launch(src, layout, reservation) -> (slot, job)``: start moving the bytes
+  out into the reserved room; ``slot`` is the store's record of where they
+  go, ``job`` a :class:`~tiermem.jobs.Job`. On failure it gives the
+  reservation back and raises (the tensor then stays where it is);
+- ``_unreserve(reservation, layout)``: give back room never used (a handle
+  dead before its launch; runs from a finalizer: no lock);
 - ``_start_restore(handle) -> (tensor, job)``: allocate on the device and
   start bringing the bytes back (``handle.layout.pad`` elements first);
 - ``_free(handle)``: give the slot back once ``handle.last_job`` is done.
 
-Forward (``put``): start moving out and return at once. The forward thread
-checks finished jobs at every pack (``poll``) and then drops the source:
+Forward (``put``): reserve and return at once; the move is launched once the
+op that saved the tensor has run (NOTE [Launch after the saving op]). The
+forward thread checks finished jobs at every pack (``poll``) and then drops the source:
 device memory is freed when the copy lands, not at backward. A store whose
 move goes through a host staging buffer first (nvme, CUDA tensors) drops the
 source earlier, once the bytes are in staging: see NOTE [Staged moves].
@@ -36,6 +43,26 @@ given at ``put`` (``handle.step``, :class:`~tiermem.tiers.base.StepEvents`).
 # [In-place check] in keep.py). The check must run on the thread that issues
 # the forward ops, never on the copy worker: a worker cannot tell a finished
 # in-place kernel from one still running.
+
+# NOTE [Launch after the saving op]
+# Autograd packs an op's saved *inputs* before the op's kernel runs, and an op
+# may write an input it saves without bumping its version:
+# ``rrelu_with_noise`` saves its ``noise`` argument, then its kernel writes the
+# random slopes into it. Autograd itself is right (it keeps a reference); a
+# copy started at pack time is not (CPU: it races the kernel; CUDA: its event
+# is recorded before the kernel is launched, so it copies the values from
+# before). So a move is *reserved* at pack time (the budget decision, and the
+# tier's fallback to the next one, stay there) and *launched* only once the
+# saving op has run: at the first pack of a later op, at the end of the
+# forward, or when backward (or an abandoned forward) needs it. "A later op"
+# is read from autograd's node sequence number (thread-local; an Offloader is
+# active in one thread at a time): every op that saves tensors creates its
+# node before saving any, so a pack that sees another number than the one its
+# pending launches were reserved under comes from a later op, which Python
+# only reaches after the saving op returned (CPU: its kernel ran; CUDA: its
+# kernels are queued before the copy's event). Until launched, the source
+# stays alive (one op longer than before); a write that bumped its version
+# meanwhile is caught by the version check (NOTE [Copy landed]).
 
 # NOTE [Staged moves]
 # A job with a ``host_view`` (a tensor) moves the bytes through that host
@@ -75,6 +102,9 @@ _log = logging.getLogger("tiermem")
 
 __all__ = ["MovingStore", "MovedHandle"]
 
+# The number autograd's next node will get (this thread): NOTE [Launch after the saving op].
+_sequence_nr = torch._C._autograd._get_sequence_nr
+
 
 class MovedHandle:
     """A saved tensor moved away by a :class:`MovingStore`. Owned by autograd;
@@ -106,9 +136,19 @@ class MovingStore(TierStore):
         self._uncopied: collections.deque = collections.deque()
         self._lock = threading.RLock()
         self._warned_failure = False
+        # Weak refs to handles reserved but not launched yet, in order, and the
+        # autograd node sequence number they were reserved under.
+        self._unlaunched: collections.deque = collections.deque()
+        self._unlaunched_seq = -1
 
     # -- subclass steps -------------------------------------------------------
-    def _store_out(self, src: torch.Tensor, layout: Layout, t: torch.Tensor):
+    def _reserve(self, layout: Layout, t: torch.Tensor):
+        raise NotImplementedError
+
+    def _launch(self, src: torch.Tensor, layout: Layout, reservation):
+        raise NotImplementedError
+
+    def _unreserve(self, reservation, layout: Layout) -> None:
         raise NotImplementedError
 
     def _start_restore(self, h: MovedHandle):
@@ -128,33 +168,67 @@ class MovingStore(TierStore):
 
     # -- forward ------------------------------------------------------------
     def put(self, t: torch.Tensor, step, module: str = "") -> Optional[MovedHandle]:
+        """Reserve room for ``t`` (``None``: full) and return its handle; the
+        move is launched later (NOTE [Launch after the saving op])."""
         layout = Layout.of(t)
-        src = t.detach()
-        out = self._store_out(src, layout, t)
-        if out is None:
+        reservation = self._reserve(layout, t)
+        if reservation is None:
             return None
         h = MovedHandle()
-        h.slot, job = out
+        h.slot = reservation   # until launched
         h.layout, h.nbytes = layout, layout.nbytes
-        h.version, h.module, h.src = t._version, module, src
-        h.host = None
-        h.lease = getattr(job, "lease", None)
+        h.version, h.module, h.src = t._version, module, t.detach()
+        h.host = h.lease = h.last_job = None
         h.restore = h.cached = None
         h.tainted = h.failed = False
         h.step = step
-        h.last_job = job
         h.store = self
+        self._unlaunched.append(weakref.ref(h))
+        self._unlaunched_seq = _sequence_nr()
+        h.entry = step.moved(h, h.nbytes)
+        step.held(self.tier, self._held_bytes())
+        return h
+
+    def launch(self) -> None:
+        """Launch every reserved move (the ops that saved them have run)."""
+        unlaunched = self._unlaunched
+        while unlaunched:
+            h = unlaunched.popleft()()
+            if h is not None and h.last_job is None and h.src is not None and not h.failed:
+                self._launch_one(h)
+
+    def _launch_one(self, h: MovedHandle) -> None:
+        if h.src._version != h.version:
+            # Written in place since it was saved: the copy would be of the new
+            # values; backward raises, as autograd would (NOTE [Copy landed]).
+            reservation, h.slot = h.slot, None
+            self._unreserve(reservation, h.layout)
+            h.tainted = True
+            h.src = None
+            return
+        try:
+            slot, job = self._launch(h.src, h.layout, h.slot)
+        except Exception as error:   # the reservation was given back
+            h.slot = None
+            h.failed = True          # the source stays: as a move that failed
+            if not isinstance(error, TierMemError):
+                error = TierMemError(f"tiermem: moving a tensor to the {self.tier.value} "
+                                     f"tier failed: {type(error).__name__}: {error}")
+            self._on_failure(h, error)
+            return
+        h.slot, h.last_job = slot, job
+        h.lease = getattr(job, "lease", None)
         with self._lock:
             ref = weakref.ref(h)
             self._pending.append((ref, job))
             if getattr(job, "host_view", None) is not None:
                 self._uncopied.append((ref, job))
-        h.entry = step.moved(h, h.nbytes)
-        step.held(self.tier, self._held_bytes())
-        return h
 
     def poll(self) -> None:
-        """Finish every move that has landed, in order. See NOTE [Copy landed]."""
+        """Launch the moves of ops that have run (NOTE [Launch after the saving
+        op]); finish every move that has landed, in order (NOTE [Copy landed])."""
+        if self._unlaunched and _sequence_nr() != self._unlaunched_seq:
+            self.launch()
         if not self._pending:
             if self._uncopied:
                 self._uncopied.clear()   # all landed
@@ -231,6 +305,7 @@ class MovingStore(TierStore):
         self._landed(ref, job)
 
     def drain(self) -> None:
+        self.launch()
         with self._lock:
             while self._pending:
                 self._land_first()
@@ -282,6 +357,8 @@ class MovingStore(TierStore):
         restore (outside the prefetcher's lock) and returns the tensor.
         ``more_uses``: uses of ``h`` still to come in this backward pass (they
         get the same restore)."""
+        if self._unlaunched:
+            self.launch()   # every op of the forward has run
         self.poll()
         if h.src is not None and not h.failed:
             if h.src._version == h.version:
@@ -329,6 +406,12 @@ class MovingStore(TierStore):
 
     # -- release --------------------------------------------------------------
     def _release(self, h: MovedHandle) -> None:
+        if h.last_job is None:     # never launched (or its launch failed)
+            h.src = None
+            if h.slot is not None:
+                reservation, h.slot = h.slot, None
+                self._unreserve(reservation, h.layout)
+            return
         if h.src is not None:      # died before its move out landed (last_job is that move)
             h.last_job.abandon(h.src)
             h.src = None

@@ -39,8 +39,10 @@ the arena stops growing (:class:`~tiermem.arena.Arena`); later tensors its
 freed extents cannot hold go to the policy's next tier. On a filesystem without fallocate it shows at a write
 instead: that tensor stays on its device (exact, counted in
 ``budget_fallbacks``), and the store takes no new tensor for the rest of its
-life (NvmeStore.disk_full), one warning. Any other error at submit also sends
-the tensor to the next tier.
+life (NvmeStore.disk_full), one warning. Any other error at submit also leaves
+the tensor on its device: the write is submitted after the room was reserved
+and the handle given to autograd (NOTE [Launch after the saving op] in
+moving.py), too late to choose another tier for it.
 
 With ``verify``, a CRC32 of each tensor's bytes is taken before the write and
 checked after the read; a mismatch (or a short read: the file was changed
@@ -52,6 +54,7 @@ from __future__ import annotations
 import collections
 import errno
 import logging
+import os
 import threading
 import weakref
 from typing import Optional
@@ -155,7 +158,9 @@ class NvmeStore(MovingStore):
         return self.arena.used_bytes
 
     # -- move out -----------------------------------------------------------------
-    def _store_out(self, src: torch.Tensor, layout: Layout, t: torch.Tensor):
+    def _reserve(self, layout: Layout, t: torch.Tensor):
+        """``(staging buffer or None, arena offset)``, or ``None``: full (or the
+        disk was found full)."""
         if self.disk_full:
             return None
         nbytes = layout.nbytes
@@ -169,32 +174,51 @@ class NvmeStore(MovingStore):
             if staging is not None:
                 self.staging.release(staging, None, t.is_cuda)
             return None
+        return staging, offset
+
+    def _unreserve(self, reservation, layout: Layout) -> None:
+        # From a finalizer too: no lock (NOTE [Releases from finalizers] in hostpool.py).
+        staging, offset = reservation
+        if staging is not None:
+            self.staging.release(staging, None, layout.device.type == "cuda")
+        self._released.append((None, offset, layout.nbytes))   # no I/O on it
+
+    def _launch(self, src: torch.Tensor, layout: Layout, reservation):
+        """Start the write (through staging for CUDA tensors); a write refused
+        at submit (closed file, full disk...) raises, the tensor staying on its
+        device (counted as a failed move)."""
+        staging, offset = reservation
+        nbytes, cuda = layout.nbytes, src.is_cuda
         what = f"writing a {_describe(layout)} to {self.path} at offset {offset}"
+        if self.disk_full:   # found full by an earlier launch: no write is tried
+            self._unreserve(reservation, layout)
+            raise TierMemError(f"tiermem: {what} not tried: the disk is full") from OSError(
+                errno.ENOSPC, os.strerror(errno.ENOSPC))
         if staging is None:
             # The engine writes memory as it is: ``source`` gives a conj/neg
             # view's memory without its bit (put back at rebuild, Layout).
             data = layout.source(src)
             data = (data.contiguous() if layout.compact else data).reshape(-1)
-            if not self.verify:
-                try:
-                    fut = self.file.write(data, offset)
-                except OSError as e:   # refused at submit (closed file, full disk...)
-                    self.arena.free(offset, nbytes)
-                    self._refused(TierMemError(f"tiermem: {what} failed: {e}"), e)
-                    return None
-                return (offset, [None]), FutureJob(fut, what)
-            crc = [None]
-            return (offset, crc), self._chain.write(self.file, data, offset, what, crc)
+            try:
+                if not self.verify:
+                    return (offset, [None]), FutureJob(self.file.write(data, offset), what)
+                crc = [None]
+                return (offset, crc), self._chain.write(self.file, data, offset, what, crc)
+            except BaseException as e:
+                self.arena.free(offset, nbytes)
+                if isinstance(e, OSError):
+                    raise TierMemError(f"tiermem: {what} failed: {e}") from e
+                raise
         view = staging[:nbytes].view(layout.dtype)
-        if self.uses_engine_chain and t.is_cuda:
-            out = self._store_out_engine(src, layout, t, staging, view, offset, what)
+        if self.uses_engine_chain and cuda:
+            out = self._launch_engine(src, layout, staging, view, offset, what)
             if out is not None:
                 return out
         try:
-            d2h = copier_for(t.device, self._copiers).copy_out(layout.source(src),
-                                                                layout.dest_view(view))
+            d2h = copier_for(src.device, self._copiers).copy_out(layout.source(src),
+                                                                  layout.dest_view(view))
         except BaseException:
-            self.staging.release(staging, None, t.is_cuda)
+            self.staging.release(staging, None, cuda)
             self.arena.free(offset, nbytes)
             raise
         crc = [None]
@@ -203,18 +227,8 @@ class NvmeStore(MovingStore):
                                   side=getattr(d2h, "side", None))
         # Back to the pool through the lease: NOTE [Staged moves] in moving.py.
         job = StagedJob(chain, lambda: d2h.done() and d2h.failed() is None, view,
-                        StagingLease(self.staging, staging, t.is_cuda))
+                        StagingLease(self.staging, staging, cuda))
         return (offset, crc), job
-
-    def _refused(self, error: BaseException, cause: OSError) -> None:
-        """A write refused at submit: its tensor goes to the next tier."""
-        self.explained_refusals = True
-        error.__cause__ = cause
-        if _os_errno(error) in _DISK_FULL_ERRNOS:
-            self._note_disk_full(error, "this tensor goes to the next tier")
-        elif not self._warned_failure:
-            self._warned_failure = True
-            _log.warning("%s; the tensor goes to the next tier (shown once)", error)
 
     def _note_disk_full(self, error: BaseException, this: str) -> None:
         if self.disk_full:
@@ -248,16 +262,16 @@ class NvmeStore(MovingStore):
                          self.engine_chain_error,
                          "this tensor and later ones go" if permanent else "this tensor goes")
 
-    def _store_out_engine(self, src, layout, t, staging, view, offset, what):
+    def _launch_engine(self, src, layout, staging, view, offset, what):
         """The engine's CUDA chain: D2H on the copier's side stream after the
         compute stream, then the write, all issued and carried by the engine.
         ``None`` if the chain refused it: the caller goes on with the Python
         chain (same staging buffer and extent)."""
-        copier = copier_for(t.device, self._copiers)
+        copier = copier_for(src.device, self._copiers)
         try:
             fut = self.file.write_from_device(
                 layout.source(src), layout.dest_view(view), offset, copier.d2h,
-                torch.cuda.current_stream(t.device))
+                torch.cuda.current_stream(src.device))
         except Exception as e:   # CUDA error, closed chain, rejected argument
             self._give_up_engine_chain(what, e)
             return None
@@ -337,7 +351,7 @@ class NvmeStore(MovingStore):
                 return
             keep = []
             for job, offset, nbytes in self._deferred:
-                if job.done():
+                if job is None or job.done():   # None: reserved, never written
                     self.arena.free(offset, nbytes)
                 else:
                     keep.append((job, offset, nbytes))
@@ -360,6 +374,8 @@ class NvmeStore(MovingStore):
         with self._deferred_lock:
             deferred = list(self._deferred)
         for job, _, _ in deferred:
+            if job is None:
+                continue
             try:
                 job.wait_host()
             except Exception:
