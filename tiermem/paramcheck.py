@@ -57,18 +57,20 @@ defer_on_cpu = False
 def fingerprint(t: torch.Tensor) -> torch.Tensor:
     """Two int64 values on ``t``'s device: the sum and the xor of the 32-bit
     words (16- or 8-bit when the byte count is odd) of ``t``'s elements in
-    order. Asynchronous on CUDA (nothing is read back)."""
-    with torch.no_grad():
+    order. Asynchronous on CUDA (nothing is read back). ``t`` is a plain dense
+    tensor (what a recipe holds): its ops skip the Python dispatch modes, so
+    that producer tracking neither records nor slows them."""
+    with torch.no_grad(), torch._C._DisableTorchDispatch():
         if t.is_conj() or t.is_neg():
             t = t.resolve_conj().resolve_neg()
         if not t.is_contiguous():
             t = t.contiguous()
-        words = t.reshape(-1).view(torch.uint8)
-        n = words.numel()
-        if n % 4 == 0:
-            words = words.view(torch.int32)
-        elif n % 2 == 0:
-            words = words.view(torch.int16)
+        nbytes = t.numel() * t.element_size()
+        word = torch.int32 if nbytes % 4 == 0 else torch.int16 if nbytes % 2 == 0 else torch.uint8
+        if t.dim() == 0:
+            t = t.reshape(1)
+        words = t.view(word) if t.element_size() == word.itemsize else (
+            t.reshape(-1).view(torch.uint8).view(word))
         return torch.stack((words.sum(dtype=torch.int64),
                             torch.hash_tensor(words).view(torch.int64)))
 
