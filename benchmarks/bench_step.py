@@ -1,4 +1,5 @@
-"""Training-step time and peak memory of TinyGPT: no tiermem vs ``keep`` vs ``cpu``.
+"""Training-step time and peak memory of TinyGPT: no tiermem vs ``keep`` vs ``cpu``
+(also ``nvme``, ``recompute``, ``recompute-nocheck``: ``--configs``).
 
 Timing: one model + AdamW per configuration, all built from the same seed;
 each round runs one step of every configuration in turn (round-robin, so slow
@@ -42,7 +43,9 @@ from common import (emit, machine, pick_device, reset_peak_rss, rss_bytes, summa
                     vm_hwm_bytes)
 from tiermem.models import GPTConfig, TinyGPT
 
-CONFIGS = ("plain", "keep", "cpu", "nvme")
+#: ``recompute-nocheck``: recompute with ``check_params=False`` (the cost of
+#: NOTE [Parameters changed before backward] is the difference).
+CONFIGS = ("plain", "keep", "cpu", "nvme", "recompute", "recompute-nocheck")
 DEFAULT_CONFIGS = ("plain", "keep", "cpu")
 
 
@@ -59,8 +62,11 @@ class _Runner:
         self.model = model
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         extra = {"nvme_dir": nvme_dir} if config == "nvme" else {}
+        policy = config
+        if config == "recompute-nocheck":
+            policy, extra = "recompute", {"check_params": False}
         self.off = (None if config == "plain"
-                    else tiermem.Offloader(policy=config, min_offload_bytes=min_offload_bytes,
+                    else tiermem.Offloader(policy=policy, min_offload_bytes=min_offload_bytes,
                                            **extra))
 
     def step(self, x, y, seed: int) -> torch.Tensor:

@@ -54,6 +54,7 @@ GOOD = {
     "TIERMEM_ENGINE": ("python", "engine", "python"),
     "TIERMEM_IO_THREADS": ("8", "io_threads", 8),
     "TIERMEM_VERIFY": ("yes", "verify", True),
+    "TIERMEM_CHECK_PARAMS": ("off", "check_params", False),
     "TIERMEM_DISABLE": ("1", "disable", True),
     "TIERMEM_LOG": ("DEBUG", "log", "debug"),
 }
@@ -67,6 +68,7 @@ BAD = {
     "TIERMEM_ENGINE": "rust",
     "TIERMEM_IO_THREADS": "0",
     "TIERMEM_VERIFY": "perhaps",
+    "TIERMEM_CHECK_PARAMS": "sometimes",
     "TIERMEM_DISABLE": "2",
     "TIERMEM_LOG": "loud",
 }

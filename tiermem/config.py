@@ -169,6 +169,12 @@ class Config:
     verify: bool = _setting(
         "TIERMEM_VERIFY", _bool, "Checksum each NVMe tensor and check it on read.",
         default=False, default_doc="0")
+    check_params: bool = _setting(
+        "TIERMEM_CHECK_PARAMS", _bool,
+        "Fingerprint the parameters a recompute reads, at pack and at recompute, and raise "
+        "if one was changed in place through `.data` between forward and backward "
+        "(otherwise unseen: the recompute would use the new values).",
+        default=True, default_doc="1")
     disable: bool = _setting(
         "TIERMEM_DISABLE", _bool, "Turn every Offloader into a no-op.",
         default=False, default_doc="0")

@@ -69,7 +69,8 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         #: recompute or is a callable that may read ``TensorInfo.op``).
         self.producers: Optional[ProducerMode] = ProducerMode() if track else None
         self.step = Step(placement, offloader.config.prefetch_bytes,
-                         offloader.config.min_offload_bytes, self.producers, unpack)
+                         offloader.config.min_offload_bytes, self.producers, unpack,
+                         check_params=offloader.config.check_params)
         self.stats = self.step.stats
         self._packer = Packer(self.step, placement)
         self._modules = ModuleStack(on_root=self._packer.note_root)

@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .paramcheck import ParamChecks
 from .policy import Tier
 from .prefetch import Entry, Prefetcher
 from .producers import ProducerMode, Ref, storage_key
@@ -64,8 +65,8 @@ class Step:
     """
 
     def __init__(self, placement, prefetch_bytes: Optional[int], min_offload_bytes: int,
-                 producers: Optional[ProducerMode], unpack: Callable[[Any], torch.Tensor]
-                 ) -> None:
+                 producers: Optional[ProducerMode], unpack: Callable[[Any], torch.Tensor],
+                 check_params: bool = True) -> None:
         self.stats = StepStats()
         self.prefetcher = Prefetcher(prefetch_bytes, moved_bytes=self._moved_bytes,
                                      stats=self.stats)
@@ -78,6 +79,9 @@ class Step:
         self._recipe_inputs: dict = {}   # private copies stored for recipes only
         self._placement = placement
         self._unpack = unpack
+        #: Parameters recipes hold as they are (NOTE [Parameters changed before
+        #: backward] in paramcheck.py); fingerprints if ``check_params``.
+        self.param_checks = ParamChecks(check_params)
 
     def _moved_bytes(self) -> int:
         by = self.stats.bytes_by_tier
@@ -87,6 +91,7 @@ class Step:
         """The forward pass is over: drop what only packing needed."""
         self.dedup.clear()
         self._recipe_inputs.clear()
+        self.param_checks.end_forward()
         if self.producers is not None:
             self.producers.clear()
             self.producers = None
@@ -179,6 +184,12 @@ class Step:
     @staticmethod
     def keep_handle(t: torch.Tensor, *, clone: bool) -> Kept:
         return Kept(exact_copy(t) if clone else t, "")
+
+    def watch_param(self, held: torch.Tensor) -> Any:
+        return self.param_checks.watch(held, dedup_key(held))
+
+    def check_param(self, watch: Any) -> None:
+        self.param_checks.check(watch)
 
     def store_input(self, t: torch.Tensor, order: Tuple[Tier, ...]) -> Any:
         """Store an input of a recipe that no one saved, in the tiers of

@@ -27,6 +27,7 @@ __all__ = [
     "tier_order",
     "remove_private_dir",
     "record_placements",
+    "deferred_param_checks",
 ]
 
 
@@ -102,3 +103,17 @@ def record_placements(off) -> Iterator[List[Tuple[str, str]]]:
         yield seen
     finally:
         del placement.put
+
+
+@contextlib.contextmanager
+def deferred_param_checks() -> Iterator[None]:
+    """While inside, parameter fingerprints of CPU tensors are compared the way
+    CUDA ones are: a flag per comparison, read once at the end of backward
+    (NOTE [Parameters changed before backward] in paramcheck.py). Process-wide."""
+    from . import paramcheck
+    before = paramcheck.defer_on_cpu
+    paramcheck.defer_on_cpu = True
+    try:
+        yield
+    finally:
+        paramcheck.defer_on_cpu = before

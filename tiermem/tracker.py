@@ -162,3 +162,15 @@ class ModuleStack:
 def module_name(module: torch.nn.Module) -> Optional[str]:
     """The cached qualified name of ``module`` if tiermem has seen it run."""
     return _names.get(module)
+
+
+def param_name(t: torch.Tensor) -> str:
+    """Qualified name of the parameter ``t`` is (or is a view or alias of),
+    looked up in the modules running on this thread, innermost first
+    (``TinyGPT.blocks.1.ln1.weight``); a description if none holds it."""
+    ptr = t.untyped_storage().data_ptr()
+    for module, name in reversed(getattr(_tls, "stack", None) or ()):
+        for pname, p in module._parameters.items():
+            if p is not None and p.untyped_storage().data_ptr() == ptr:
+                return f"{name}.{pname}"
+    return "(a leaf tensor that requires grad, not a parameter of a running module)"

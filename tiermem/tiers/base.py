@@ -196,6 +196,13 @@ class RecipeServices(StepEvents, Protocol):
 
     def keep_handle(self, t: torch.Tensor, *, clone: bool) -> Any: ...
 
+    def watch_param(self, held: torch.Tensor) -> Any:
+        """What a parameter a recipe holds as it is (``held``, its alias) is at
+        pack; passed to :meth:`check_param` before each recompute that reads it."""
+
+    def check_param(self, watch: Any) -> None:
+        """Raise if the parameter ``watch`` watches changed since pack."""
+
     def store_input(self, t: torch.Tensor, order: Tuple[Tier, ...]) -> Any:
         """Store a recipe's own input in the tiers of ``order``; its handle."""
 

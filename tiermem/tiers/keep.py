@@ -19,6 +19,14 @@ class Kept:
     Python's collector cannot see (measured: identity hooks leak every saved
     output). ``detach`` shares storage and version counter, so the in-place
     check below still sees writes made through ``t``.
+
+    The pack hook sets ``tensor`` to ``t`` itself when ``t`` is a parameter or
+    another leaf (no grad_fn, so no cycle): plain autograd holds a saved leaf
+    itself, so after ``p.data = new`` between forward and backward its
+    backward reads the new storage, and so must ours (an alias would keep
+    reading the old one). A recipe, which must read the forward's values,
+    holds an alias instead (NOTE [Parameters changed before backward] in
+    paramcheck.py).
     """
 
     __slots__ = ("tensor", "version", "module", "__weakref__")

@@ -11,7 +11,9 @@ producer op and whose leaves are handles of tensors tiermem stores anyway.
 #    the input costs nothing extra, whatever tier holds it;
 # 2. a parameter (or a leaf that requires grad): held as is (it stays on the
 #    device anyway, and is not modified during a forward pass; buffers, which
-#    may be, such as BatchNorm's running statistics, go through 4);
+#    may be, such as BatchNorm's running statistics, go through 4); checked
+#    for changes before backward (NOTE [Parameters changed before backward]
+#    in paramcheck.py);
 # 3. the argument's own recipe, when its producer is recomputable too (chains:
 #    views, casts, pointwise ops), if that costs fewer stored bytes than 4;
 # 4. the argument itself, stored in the tiers the planned tensor's policy
@@ -67,12 +69,16 @@ class _Node:
 
 
 class _In:
-    """A leaf of a recipe: a handle of a tier (unpacked through its store)."""
+    """A leaf of a recipe: a handle of a tier (unpacked through its store).
+    ``watch``: for a parameter held as it is, what it was at pack (checked
+    before each recompute; NOTE [Parameters changed before backward] in
+    paramcheck.py), else ``None``."""
 
-    __slots__ = ("handle", "__weakref__")
+    __slots__ = ("handle", "watch", "__weakref__")
 
-    def __init__(self, handle) -> None:
+    def __init__(self, handle, watch=None) -> None:
         self.handle = handle
+        self.watch = watch
 
     def snapshot(self, copies: dict) -> None:
         """The parameter or leaf this leaf holds as it is is about to be written
@@ -82,6 +88,9 @@ class _In:
         h = self.handle
         if type(h) is not Kept or h.tensor._version != h.version:
             return   # a copy already, or changed unseen: its unpack will say so
+        if self.watch is not None:   # a copy from now on: nothing to check
+            self.watch.stale = True
+            self.watch = None
         t = h.tensor
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.size()), t.stride())
         copy = copies.get(key)
@@ -223,7 +232,8 @@ class RecomputeStore(TierStore):
             return _In(h)
         if x is not None:
             if step.is_stable_param(x):
-                leaf = _In(step.keep_handle(x, clone=False))
+                held = step.keep_handle(x, clone=False)
+                leaf = _In(held, step.watch_param(held.tensor))
                 as_is.append((x, leaf))
                 return leaf
             if step.is_small(x):
@@ -296,6 +306,8 @@ def _usable(h: Any) -> bool:
 
 def _value(a: Any, step) -> Any:
     if type(a) is _In:
+        if a.watch is not None:
+            step.check_param(a.watch)
         return step.unpack(a.handle)   # the unpack hook's own path, for every kind
     if type(a) is _Node:
         return _run(a, step)
