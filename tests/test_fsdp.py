@@ -156,7 +156,8 @@ def _offloader(tier_case: str, nvme_dir: str):
 
 
 def _rank_dirs(nvme_dir: str, rank: int) -> list:
-    return [d for d in os.listdir(nvme_dir) if d.startswith(f"tiermem-{os.getpid()}-")]
+    return [d for d in os.listdir(nvme_dir) if d.startswith("tiermem-")
+            and d.endswith(f"-rank{rank}")]
 
 
 def _fsdp_case(rank, variant, tier_case, ref, nvme_dir) -> str:
@@ -277,7 +278,7 @@ def _check(results, case):
 def test_fsdp2_training_is_bit_identical(fsdp_results, case):
     """Losses and local parameter shards after AdamW steps equal the same FSDP2
     run without tiermem; the tier moved something; nvme: one private
-    directory per process while training, none after close."""
+    directory per rank while training, none after close."""
     _check(fsdp_results, case)
 
 
