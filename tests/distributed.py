@@ -8,6 +8,9 @@ ranks on the CPU with gloo, bounded in time, and collect what each rank reports.
   with its traceback; a group still running after ``timeout_s`` is killed and
   fails the test (a hang must fail, not stall CI).
 - :func:`init_gloo` / :func:`shutdown`: what a rank calls first and last.
+- :class:`TinyLM` (of :class:`Block`\ s): the small language model the
+  distributed tests train. Each block ends with ``h * gain``, a product the
+  next block saves (its recipe would need the previous block's parameter).
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ from typing import Callable, List
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
 
-__all__ = ["free_port", "run_ranks", "init_gloo", "shutdown"]
+__all__ = ["free_port", "run_ranks", "init_gloo", "shutdown", "Block", "TinyLM"]
 
 
 def free_port() -> int:
@@ -80,3 +85,44 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 120.0) ->
             with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
                 out.append(json.load(f))
         return out
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.gain = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, w = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, w // self.heads).unbind(2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2), is_causal=True)
+        h = x + self.proj(a.transpose(1, 2).reshape(b, s, w))
+        h = h + F.dropout(self.fc2(F.gelu(self.fc1(self.ln2(h)))), 0.1, self.training)
+        return h * self.gain
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab=64, width=32, heads=2, layers=2, checkpoint=False,
+                 twice=False) -> None:
+        super().__init__()
+        self.checkpoint, self.twice = checkpoint, twice
+        self.emb = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        if self.twice:   # FSDP2 frees block 0's parameters and gathers them again
+            h = self.blocks[0](h)
+        for block in self.blocks:
+            if self.checkpoint:
+                h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+            else:
+                h = block(h)
+        return self.head(self.ln(h))

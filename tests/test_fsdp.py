@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import helpers
-from distributed import init_gloo, run_ranks, shutdown
+from distributed import Block, TinyLM, init_gloo, run_ranks, shutdown
 
 pytestmark = pytest.mark.slow
 
@@ -47,47 +47,6 @@ VARIANTS = {
 }
 CASES = [f"{v}/{t}" for v in VARIANTS for t in TIER_CASES]
 TP_CASES = [f"tp/{t}" for t in TIER_CASES]
-
-
-class Block(nn.Module):
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
-        self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-        self.gain = nn.Parameter(torch.ones(width))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, w = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, w // self.heads).unbind(2)
-        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                           v.transpose(1, 2), is_causal=True)
-        h = x + self.proj(a.transpose(1, 2).reshape(b, s, w))
-        h = h + F.dropout(self.fc2(F.gelu(self.fc1(self.ln2(h)))), 0.1, self.training)
-        return h * self.gain
-
-
-class TinyLM(nn.Module):
-    def __init__(self, vocab=64, width=32, heads=2, layers=2, checkpoint=False,
-                 twice=False) -> None:
-        super().__init__()
-        self.checkpoint, self.twice = checkpoint, twice
-        self.emb = nn.Embedding(vocab, width)
-        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
-        self.ln = nn.LayerNorm(width)
-        self.head = nn.Linear(width, vocab)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.emb(tokens)
-        if self.twice:   # FSDP2 frees block 0's parameters and gathers them again
-            h = self.blocks[0](h)
-        for block in self.blocks:
-            if self.checkpoint:
-                h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
-            else:
-                h = block(h)
-        return self.head(self.ln(h))
 
 
 def _sharded_model(variant: dict):
