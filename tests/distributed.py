@@ -8,7 +8,7 @@ ranks on the CPU with gloo, bounded in time, and collect what each rank reports.
   with its traceback; a group still running after ``timeout_s`` is killed and
   fails the test (a hang must fail, not stall CI).
 - :func:`init_gloo` / :func:`shutdown`: what a rank calls first and last.
-- :class:`TinyLM` (of :class:`Block`\ s): the small language model the
+- :class:`TinyLM` (a stack of :class:`Block`): the small language model the
   distributed tests train. Each block ends with ``h * gain``, a product the
   next block saves (its recipe would need the previous block's parameter).
 """
