@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -107,8 +108,10 @@ def main() -> None:
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            print(f"[rank {rank}/{world}] step {step} loss {loss.item():.4f} | {off.stats}",
-                  flush=True)
+            # One write per line: the ranks share the terminal.
+            sys.stdout.write(f"[rank {rank}/{world}] step {step} loss {loss.item():.4f} | "
+                             f"{off.stats}\n")
+            sys.stdout.flush()
     finally:
         off.close()
         dist.destroy_process_group()
