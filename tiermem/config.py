@@ -129,6 +129,11 @@ class Config:
     constructor itself validates nothing beyond what :meth:`from_env` does, so
     prefer ``Config.from_env(**kwargs)``. ``None`` on a budget means "derive a
     default at run time" (see the README).
+
+    Under a distributed launch every rank reads its own Config: an explicit
+    budget (``cpu_budget``, ``nvme_budget``, ``prefetch_bytes``) is per rank; a
+    default derived from the node's RAM or disk is divided by
+    ``LOCAL_WORLD_SIZE`` (NOTE [Per-rank budgets] in ranks.py).
     """
 
     policy: Union[str, Callable, None] = _setting(
@@ -146,14 +151,14 @@ class Config:
         default_doc="64KiB", minimum=0)
     cpu_budget: Optional[int] = _setting(
         "TIERMEM_CPU_BUDGET", _size,
-        "Most host bytes the cpu tier holds; when full, tensors stay on the device "
-        "(one warning). Unset: half the RAM available at start, divided by "
+        "Most host bytes the cpu tier holds, per rank; when full, tensors stay on the "
+        "device (one warning). Unset: half the RAM available at start, divided by "
         "LOCAL_WORLD_SIZE.", default_doc="auto", minimum=0)
     nvme_budget: Optional[int] = _setting(
         "TIERMEM_NVME_BUDGET", _size,
-        "Most bytes the nvme tier keeps on disk; when full (or on ENOSPC), tensors go "
-        "to the cpu tier, else stay on the device. Unset: 80% of the dir's free space "
-        "at start.", default_doc="auto", minimum=0)
+        "Most bytes the nvme tier keeps on disk, per rank; when full (or on ENOSPC), "
+        "tensors go to the cpu tier, else stay on the device. Unset: 80% of the dir's "
+        "free space at start, divided by LOCAL_WORLD_SIZE.", default_doc="auto", minimum=0)
     prefetch_bytes: Optional[int] = _setting(
         "TIERMEM_PREFETCH_BYTES", _size,
         "Most bytes brought back ahead of need in backward (restored but not yet "

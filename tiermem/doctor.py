@@ -24,7 +24,10 @@ import psutil
 import torch
 
 from .config import Config
+from .errors import ConfigError
 from .offloader import default_cpu_budget_bytes, default_nvme_budget_bytes
+from .placement import default_staging_bytes
+from .ranks import local_world_size, rank_label
 from .telemetry import format_bytes
 
 __all__ = ["add_arguments", "run", "diagnose"]
@@ -117,9 +120,17 @@ def diagnose(nvme_dir=None, mib: int = 256) -> dict:
                      for f in dataclasses.fields(cfg)},
         "ram_bytes": psutil.virtual_memory().total,
         "ram_available_bytes": psutil.virtual_memory().available,
-        "default_cpu_budget_bytes": default_cpu_budget_bytes(),
         "gpu": _gpu(),
     }
+    report["rank"] = {"label": rank_label(), "rank": os.environ.get("RANK"),
+                      "local_rank": os.environ.get("LOCAL_RANK"),
+                      "local_world_size": os.environ.get("LOCAL_WORLD_SIZE")}
+    try:
+        report["rank"]["ranks_on_node"] = local_world_size()
+        report["default_cpu_budget_bytes"] = default_cpu_budget_bytes()
+        report["default_staging_bytes"] = default_staging_bytes(cfg.prefetch_bytes)
+    except ConfigError as e:   # reported, not raised: doctor must always finish
+        report["rank"]["error"] = str(e)
     from .io import engine_info
     report["engine"] = engine_info(cfg.engine)   # the engine this configuration uses
     path = nvme_dir or cfg.nvme_dir
@@ -140,12 +151,25 @@ def diagnose(nvme_dir=None, mib: int = 256) -> dict:
 
 def _print(r: dict) -> None:
     print(f"tiermem {r['tiermem']} | torch {r['torch']} | Python {r['python']}")
+    rk = r["rank"]
+    if "error" in rk:
+        print(f"distributed: {rk['error']}")
+    elif rk["label"]:
+        print(f"distributed: {rk['label']}, {rk['ranks_on_node']} rank(s) on this node "
+              "(LOCAL_WORLD_SIZE): default budgets below are this rank's share, explicit "
+              "ones are per rank")
+    else:
+        print("distributed: no rank set (RANK/LOCAL_RANK): budgets below are this process's")
     set_ = {k: v for k, v in r["settings"].items() if v is not None}
     print("settings in effect: " + ", ".join(f"{k}={v}" for k, v in set_.items()))
     e = r["engine"]
     print(f"I/O engine: {e['engine']} ({e['reason'].splitlines()[0]})")
-    print(f"RAM: {format_bytes(r['ram_bytes'])} total, {format_bytes(r['ram_available_bytes'])} "
-          f"available; default cpu budget {format_bytes(r['default_cpu_budget_bytes'])}")
+    line = (f"RAM: {format_bytes(r['ram_bytes'])} total, "
+            f"{format_bytes(r['ram_available_bytes'])} available")
+    if "default_cpu_budget_bytes" in r:
+        line += (f"; default cpu budget {format_bytes(r['default_cpu_budget_bytes'])}, "
+                 f"nvme staging {format_bytes(r['default_staging_bytes'])}")
+    print(line)
     g = r["gpu"]
     if g["available"]:
         line = f"GPU: {g['count']} x {g['name']}, {format_bytes(g['memory_bytes'])}"

@@ -20,13 +20,45 @@ lock. Nothing else lives here.
 # Inside backward (a checkpoint re-running its forward, or a user's backward
 # within the context) tensors are kept: what backward regenerates is consumed
 # at once and is never offloaded again.
+
+# NOTE [Sharded parameters]
+# Under FSDP2 (``fully_shard``) a module's registered parameters are DTensors
+# holding this rank's shard. Before a block's forward FSDP2 all-gathers each
+# into an *unsharded* parameter (a plain ``nn.Parameter``, set on the module
+# for the forward), frees that storage with ``storage.resize_(0)`` after the
+# forward (``reshard_after_forward``) and, in backward, reallocates and
+# refills the *same* storage object, with the version counter preserved.
+# The rules:
+# 1. The root's parameters are noted through their local tensors (a wrapper
+#    subclass's inner tensors), never through the DTensor, whose storage
+#    Python cannot see.
+# 2. Unsharded parameters, and views of them (``weight.t()``), are kept by
+#    type (parameter, or leaf that requires grad), never moved and never
+#    entered in the dedup table. The kept handle shares the storage, so a
+#    saved view reads what FSDP2 gathered again for backward; the in-place
+#    check passes because FSDP2 preserves the version.
+# 3. A recipe input whose storage was resized since its op ran (data pointer
+#    moved or null: freed, or freed and gathered again) counts as gone
+#    (``producers.Ref.alive``): the recipe is not planned on it.
+# 4. When the model is sharded (a DTensor parameter, or an FSDPModule in
+#    it), recipes hold no parameter as it is (``Step.is_stable_param``):
+#    FSDP2 may free it before backward needs it, or refill it during the
+#    forward when the block runs twice (and a snapshot of NOTE [Writes to
+#    recipe inputs] would then copy memory not yet filled). Small ones are
+#    copied; others are stored like any input, usually making the tensor
+#    not worth recomputing.
+# Saved tensors that are themselves DTensors (tensor parallelism) are kept as
+# they are (counted in ``stats.unsupported_count``): no tier moves a tensor
+# subclass.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .blocks import _scope as _block_scope
 from .policy import Tier, TensorInfo
@@ -79,6 +111,33 @@ def unpack(handle: Any) -> torch.Tensor:
     return out if finish is None else finish()
 
 
+def _storage_ptrs(t: torch.Tensor):
+    """Data pointers of the memory of ``t``: its storage's, or for a wrapper
+    tensor subclass (a DTensor: its local shard) those of its inner tensors;
+    none for a storage that is freed (size 0) or that Python cannot see."""
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        for name in names:
+            inner = getattr(t, name)
+            if isinstance(inner, torch.Tensor):
+                yield from _storage_ptrs(inner)
+        return
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):   # a subclass without real storage
+        return
+    if ptr:
+        yield ptr
+
+
+def _has_fsdp_module(module: torch.nn.Module) -> bool:
+    """Whether ``module`` or a submodule is managed by FSDP2 (``fully_shard``).
+    Only asks when ``torch.distributed.fsdp`` was imported (fully_shard needs it)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    cls = getattr(fsdp, "FSDPModule", None)
+    return cls is not None and any(isinstance(m, cls) for m in module.modules())
+
+
 def _movable(t: torch.Tensor) -> bool:
     return type(t) is torch.Tensor and t.device.type in ("cpu", "cuda")
 
@@ -97,15 +156,21 @@ class Packer:
         self._seen_roots: set = set()
 
     def note_root(self, module: torch.nn.Module) -> None:
-        """A root module started its forward: remember its parameters' storages."""
+        """A root module started its forward: remember its parameters' storages
+        (see NOTE [Sharded parameters])."""
         if id(module) in self._seen_roots:
             return
         self._seen_roots.add(id(module))
+        sharded = False
         for tensors in (module.parameters(), module.buffers()):
             for p in tensors:
-                if p.layout == _strided:   # sparse ones have no storage
-                    self.param_storages.add(p.untyped_storage().data_ptr())
-
+                if p.layout != _strided:   # sparse ones have no storage
+                    continue
+                if type(p) is not torch.Tensor and type(p) is not _Parameter:
+                    sharded = sharded or is_traceable_wrapper_subclass(p)
+                self.param_storages.update(_storage_ptrs(p))
+        if sharded or _has_fsdp_module(module):
+            self.step.params_may_be_freed = True
     def clear(self) -> None:
         self.param_storages.clear()
         self._seen_roots.clear()

@@ -26,13 +26,15 @@ import torch
 from .config import Config
 from .errors import ConfigError, TierMemError
 from .policy import Tier, TensorInfo, resolve_policy, tier_order
+from .ranks import STAGING_MIN_BYTES, STAGING_NODE_BYTES, per_rank_share
 from .spilldir import default_nvme_budget_bytes
 from .tiers.base import TierStore
 from .tiers.host import HostStore
 from .tiers.keep import KeepStore
 from .tiers.recompute import RecomputeStore
 
-__all__ = ["Placement", "default_cpu_budget_bytes", "default_nvme_budget_bytes"]
+__all__ = ["Placement", "default_cpu_budget_bytes", "default_nvme_budget_bytes",
+           "default_staging_bytes"]
 
 _log = logging.getLogger("tiermem")
 
@@ -43,13 +45,19 @@ def default_cpu_budget_bytes() -> int:
     Half, because the rest of the process (data loading, optimizer state on the
     host, pinned staging of other libraries, page cache) needs room too and an
     out-of-memory kill loses the run; divided by ``LOCAL_WORLD_SIZE`` (set by
-    torchrun) because every rank on the node starts its own Offloader.
+    torchrun) because every rank on the node starts its own Offloader (NOTE
+    [Per-rank budgets] in ranks.py).
     """
-    try:
-        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        ranks = 1
-    return psutil.virtual_memory().available // 2 // ranks
+    return per_rank_share(psutil.virtual_memory().available // 2)
+
+
+def default_staging_bytes(prefetch_bytes: Optional[int]) -> int:
+    """Pinned staging of the nvme tier (writes and reads in flight) for this
+    rank: the node's :data:`~tiermem.ranks.STAGING_NODE_BYTES` divided among its
+    ranks, at least :data:`~tiermem.ranks.STAGING_MIN_BYTES`, or
+    ``prefetch_bytes`` if that is larger (NOTE [Per-rank budgets])."""
+    share = max(per_rank_share(STAGING_NODE_BYTES), STAGING_MIN_BYTES)
+    return max(prefetch_bytes or 0, share)
 
 
 # Errors of making files in the NVMe dir that are about the dir (a ConfigError).
@@ -65,7 +73,7 @@ def _make_nvme_store(cfg: Config) -> TierStore:
     engine = acquire_engine(cfg.engine, cfg.io_threads)   # released by the store's close
     # Pinned staging for CUDA tensors' writes and reads in flight; when it is
     # full, further tensors go to the next tier rather than waiting.
-    staging = max(cfg.prefetch_bytes or 0, 256 << 20)
+    staging = default_staging_bytes(cfg.prefetch_bytes)
     try:
         # Budget None: the default, measured by the store once stale
         # directories are gone.

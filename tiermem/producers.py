@@ -158,9 +158,16 @@ class Ref:
         self.storage = StorageWeakRef(storage)
 
     def alive(self) -> Optional[torch.Tensor]:
-        """The argument if it is still alive and unchanged since the op ran."""
+        """The argument if it is still alive and unchanged since the op ran.
+
+        A storage resized since then (its data pointer moved or is null) counts
+        as gone: FSDP2 frees its unsharded parameters with ``resize_(0)`` after
+        a block's forward, leaving the tensor alive and its version unchanged
+        (see NOTE [Sharded parameters] in hooks.py)."""
         t = self.tensor_ref()
         if t is None or t._version != self.version:
+            return None
+        if t.untyped_storage().data_ptr() != self.key[0]:
             return None
         return t
 

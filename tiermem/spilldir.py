@@ -4,7 +4,10 @@ directories of processes that were killed.
 
 A private directory is named ``tiermem-<pid>-<start>-<random>`` where
 ``<start>`` is the owner's process start time (ms since the epoch, from
-psutil), and holds ``owner.lock``, on which the owner keeps an exclusive
+psutil), followed by ``-rank<RANK>`` under a distributed launch (ranks of one
+node share one NVMe dir; the name tells whose is whose, and the pid, start time,
+random part and exclusive creation keep two ranks from ever sharing one), and
+holds ``owner.lock``, on which the owner keeps an exclusive
 ``flock`` for its whole life (the kernel lets go of it when the process
 dies, however it dies). A directory is stale when nobody holds its lock and
 no process with that pid exists, or one does but started at another time
@@ -37,6 +40,8 @@ from typing import Optional
 import psutil
 
 from .errors import ConfigError
+from .ranks import per_rank_share
+from .ranks import rank as _rank
 
 __all__ = ["check_nvme_dir", "PrivateDir", "remove_stale_dirs"]
 
@@ -85,8 +90,10 @@ def check_nvme_dir(path: str, setting: str = "TIERMEM_NVME_DIR") -> str:
 
 
 def _parse(name: str):
-    """``tiermem-<pid>-<start>-<random>`` -> (pid, start) or None."""
+    """``tiermem-<pid>-<start>-<random>[-rank<N>]`` -> (pid, start) or None."""
     parts = name.split("-")
+    if len(parts) == 5 and parts[4].startswith("rank") and parts[4][4:].isdigit():
+        parts = parts[:4]
     if len(parts) != 4 or parts[0] != "tiermem":
         return None
     try:
@@ -137,11 +144,12 @@ _LIVE_PATHS: set = set()
 
 
 def default_nvme_budget_bytes(path: str) -> int:
-    """80% of the free space of ``path`` now: checkpoints and logs often share
-    the disk, and ENOSPC is caught anyway (the arena then stops growing).
-    Measured after :func:`remove_stale_dirs`, so that a killed run's arena
-    does not shrink the budget of the next."""
-    return int(psutil.disk_usage(path).free * 0.8)
+    """80% of the free space of ``path`` now, divided among the node's ranks
+    (``LOCAL_WORLD_SIZE``; NOTE [Per-rank budgets] in ranks.py): checkpoints
+    and logs often share the disk, and ENOSPC is caught anyway (the arena then
+    stops growing). Measured after :func:`remove_stale_dirs`, so that a killed
+    run's arena does not shrink the budget of the next."""
+    return per_rank_share(int(psutil.disk_usage(path).free * 0.8))
 
 
 def remove_stale_dirs(root: str) -> list:
@@ -199,6 +207,9 @@ class PrivateDir:
         pid = os.getpid()
         start = _start_ms(pid) or 0
         name = f"{_PREFIX}{pid}-{start}-{secrets.token_hex(4)}"
+        r = _rank()
+        if r is not None:   # for people reading the dir; pid and lock decide ownership
+            name += f"-rank{r}"
         self.path = os.path.join(root, name)
         with PrivateDir._lock:
             _LIVE_PATHS.add(os.path.abspath(self.path))

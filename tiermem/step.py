@@ -75,6 +75,10 @@ class Step:
         self.producers = producers
         self.min_offload_bytes = min_offload_bytes
         self.index = 0            # TensorInfo.index of the next tensor a policy sees
+        #: The model is sharded (FSDP2, DTensor parameters): the parameters its
+        #: forward uses may be freed before backward, so recipes hold none as
+        #: it is (see NOTE [Sharded parameters] in hooks.py).
+        self.params_may_be_freed = False
         self.dedup: dict = {}     # NOTE [Dedup]: key -> (storage weak ref, handle weak ref)
         self._recipe_inputs: dict = {}   # private copies stored for recipes only
         self._placement = placement
@@ -175,8 +179,18 @@ class Step:
         if type(handle) is not Kept:
             self.prefetcher.share(handle.entry)
 
-    #: A recipe may hold these as they are (NOTE [What a recipe holds]).
-    is_stable_param = staticmethod(is_stable_param)
+    def is_stable_param(self, t: torch.Tensor) -> bool:
+        """Whether a recipe may hold ``t`` as it is (NOTE [What a recipe holds]):
+        a parameter or a leaf that requires grad, except, when the model's
+        parameters may be freed between forward and backward, a parameter
+        (see NOTE [Sharded parameters] in hooks.py)."""
+        if not is_stable_param(t):
+            return False
+        if not self.params_may_be_freed:
+            return True
+        base = t._base if t._base is not None else t
+        return not (issubclass(type(base), torch.nn.Parameter)
+                    or getattr(base, "_is_param", False))
 
     def is_small(self, t: torch.Tensor) -> bool:
         return t.numel() * t.element_size() < self.min_offload_bytes
