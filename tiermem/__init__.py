@@ -7,6 +7,7 @@ from its producer op. :func:`wrap_blocks` combines this with checkpointing.
 Importing tiermem does not initialise CUDA.
 """
 
+from .attach import Attachment
 from .blocks import BlockWrapping, wrap_blocks
 from .config import Config, env_table_markdown
 from .errors import ConfigError, TierMemError
@@ -16,6 +17,7 @@ from .policy import TensorInfo, Tier
 from .telemetry import StepStats
 
 __all__ = [
+    "Attachment",
     "BlockWrapping",
     "Config",
     "ConfigError",

@@ -1,4 +1,5 @@
-"""The public surface: :class:`Offloader`, :func:`offload`, :func:`no_offload`.
+"""The public surface: :class:`Offloader`, :func:`offload`, :func:`no_offload`
+(attaching to a module: ``attach.py``).
 
 How a saved tensor travels (each arrow owned by one module)::
 
@@ -31,6 +32,7 @@ from typing import Any, Optional
 
 import torch
 
+from .attach import Attachment, attach_module, detach_modules
 from .blocks import blocks_need_producers
 from .config import Config
 from .errors import TierMemError
@@ -153,6 +155,7 @@ class Offloader:
         #: ``close()`` was called: entering again raises (every tier alike).
         self.closed = False
         self._pid = os.getpid()   # NOTE [Fork]
+        self._attachments: list = []   # attach(): NOTE [Attaching] in attach.py
         if cfg.disable:
             return
         self._placement = Placement(cfg)
@@ -209,6 +212,30 @@ class Offloader:
             self._placement.poll()
         with self._lock:
             self._active_thread = None
+
+    def _active_here(self) -> bool:
+        """Whether a forward pass is under this Offloader in this thread now."""
+        return self._active_thread == threading.get_ident()
+
+    # -- attaching (NOTE [Attaching] in attach.py) -----------------------------
+    def attach(self, module: torch.nn.Module) -> Attachment:
+        """Run every forward of ``module`` under this Offloader, for training
+        loops you do not own: ``off.attach(trainer.model); trainer.train()``.
+
+        Each forward is entered as ``with off:`` would be, and left when it
+        returns or raises; forwards run with grad mode off, or inside backward,
+        are left alone, and a module called inside a forward already under
+        this Offloader (a nested attached module, re-entrant calls) runs in
+        that forward's step. Returns the :class:`~tiermem.attach.Attachment`;
+        ``with off.attach(model): ...`` detaches on the way out. Raises
+        :class:`TierMemError` if ``module`` is already attached to this
+        Offloader, or if this Offloader is closed."""
+        return attach_module(self, module)
+
+    def detach(self, module: Optional[torch.nn.Module] = None) -> None:
+        """Undo :meth:`attach` for ``module`` (:class:`TierMemError` if it is
+        not attached), or for every attached module (``None``; idempotent)."""
+        detach_modules(self, module)
 
     # -- inspection / lifetime ------------------------------------------------
     @property
