@@ -36,8 +36,8 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from .config import Config
-from .errors import ConfigError
-from .policy import Tier, resolve_policy
+from .errors import ConfigError, TierMemError
+from .policy import Tier, resolve_policy, tier_order
 
 __all__ = ["wrap_blocks", "BlockWrapping", "SELECTIVE_SAVE_OPS"]
 
@@ -154,8 +154,8 @@ Selector = Union[Type[nn.Module], Tuple[Type[nn.Module], ...], Callable[[str, nn
 
 
 def wrap_blocks(model: nn.Module, blocks: Selector, *, checkpoint: Union[bool, str] = True,
-                use_reentrant: bool = False, policy: Union[str, Sequence, None] = None
-                ) -> BlockWrapping:
+                use_reentrant: bool = False,
+                policy: Union[str, CheckpointPolicy, Sequence, None] = None) -> BlockWrapping:
     """Checkpoint the blocks of ``model`` and/or give their saved tensors a policy.
 
     - ``blocks``: a module class (or tuple of classes), a predicate
@@ -171,6 +171,12 @@ def wrap_blocks(model: nn.Module, blocks: Selector, *, checkpoint: Union[bool, s
     - ``policy``: a tier name or preference list (``"cpu"``, ``"recompute,cpu"``)
       for the tensors saved while a block runs, overriding the Offloader's own
       policy there (the rest of the model keeps the Offloader's policy).
+      ``torch.utils.checkpoint.CheckpointPolicy`` values are taken too, alone
+      or in such a list (``CheckpointPolicy.PREFER_RECOMPUTE``,
+      ``[CheckpointPolicy.MUST_RECOMPUTE, "nvme"]``), with the meaning of
+      NOTE [CheckpointPolicy answers] in policy.py: MUST_RECOMPUTE raises
+      ``TierMemError`` in the forward for a tensor of the block that cannot be
+      recomputed.
       With ``recompute`` in it, every Offloader tracks producers while such a
       wrapped block exists (the cost of tracking is paid for the whole forward).
 
@@ -189,8 +195,7 @@ def wrap_blocks(model: nn.Module, blocks: Selector, *, checkpoint: Union[bool, s
         if callable(policy) and not isinstance(policy, str):
             raise ConfigError("tiermem.wrap_blocks: policy must be a tier name or a list of "
                               f"them, not a callable ({policy!r})")
-        # Parsed and checked as the Offloader's own policy setting is.
-        order, _ = resolve_policy(Config.from_env({}, policy=policy).policy, nvme_dir=None)
+        order = _block_order(policy)
     if mode is None and order is None:
         raise ConfigError("tiermem.wrap_blocks: nothing to do (checkpoint=False and no policy)")
     match = _matcher(blocks)
@@ -209,6 +214,20 @@ def wrap_blocks(model: nn.Module, blocks: Selector, *, checkpoint: Union[bool, s
     for _, m in chosen:
         m.forward = _BlockForward(m, mode, use_reentrant, order)
     return BlockWrapping(chosen)
+
+
+def _block_order(policy: Union[str, CheckpointPolicy, Sequence]):
+    """The tier order of a block's ``policy`` (a TierOrder), or ``ConfigError``."""
+    entries = policy if isinstance(policy, (list, tuple)) else [policy]
+    if not any(isinstance(p, CheckpointPolicy) for p in entries):
+        # Parsed and checked as the Offloader's own policy setting is.
+        order, _ = resolve_policy(Config.from_env({}, policy=policy).policy, nvme_dir=None)
+        return order
+    try:
+        return tier_order(policy, source="the block policy")
+    except TierMemError as e:
+        raise ConfigError(f"tiermem.wrap_blocks: policy={policy!r} is not valid: "
+                          f"{str(e).removeprefix('tiermem: ')}") from None
 
 
 def _matcher(blocks: Selector) -> Callable[[str, nn.Module], bool]:

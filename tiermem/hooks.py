@@ -232,7 +232,9 @@ class Packer:
         module = current_module()
         placement = self.placement
         if scoped is not None:
-            order = scoped
+            # A CheckpointPolicy recompute value: the device's default follows
+            # (NOTE [CheckpointPolicy answers] in policy.py).
+            order = placement.complete(scoped, t.device) if scoped.then_default else scoped
         elif fixed is not None:
             order = placement.fixed_order
         else:

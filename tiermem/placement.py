@@ -25,7 +25,7 @@ import torch
 
 from .config import Config
 from .errors import ConfigError, TierMemError
-from .policy import Tier, TensorInfo, resolve_policy, tier_order
+from .policy import FALLBACK, Tier, TensorInfo, TierOrder, resolve_policy, tier_order
 from .ranks import STAGING_MIN_BYTES, STAGING_NODE_BYTES, per_rank_share
 from .spilldir import default_nvme_budget_bytes
 from .tiers.base import TierStore
@@ -101,6 +101,7 @@ class Placement:
         self.fixed: Optional[Tier] = (self.fixed_order[0] if self.fixed_order is not None
                                       else None)
         self._orders: dict = {}
+        self._completed: dict = {}
         # Producer tracking costs a Python call per op of the forward: only
         # when a recipe may be needed or a callable policy may read info.op.
         self.tracks_producers = (
@@ -127,7 +128,10 @@ class Placement:
 
     # -- choosing -----------------------------------------------------------------
     def order_for(self, info: TensorInfo) -> Tuple[Tier, ...]:
-        """The tier order a callable policy gives for ``info`` (cached per answer)."""
+        """The tier order a callable policy gives for ``info`` (cached per
+        answer): a :class:`~tiermem.policy.TierOrder`, whose ``must`` and
+        ``hint`` say whether it came from a ``CheckpointPolicy`` constraint or
+        hint (NOTE [CheckpointPolicy answers] in policy.py)."""
         choice: Any = self.policy_fn(info)
         key = tuple(choice) if isinstance(choice, list) else choice
         try:
@@ -142,7 +146,30 @@ class Placement:
                     f"available here (nvme needs nvme_dir / TIERMEM_NVME_DIR); available: "
                     f"{', '.join(t.value for t in self.stores)}")
             self._orders[key] = order
+        if order.then_default:
+            order = self.complete(order, info.device)
         return order
+
+    def complete(self, order: TierOrder, device: torch.device) -> TierOrder:
+        """``order`` followed by the default tier of ``device`` and its
+        fallbacks, when ``order.then_default`` asks for them (rule 1 of NOTE
+        [CheckpointPolicy answers] in policy.py: cpu for CUDA tensors; nvme for
+        CPU tensors when this Offloader has an nvme tier, else keep). Cached."""
+        if not order.then_default:
+            return order
+        key = (tuple(order), order.must, order.hint, device.type)
+        done = self._completed.get(key)
+        if done is None:
+            if device.type == "cuda":
+                default = Tier.CPU
+            else:
+                default = Tier.NVME if Tier.NVME in self.stores else Tier.KEEP
+            tiers = list(order)
+            for t in [default] + [Tier(f) for f in FALLBACK[default.value]] + [Tier.KEEP]:
+                if t not in tiers:
+                    tiers.append(t)
+            done = self._completed[key] = order.with_tiers(tiers)
+        return done
 
     def put(self, order: Tuple[Tier, ...], t: torch.Tensor, step, module: str,
             nbytes: int):
@@ -156,7 +183,10 @@ class Placement:
                 continue
             if candidate is Tier.RECOMPUTE:
                 # A recipe's inputs go where ``t`` would go if not recomputed.
-                handle = store.put(t, step, module, order[i + 1:])
+                # MUST_RECOMPUTE first: the store raises rather than refuse
+                # (NOTE [CheckpointPolicy answers] in policy.py).
+                must = i == 0 and getattr(order, "must", False)
+                handle = store.put(t, step, module, order[i + 1:], must=must)
             else:
                 handle = store.put(t, step, module)   # keep never refuses
             if handle is None:

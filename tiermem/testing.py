@@ -25,6 +25,7 @@ __all__ = [
     "stage_cpu_tensors",
     "uses_engine_chain",
     "tier_order",
+    "order_for",
     "remove_private_dir",
     "record_placements",
     "deferred_param_checks",
@@ -79,6 +80,13 @@ def uses_engine_chain(off) -> bool:
 def tier_order(off) -> Tuple[Tier, ...]:
     """The tier order of a named policy (``None`` for a callable policy)."""
     return off._placement.fixed_order
+
+
+def order_for(off, info):
+    """The :class:`~tiermem.policy.TierOrder` a callable policy's answer for
+    ``info`` (a :class:`~tiermem.TensorInfo`) gives, the device's default
+    filled in (NOTE [CheckpointPolicy answers] in policy.py). Asks the policy."""
+    return off._placement.order_for(info)
 
 
 def remove_private_dir(off) -> None:

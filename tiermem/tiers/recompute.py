@@ -135,10 +135,13 @@ class RecomputeStore(TierStore):
 
     # -- forward ----------------------------------------------------------------
     def put(self, t: torch.Tensor, step: RecipeServices, module: str = "",
-            later: Tuple[Tier, ...] = ()) -> Optional[RecomputeHandle]:
+            later: Tuple[Tier, ...] = (), must: bool = False) -> Optional[RecomputeHandle]:
         """A handle whose recipe regenerates ``t``, or ``None`` if ``t`` is not
         eligible. ``later``: the tiers after recompute in ``t``'s order, where
-        the recipe's own inputs are stored (keep if none)."""
+        the recipe's own inputs are stored (keep if none). ``must``: the policy
+        answered ``CheckpointPolicy.MUST_RECOMPUTE``; a tensor that is not
+        eligible raises ``TierMemError`` naming its op, module and the reason
+        instead (NOTE [CheckpointPolicy answers] in policy.py)."""
         producers = step.producers
         rec = None if producers is None else producers.record_of(t)
         try:
@@ -152,6 +155,14 @@ class RecomputeStore(TierStore):
             if plan.cost_bytes >= nbytes:
                 raise _Ineligible("its inputs cost as much memory as it frees")
         except _Ineligible as e:
+            if must:
+                op = "no recorded op" if rec is None else f"op {rec.name}"
+                raise TierMemError(
+                    f"tiermem: the policy answered CheckpointPolicy.MUST_RECOMPUTE for a tensor "
+                    f"(shape {list(t.shape)}, {t.dtype}, made by {op}"
+                    f"{', in module ' + module if module else ''}) that cannot be recomputed: "
+                    f"{e.reason}. Answer PREFER_RECOMPUTE to let such tensors go to the next "
+                    "tier instead, or another tier for them") from None
             step.not_recomputable(e.reason)
             return None
         stored = {}
