@@ -42,6 +42,9 @@ into a :class:`TierOrder`, the tiers to try in turn.
 #    :func:`is_constraint` on a policy's raw answer: a MUST_* answer is a
 #    constraint it obeys; a PREFER_* answer (:attr:`TierOrder.hint`) and a
 #    plain tier name are hints it may override.
+# 5. Tensors kept before any policy is asked (NOTE [Pack order of checks] in
+#    hooks.py: parameters, small or unmovable tensors, saves during backward)
+#    stay kept whatever the answer, MUST_RECOMPUTE included.
 """
 
 from __future__ import annotations
