@@ -157,6 +157,9 @@ class RecomputeStore(TierStore):
         except _Ineligible as e:
             if must:
                 op = "no recorded op" if rec is None else f"op {rec.name}"
+                seen = producers.op_name(t) if producers is not None else None
+                if rec is not None and seen and seen != rec.name:
+                    op = f"op {seen} (through {rec.name})"   # what TensorInfo.op said
                 raise TierMemError(
                     f"tiermem: the policy answered CheckpointPolicy.MUST_RECOMPUTE for a tensor "
                     f"(shape {list(t.shape)}, {t.dtype}, made by {op}"
