@@ -38,17 +38,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_gloo(rank: int, world_size: int, port: int) -> None:
+def init_gloo(rank: int, world_size: int, port: int, backend: str = "gloo") -> None:
     """Join the group as torchrun would have set it up (RANK, LOCAL_RANK,
     WORLD_SIZE, LOCAL_WORLD_SIZE in the environment), with one thread of
-    intra-op work per rank (two ranks share two cores)."""
+    intra-op work per rank (two ranks share two cores). ``backend="nccl"``:
+    rank ``r`` uses CUDA device ``r`` (the GPU tests)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size))
     for key in [k for k in os.environ if k.startswith("TIERMEM_")]:
         del os.environ[key]   # a developer's settings must not change what is checked
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
 
 
 def shutdown() -> None:

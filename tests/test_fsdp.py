@@ -50,16 +50,16 @@ CASES = [f"{v}/{t}" for v in VARIANTS for t in TIER_CASES]
 TP_CASES = [f"tp/{t}" for t in TIER_CASES]
 
 
-def _sharded_model(variant: dict):
+def _sharded_model(variant: dict, device: str = "cpu"):
     import tiermem
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     torch.manual_seed(0)
     model = TinyLM(checkpoint=variant.get("checkpoint", False),
-                   twice=variant.get("twice", False))
+                   twice=variant.get("twice", False)).to(device)
     if variant.get("wrap"):
         tiermem.wrap_blocks(model, Block, checkpoint=True)
-    mesh = init_device_mesh("cpu", (WORLD,))
+    mesh = init_device_mesh(device, (torch.distributed.get_world_size(),))
     mp = variant.get("mp")
     kw = {"mesh": mesh, "reshard_after_forward": variant.get("reshard", True)}
     if mp is not None:
@@ -71,12 +71,13 @@ def _sharded_model(variant: dict):
 
 
 def _train(model, rank: int, ctx_factory, on_step=None):
+    device = next(model.parameters()).device
     """AdamW steps on this rank's own data; losses and local parameter shards."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(100 + rank)
     losses = []
     for step in range(STEPS):
-        tokens = torch.randint(0, 64, (4, 16), generator=gen)
+        tokens = torch.randint(0, 64, (4, 16), generator=gen).to(device)
         torch.manual_seed(1000 * rank + step)   # dropout: same stream in both runs
         with ctx_factory():
             logits = model(tokens[:, :-1])
@@ -120,7 +121,7 @@ def _rank_dirs(nvme_dir: str, rank: int) -> list:
             and d.endswith(f"-rank{rank}")]
 
 
-def _fsdp_case(rank, variant, tier_case, ref, nvme_dir) -> str:
+def _fsdp_case(rank, variant, tier_case, ref, nvme_dir, device="cpu") -> str:
     off = _offloader(tier_case, nvme_dir)
     seen_dirs = []
 
@@ -128,7 +129,7 @@ def _fsdp_case(rank, variant, tier_case, ref, nvme_dir) -> str:
         if tier_case.startswith("nvme"):
             seen_dirs.append(len(_rank_dirs(nvme_dir, rank)))
     try:
-        got = _train(_sharded_model(variant), rank, lambda: off, on_step)
+        got = _train(_sharded_model(variant, device), rank, lambda: off, on_step)
         moved = sum(n for t, n in off.stats.count_by_tier.items() if t != "keep")
     finally:
         off.close()
@@ -247,3 +248,39 @@ def test_tensor_parallel_dtensor_activations_are_kept(fsdp_results, case):
     """A saved DTensor activation (tensor parallelism) is kept as it is
     (``stats.unsupported_count``), and training is bit-identical."""
     _check(fsdp_results, case)
+
+
+def _gpu_worker(rank: int, world: int, port: int, nvme_dir: str, cpp_ok: bool) -> dict:
+    """The FSDP2 cases on CUDA with NCCL (a world of one rank per GPU)."""
+    init_gloo(rank, world, port, backend="nccl")
+    results = {}
+    try:
+        for name, variant in VARIANTS.items():
+            ref = _train(_sharded_model(variant, "cuda"), rank, contextlib.nullcontext)
+            for tier_case in TIER_CASES:
+                if tier_case == "nvme-cpp" and not cpp_ok:
+                    results[f"{name}/{tier_case}"] = "skip"
+                    continue
+                try:
+                    results[f"{name}/{tier_case}"] = _fsdp_case(rank, variant, tier_case, ref,
+                                                                nvme_dir, "cuda")
+                except Exception:
+                    results[f"{name}/{tier_case}"] = traceback.format_exc()
+    finally:
+        shutdown()
+    return results
+
+
+@pytest.fixture(scope="module")
+def fsdp_gpu_results(tmp_path_factory):
+    nvme_dir = str(tmp_path_factory.mktemp("gpu-nvme"))
+    cpp_ok = helpers.cpp_engine_unavailable() is None
+    return run_ranks(_gpu_worker, 1, nvme_dir, cpp_ok, timeout_s=240)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES)
+def test_fsdp2_on_cuda_with_nccl_is_bit_identical(fsdp_gpu_results, case):
+    """The same checks on a GPU: FSDP2 with a world of 1 under NCCL (issue 13),
+    every tier, bit-identical to the same FSDP2 run without tiermem."""
+    _check(fsdp_gpu_results, case)
