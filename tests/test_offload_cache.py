@@ -46,3 +46,25 @@ def test_evicting_an_offloader_never_loses_saved_tensors(tmp_path):
     gc.collect()
     tiermem.offload(policy="cpu")          # the next call closes what is no longer used
     assert os.listdir(dirs[0]) == [], "an evicted Offloader was never closed"
+
+
+def test_a_step_is_not_in_use_once_its_graph_is_gone_without_the_collector(tmp_path):
+    """A step is freed by reference counting alone when its graph goes: no
+    reference cycle keeps it (``Offloader.in_use``, and offload()'s closing of
+    evicted Offloaders, would otherwise wait for the cyclic collector)."""
+    x = torch.randn(1 << 12, requires_grad=True)
+    gc.collect()
+    gc.disable()
+    try:
+        for policy in ("keep", "cpu", "nvme", "recompute", "recompute,cpu"):
+            off = tiermem.Offloader(policy=policy, nvme_dir=str(tmp_path / policy),
+                                    min_offload_bytes=0, engine="python")
+            with off:
+                y = _chain(x)
+            assert off.in_use
+            y.sum().backward()
+            del y
+            assert not off.in_use, f"{policy}: the step outlived its graph"
+            off.close()
+    finally:
+        gc.enable()
