@@ -224,6 +224,51 @@ def test_cpu_tier_cuts_peak_device_memory():
     assert keep_peak - cpu_peak >= 0.5 * moved, (keep_peak, cpu_peak, moved)
 
 
+def test_window_frees_device_memory_while_copies_lag(monkeypatch):
+    """NOTE [In-flight window] in tiers/moving.py: every D2H copy is slowed far
+    behind compute, so without the window the sources are all held to the end
+    of the forward (peak near the baseline). With it the compute stream waits
+    on the oldest copy (a GPU-side wait: the forward runs under
+    ``set_sync_debug_mode("error")`` with host waits forbidden), drops it, and
+    the peak falls well below the baseline; gradients stay exact. CPU
+    analogue: tests/test_move_window.py."""
+    model = _model(layers=6, width=512)
+    x = torch.randn(8, 256, 512, device=DEV)
+    off = tiermem.Offloader(policy="cpu", prefetch_bytes="16MiB")
+
+    def step(ctx, guard):
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        torch.manual_seed(1)
+        with guard:
+            with ctx:
+                loss = model(x).square().mean()
+        loss.backward()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base,
+                [p.grad.clone() for p in model.parameters()])
+
+    step(off, contextlib.nullcontext())                      # warm pools
+    keep_peak, ref = step(contextlib.nullcontext(), contextlib.nullcontext())
+    original = copier.CudaCopier._copy
+
+    def slowed(self, stream, src, dst):
+        if stream is self.d2h:
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(SLEEP_CYCLES // 10)
+        return original(self, stream, src, dst)
+
+    monkeypatch.setattr(copier.CudaCopier, "_copy", slowed)
+    cpu_peak, got = step(off, forbid_host_waits(jobs.CudaJob))
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+    moved = off.stats.bytes_by_tier["cpu"]
+    assert moved > 0
+    assert keep_peak - cpu_peak >= 0.5 * moved, (keep_peak, cpu_peak, moved)
+
+
 def test_two_devices_each_get_their_own_streams():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA devices")

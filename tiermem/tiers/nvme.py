@@ -227,7 +227,7 @@ class NvmeStore(MovingStore):
                                   side=getattr(d2h, "side", None))
         # Back to the pool through the lease: NOTE [Staged moves] in moving.py.
         job = StagedJob(chain, lambda: d2h.done() and d2h.failed() is None, view,
-                        StagingLease(self.staging, staging, cuda))
+                        StagingLease(self.staging, staging, cuda), copy_job=d2h)
         return (offset, crc), job
 
     def _note_disk_full(self, error: BaseException, this: str) -> None:
