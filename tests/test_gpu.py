@@ -401,3 +401,43 @@ def test_restored_views_keep_their_pointer_modulo_256(tmp_path, policy):
         assert u.data_ptr() != t.data_ptr() and u.data_ptr() % 256 == t.data_ptr() % 256
     assert off.stats.count_by_tier[policy] == 1
     off.close()
+
+
+def test_nvme_restore_with_staging_full_pins_nothing_new(tmp_path, engine, monkeypatch):
+    """NOTE [Restores past the staging budget] in tiers/nvme.py: with every
+    staging buffer held, backward's restores read into pageable memory and
+    pin nothing outside the budgets; gradients stay exact."""
+    model = _model()
+    x = torch.randn(4, 128, 256, device=DEV)
+    ref = _step(model, x, contextlib.nullcontext())
+    off = _nvme_off(tmp_path, engine)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    with off:
+        loss = model(x).float().square().mean()
+    store = tiermem.testing.store_of(off, tiermem.Tier.NVME)
+    store.drain()                                  # every write landed: staging idle
+    pool = tiermem.testing.staging_pool(off)
+    held, size = [], pool.budget_bytes
+    while size >= 4096:                            # fill the pool, largest first
+        buf = pool.acquire(size, pinned=True)
+        if buf is None:
+            size //= 2
+        else:
+            held.append(buf)
+    real_empty = torch.empty
+    pinned_asks = []
+
+    def counting_empty(*args, **kwargs):
+        if kwargs.get("pin_memory"):
+            pinned_asks.append(args)
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", counting_empty)
+    loss.backward()
+    monkeypatch.setattr(torch, "empty", real_empty)
+    assert_same_step((loss.detach(), [p.grad.clone() for p in model.parameters()]), ref)
+    assert store.unpinned_restores > 0 and pinned_asks == []
+    for buf in held:
+        pool.release(buf, None, True)
+    off.close()

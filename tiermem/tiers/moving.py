@@ -202,6 +202,11 @@ class MovingStore(TierStore):
         """Bytes this store holds now (reported to the step after each put)."""
         return 0
 
+    def trim_idle(self) -> None:
+        """Between steps (no copy of this store queued by the step to come):
+        give back idle pinned buffers that refused requests need room from
+        (NOTE [Trimming pinned buffers] in hostpool.py). Default: nothing."""
+
     def sources_in_flight(self) -> tuple:
         """``(count, bytes)`` of the sources held for launched moves not seen
         landed (NOTE [In-flight window])."""
