@@ -24,6 +24,8 @@ passed explicitly.
 
 from __future__ import annotations
 
+import functools
+
 import weakref
 from typing import Any, Callable, Optional, Tuple
 
@@ -57,6 +59,12 @@ def is_stable_param(t: torch.Tensor) -> bool:
         type(base), torch.nn.Parameter)
 
 
+def _moved_bytes(stats: StepStats) -> int:
+    """Bytes a step moved off its device (cpu and nvme tiers)."""
+    by = stats.bytes_by_tier
+    return by[Tier.CPU.value] + by[Tier.NVME.value]
+
+
 class Step:
     """State of one step; see the module docstring.
 
@@ -68,7 +76,11 @@ class Step:
                  producers: Optional[ProducerMode], unpack: Callable[[Any], torch.Tensor],
                  check_params: bool = True) -> None:
         self.stats = StepStats()
-        self.prefetcher = Prefetcher(prefetch_bytes, moved_bytes=self._moved_bytes,
+        # Not a bound method of the step: the step would then be in a reference
+        # cycle (step -> prefetcher -> method -> step) and outlive its graph
+        # until the collector ran (``Offloader.in_use``, offload()'s evictions).
+        self.prefetcher = Prefetcher(prefetch_bytes,
+                                     moved_bytes=functools.partial(_moved_bytes, self.stats),
                                      stats=self.stats)
         #: Producer of each tensor of the forward (``None`` unless the policy may
         #: recompute, or is a callable that may read ``TensorInfo.op``).
@@ -86,10 +98,6 @@ class Step:
         #: Parameters recipes hold as they are (NOTE [Parameters changed before
         #: backward] in paramcheck.py); fingerprints if ``check_params``.
         self.param_checks = ParamChecks(check_params)
-
-    def _moved_bytes(self) -> int:
-        by = self.stats.bytes_by_tier
-        return by[Tier.CPU.value] + by[Tier.NVME.value]
 
     def end_forward(self) -> None:
         """The forward pass is over: drop what only packing needed."""
