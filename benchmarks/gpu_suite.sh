@@ -2,6 +2,7 @@
 # tiermem on a GPU in one command: build, GPU tests, side-by-side benchmark at two sizes.
 #
 #   benchmarks/gpu_suite.sh OUTDIR
+#   benchmarks/gpu_suite.sh --dry-run     (prints the time plan below, runs nothing)
 #
 # Needs: python3 with a CUDA build of torch, nvcc, ninja, pytest, psutil, numpy
 # (matplotlib optional: without it the PNGs are skipped and can be drawn later
@@ -16,7 +17,8 @@
 #             to a machine without network): installed with pip --target
 #   build     python -m tiermem build (the C++ I/O engine, with its CUDA chain when
 #             CUDA_HOME has nvcc; prints which)
-#   gpu-tests python -m pytest -m gpu tests/
+#   gpu-tests python -m pytest -m gpu tests/ (right after the build: see PLAN)
+#   doctor    python -m tiermem doctor
 #   size-a    python -m benchmarks.suite --preset gpu-a: the baseline fits, activations dominate
 #   size-b    python -m benchmarks.suite --preset gpu-b: a 24 GiB budget the baseline does not fit
 # Without CUDA it dry-runs: the CUDA parts are skipped (said so in SUMMARY.md)
@@ -37,13 +39,41 @@
 
 set -u -o pipefail
 
-if [ $# -ne 1 ] || [ -z "$1" ]; then
-    echo "usage: $0 OUTDIR" >&2
-    exit 2
-fi
-
 START=$(date +%s)
 LIMIT=${TIERMEM_SUITE_SECONDS:-450}
+
+# The time plan: part, cap (s), reserve kept for the parts after it (s), in
+# the order they run. The GPU tests come right after the build, so that a run
+# cut short still gives their verdict. Caps are estimates, not measurements:
+# time each part on the first real GPU run and write the figures here.
+PLAN="env 20 400
+wheels 60 330
+build 150 260
+gpu-tests 200 40
+doctor 30 30
+size-a 120 20
+size-b 120 0"
+plan_of() { echo "$PLAN" | awk -v n="$1" '$1 == n {print $2, $3}'; }
+
+if [ "${1:-}" = "--dry-run" ]; then
+    # The plan only: each part's window in the worst case (every part before
+    # it using its whole limit). Nothing is run.
+    echo "gpu_suite plan for a ${LIMIT}s budget (TIERMEM_SUITE_SECONDS)"
+    printf '%-10s %6s %8s %10s %10s\n' part cap reserve starts-by limit
+    t=0
+    echo "$PLAN" | while read -r name cap reserve; do
+        left=$(( LIMIT - t - reserve ))
+        lim=$(( cap < left ? cap : left ))
+        [ "$lim" -lt 0 ] && lim=0
+        printf '%-10s %6s %8s %10s %10s\n' "$name" "$cap" "$reserve" "$t" "$lim"
+        t=$(( t + lim ))
+    done
+    exit 0
+fi
+if [ $# -ne 1 ] || [ -z "$1" ]; then
+    echo "usage: $0 OUTDIR | --dry-run" >&2
+    exit 2
+fi
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 mkdir -p "$1" || { echo "gpu_suite: cannot create $1" >&2; exit 2; }
 OUT=$(cd "$1" && pwd)
@@ -157,7 +187,7 @@ EOF
 }
 export -f env_report
 export PY ROOT NVME OUT RES LOGS
-run_part env 60 360 env_report
+run_part env $(plan_of env) env_report
 
 if "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
     HAVE_CUDA=1
@@ -173,7 +203,7 @@ if ls "$ROOT"/.whl/*.whl >/dev/null 2>&1; then
             --target /tmp/tiermem-site "$ROOT"/.whl/*.whl
     }
     export -f install_wheels
-    run_part wheels 90 360 install_wheels
+    run_part wheels $(plan_of wheels) install_wheels
     export PYTHONPATH="$PYTHONPATH:/tmp/tiermem-site"
 else
     skip_part wheels "no .whl/ folder (peers such as torchtune/deepspeed run only if importable)"
@@ -191,15 +221,17 @@ build_engine() {
     "$PY" -m tiermem build
 }
 export -f build_engine
-run_part build 150 330 build_engine
-# What tiermem sees here (engine, O_DIRECT and bandwidth of the NVMe dir, RAM, GPU).
-run_part doctor 60 320 "$PY" -m tiermem doctor --dir "$NVME"
+run_part build $(plan_of build) build_engine
 
 # --- GPU tests -------------------------------------------------------------------------
 gpu_tests() {
     local rc
     if [ "$HAVE_CUDA" = 1 ]; then
-        "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/
+        # -rfE: the reason of each failure and error in the log; junit XML
+        # for the details; the slowest tests listed; TIERMEM_TEST_TIMEOUT_S:
+        # a test running longer fails (tests/conftest.py) and the rest run.
+        TIERMEM_TEST_TIMEOUT_S=${TIERMEM_TEST_TIMEOUT_S:-60} "$PY" -m pytest -m gpu -q -rfE \
+            --durations=15 --junitxml="$LOGS/gpu-tests.xml" -p no:cacheprovider tests/
         return
     fi
     echo "note: no CUDA device: every gpu test is expected to be skipped"
@@ -211,7 +243,9 @@ gpu_tests() {
 }
 export HAVE_CUDA
 export -f gpu_tests
-run_part gpu-tests 180 300 gpu_tests
+run_part gpu-tests $(plan_of gpu-tests) gpu_tests
+# What tiermem sees here (engine, O_DIRECT and bandwidth of the NVMe dir, RAM, GPU).
+run_part doctor $(plan_of doctor) "$PY" -m tiermem doctor --dir "$NVME"
 
 # --- benchmarks ------------------------------------------------------------------------
 bench() {  # bench PRESET NAME
@@ -233,8 +267,8 @@ bench_part() {  # bench_part NAME PRESET CAP RESERVE
 export CPU_BUDGET
 export -f bench
 if [ "$HAVE_CUDA" = 1 ]; then
-    bench_part size-a gpu-a 200 110
-    bench_part size-b gpu-b 200 15
+    bench_part size-a gpu-a $(plan_of size-a)
+    bench_part size-b gpu-b $(plan_of size-b)
 else
     skip_part size-a "no CUDA device: the GPU matrix (preset gpu-a) needs one"
     skip_part size-b "no CUDA device: the GPU matrix (preset gpu-b) needs one"

@@ -427,7 +427,14 @@ std::shared_ptr<CudaOp> CudaChain::write_from_device(const std::shared_ptr<File>
   std::shared_ptr<CudaOp> op = new_op(true, file, offset, nbytes, src, staging, stream);
   op->file = file;
 
-  std::unique_lock<std::mutex> lk = lock_open(state_->out, *op);
+  // NOTE [No lock around torch calls]
+  // `out.mu` is held only to check that the chain is open and to push the request, never across the copies: the
+  // copy_ below may call into Python (a dispatch mode), which may hand the GIL
+  // to a thread that then waits on `out.mu` while holding the GIL: a hang.
+  // Two callers may then push in another order than they issued their copies:
+  // the out thread waits on each request's own event, so order only affects
+  // how soon a write starts, never what it writes.
+  lock_open(state_->out, *op).unlock();
   c10::cuda::CUDAGuard guard(op->device);
   new_events(*op, after);
   if (nbytes && raw) {
@@ -451,7 +458,16 @@ std::shared_ptr<CudaOp> CudaChain::write_from_device(const std::shared_ptr<File>
     if (nbytes) cudaStreamSynchronize(op->stream);  // error path: see issue_read
     throw cuda_error(*op, "the device-to-host copy could not be tracked", "cudaEventRecord", e);
   }
-  state_->out.ops.push_back(op);
+  {
+    std::unique_lock<std::mutex> lk(state_->out.mu);
+    if (state_->out.stopping) {
+      // Closed while the copy was issued: nothing will wait for it but us.
+      lk.unlock();
+      if (nbytes) cudaEventSynchronize(op->copied);
+      lock_open(state_->out, *op);  // throws: the chain is closed
+    }
+    state_->out.ops.push_back(op);
+  }
   state_->out.cv.notify_one();
   return op;
 }

@@ -20,11 +20,16 @@ tiers, engines and models.
   :data:`models.MODEL_NAMES` (same parameters and inputs as
   ``make_case(case.name)``).
 - ``deterministic``: deterministic kernels for the test (GPU bit-exactness).
+- ``TIERMEM_TEST_TIMEOUT_S`` (read once, at start; benchmarks/gpu_suite.sh sets
+  it): a test running longer fails with ``TimeoutError`` and the run goes on
+  (SIGALRM, main thread; a test stuck in C code without the GIL is only
+  stopped by the suite's own limit).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import pytest
@@ -34,6 +39,27 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import helpers  # noqa: E402  (tests/helpers.py, not collected)
 import models  # noqa: E402  (tests/models.py, not collected)
+
+_TEST_TIMEOUT_S = int(os.environ.get("TIERMEM_TEST_TIMEOUT_S", "0") or 0)
+
+
+@pytest.fixture(autouse=True)
+def _per_test_timeout():
+    """``TIERMEM_TEST_TIMEOUT_S`` (see the module docstring); no-op when unset."""
+    if _TEST_TIMEOUT_S <= 0 or not hasattr(signal, "SIGALRM"):
+        yield
+        return
+
+    def expired(signum, frame):
+        raise TimeoutError(f"test ran over TIERMEM_TEST_TIMEOUT_S={_TEST_TIMEOUT_S} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(_TEST_TIMEOUT_S)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -224,6 +224,51 @@ def test_cpu_tier_cuts_peak_device_memory():
     assert keep_peak - cpu_peak >= 0.5 * moved, (keep_peak, cpu_peak, moved)
 
 
+def test_window_frees_device_memory_while_copies_lag(monkeypatch):
+    """NOTE [In-flight window] in tiers/moving.py: every D2H copy is slowed far
+    behind compute, so without the window the sources are all held to the end
+    of the forward (peak near the baseline). With it the compute stream waits
+    on the oldest copy (a GPU-side wait: the forward runs under
+    ``set_sync_debug_mode("error")`` with host waits forbidden), drops it, and
+    the peak falls well below the baseline; gradients stay exact. CPU
+    analogue: tests/test_move_window.py."""
+    model = _model(layers=6, width=512)
+    x = torch.randn(8, 256, 512, device=DEV)
+    off = tiermem.Offloader(policy="cpu", prefetch_bytes="16MiB")
+
+    def step(ctx, guard):
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        torch.manual_seed(1)
+        with guard:
+            with ctx:
+                loss = model(x).square().mean()
+        loss.backward()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base,
+                [p.grad.clone() for p in model.parameters()])
+
+    step(off, contextlib.nullcontext())                      # warm pools
+    keep_peak, ref = step(contextlib.nullcontext(), contextlib.nullcontext())
+    original = copier.CudaCopier._copy
+
+    def slowed(self, stream, src, dst):
+        if stream is self.d2h:
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(SLEEP_CYCLES // 10)
+        return original(self, stream, src, dst)
+
+    monkeypatch.setattr(copier.CudaCopier, "_copy", slowed)
+    cpu_peak, got = step(off, forbid_host_waits(jobs.CudaJob))
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+    moved = off.stats.bytes_by_tier["cpu"]
+    assert moved > 0
+    assert keep_peak - cpu_peak >= 0.5 * moved, (keep_peak, cpu_peak, moved)
+
+
 def test_two_devices_each_get_their_own_streams():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA devices")
@@ -355,4 +400,44 @@ def test_restored_views_keep_their_pointer_modulo_256(tmp_path, policy):
         assert torch.equal(u, t)
         assert u.data_ptr() != t.data_ptr() and u.data_ptr() % 256 == t.data_ptr() % 256
     assert off.stats.count_by_tier[policy] == 1
+    off.close()
+
+
+def test_nvme_restore_with_staging_full_pins_nothing_new(tmp_path, engine, monkeypatch):
+    """NOTE [Restores past the staging budget] in tiers/nvme.py: with every
+    staging buffer held, backward's restores read into pageable memory and
+    pin nothing outside the budgets; gradients stay exact."""
+    model = _model()
+    x = torch.randn(4, 128, 256, device=DEV)
+    ref = _step(model, x, contextlib.nullcontext())
+    off = _nvme_off(tmp_path, engine)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    with off:
+        loss = model(x).float().square().mean()
+    store = tiermem.testing.store_of(off, tiermem.Tier.NVME)
+    store.drain()                                  # every write landed: staging idle
+    pool = tiermem.testing.staging_pool(off)
+    held, size = [], pool.budget_bytes
+    while size >= 4096:                            # fill the pool, largest first
+        buf = pool.acquire(size, pinned=True)
+        if buf is None:
+            size //= 2
+        else:
+            held.append(buf)
+    real_empty = torch.empty
+    pinned_asks = []
+
+    def counting_empty(*args, **kwargs):
+        if kwargs.get("pin_memory"):
+            pinned_asks.append(args)
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", counting_empty)
+    loss.backward()
+    monkeypatch.setattr(torch, "empty", real_empty)
+    assert_same_step((loss.detach(), [p.grad.clone() for p in model.parameters()]), ref)
+    assert store.unpinned_restores > 0 and pinned_asks == []
+    for buf in held:
+        pool.release(buf, None, True)
     off.close()

@@ -127,13 +127,56 @@ def test_trimming_pinned_buffers_returns_them_and_is_counted(fake_pinned):
     refs = [StorageWeakRef(t.untyped_storage()) for t in (a, b, c)]
     pool.release(d, pinned=True)
     del a, b, c, d
-    f = pool.acquire(200 * KiB, pinned=True)           # trimming all makes room now
+    # Mid-step: refused, nothing trimmed (NOTE [Trimming pinned buffers]).
+    assert pool.acquire(200 * KiB, pinned=True) is None
+    assert pool.pinned_returns == 0 and fake_pinned == []
+    assert pool.trim_when_idle()                       # between steps: all go
+    f = pool.acquire(200 * KiB, pinned=True)
     assert f.numel() == 256 * KiB and pool.free_bytes == 0
     assert pool.pinned_returns == 1 and fake_pinned == [1]
     assert all(r.expired() for r in refs)              # really freed, not just forgotten
     assert pool.idle_buffers() == []
     pool.clear()
     assert len(fake_pinned) == 2
+
+
+class _Copy:
+    """A fake copy job (a stand-in for a CUDA event): done when told."""
+
+    def __init__(self) -> None:
+        self.finished = False
+
+    def done(self) -> bool:
+        return self.finished
+
+
+def test_pinned_buffers_are_never_trimmed_mid_step_and_the_budget_holds(fake_pinned):
+    """With copies queued, a pinned request of a new size is refused rather
+    than trimmed for (no device sync mid-step, nothing pinned over budget);
+    between steps the idle buffers it needs room from are returned once.
+    Fails before: the request trimmed the idle, ready buffers at once
+    (``pinned_returns`` 1 mid-step)."""
+    budget = 384 * KiB
+    pool = HostPool(budget)
+    copies = [_Copy() for _ in range(4)]
+    bufs = [pool.acquire(64 * KiB, pinned=True) for _ in range(4)]
+    for buf, job in zip(bufs, copies):
+        pool.release(buf, job, pinned=True)
+    copies[0].finished = copies[1].finished = True      # two landed, two queued
+    held = [pool.held_bytes]
+    for _ in range(3):                                   # a new size, mid-step
+        assert pool.acquire(200 * KiB, pinned=True) is None   # class 256 KiB
+        held.append(pool.held_bytes)
+    assert max(held) <= budget
+    assert pool.pinned_returns == 0 and fake_pinned == []
+    for job in copies:
+        job.finished = True                              # the step is over
+    assert pool.trim_when_idle()
+    assert pool.pinned_returns == 1 and fake_pinned == [1]
+    got = pool.acquire(200 * KiB, pinned=True)
+    assert got is not None and pool.held_bytes <= budget
+    assert not pool.trim_when_idle()                     # nothing asked for since
+    assert pool.pinned_returns == 1
 
 
 @pytest.mark.parametrize("pinned", [False, True])

@@ -16,17 +16,22 @@ it is handed out again only once that job is done. See NOTE [Stream lifetime].
 
 NOTE [Trimming pinned buffers]
   Torch's caching host allocator keeps freed pinned blocks pinned, so a pinned
-  buffer we drop to make room under the budget is handed back to the OS
+  buffer we drop to make room under the budget must be handed back to the OS
   (``torch._C._host_emptyCache``): otherwise the budget would not bound the
   pinned memory really held. That frees with ``cudaFreeHost``, which
-  synchronizes the whole device: a stall where it happens (forward or
-  backward), which ``set_sync_debug_mode`` does not see. So it is avoided
-  where it can be: a pinned request is served by an idle buffer of its
-  class, else of the next class up, before anything is trimmed; trimming
-  happens only when the budget is full and the sizes asked for change, and
-  never when even dropping every idle buffer would not make room. The
-  rest is counted (``pinned_returns``) rather than hidden. It runs outside
-  the pool's lock, after the dropped buffers' last references are gone.
+  synchronizes the whole device, and frees only blocks whose copies are seen
+  complete: during a step, with copies queued on the side streams, it frees
+  little and stalls the forward (``set_sync_debug_mode`` does not see it).
+  So pinned buffers are never trimmed mid-step: a pinned request is served by
+  an idle buffer of its class, else of the next class up; else a new buffer
+  if the budget has room; else it is refused (the tier is full for it: the
+  tensor goes to the next tier), and the shortfall is remembered.
+  :meth:`HostPool.trim_when_idle`, called between steps (the Offloader's
+  entry: the previous backward is over, this step has issued no copy), drops
+  idle ready pinned buffers, largest first, up to the shortfall, and returns
+  them to the OS once (counted in ``pinned_returns``): the next step finds
+  room. The budget holds at every moment, copies queued or not. It runs
+  outside the pool's lock, after the dropped buffers' last references are gone.
 
 The pool is thread-safe: buffers come back from whichever thread autograd frees
 a handle on.
@@ -79,9 +84,11 @@ class HostPool:
     """Host buffers (flat ``uint8`` tensors), pinned or pageable, by size class,
     all within one ``budget_bytes``.
 
-    ``held_bytes`` (in use + free) never exceeds the budget: ``acquire`` first
-    frees idle buffers of other classes, then returns ``None`` if the request
-    still does not fit.
+    ``held_bytes`` (in use + free) never exceeds the budget: a pageable
+    ``acquire`` first frees idle pageable buffers of other classes, then
+    returns ``None`` if the request still does not fit; a pinned one that does
+    not fit returns ``None`` at once, and :meth:`trim_when_idle` makes room
+    between steps (NOTE [Trimming pinned buffers]).
     """
 
     def __init__(self, budget_bytes: int) -> None:
@@ -100,6 +107,8 @@ class HostPool:
         #: Times acquire() handed trimmed pinned memory back to the OS: on CUDA
         #: each is a device-wide sync (NOTE [Trimming pinned buffers]).
         self.pinned_returns = 0
+        # Most pinned bytes a refused request lacked since the last trim.
+        self._pinned_shortfall_bytes = 0
         self._warned_alloc = False
 
     def _drain(self) -> None:
@@ -183,7 +192,6 @@ class HostPool:
         callers slice it), or ``None`` when the budget has no room.
         See NOTE [Trimming pinned buffers]."""
         cls = self.class_bytes(nbytes, pinned)
-        trimmed_pinned = False
         with self._lock:
             self._drain()
             buf = self._take_ready(pinned, cls)
@@ -195,15 +203,14 @@ class HostPool:
                 return buf
             over = self._in_use_bytes + self._free_bytes + cls - self.budget_bytes
             if over > 0:
-                if self._ready_idle_bytes() < over:
+                if pinned:   # never mid-step: NOTE [Trimming pinned buffers]
+                    self._pinned_shortfall_bytes = max(self._pinned_shortfall_bytes, over)
+                    return None
+                if self._ready_idle_bytes(pinned=False) < over:
                     return None   # trimming would drop buffers and still not make room
-                trimmed_pinned = self._trim(over)
+                self._trim(over, pinned_too=False)
             self._in_use(cls, pinned)
             self.allocations += 1
-            if trimmed_pinned:
-                self.pinned_returns += 1
-        if trimmed_pinned:
-            _return_pinned_cache()   # outside the lock: it may wait for the device
         try:
             return torch.empty(cls, dtype=torch.uint8, pin_memory=pinned)
         except RuntimeError as e:   # torch.OutOfMemoryError included
@@ -250,16 +257,35 @@ class HostPool:
                     return buf
         return None
 
-    def _ready_idle_bytes(self) -> int:
-        return sum(key[1] for key, entries in self._free.items()
+    def _ready_idle_bytes(self, pinned: bool) -> int:
+        return sum(key[1] for key, entries in self._free.items() if key[0] == pinned
                    for _, job in entries if job is None or job.done())
 
-    def _trim(self, want_bytes: int) -> bool:
+    def trim_when_idle(self) -> bool:
+        """Make room for the pinned requests refused since the last call:
+        drop idle pinned buffers whose last job is done (largest first) up to
+        the largest shortfall, and return them to the OS (a device-wide sync on
+        CUDA: call it only where the copy streams are idle, between steps).
+        Returns whether anything was returned. NOTE [Trimming pinned buffers]."""
+        with self._lock:
+            self._drain()
+            want, self._pinned_shortfall_bytes = self._pinned_shortfall_bytes, 0
+            trimmed = want > 0 and self._trim(want, pageable_too=False)
+            if trimmed:
+                self.pinned_returns += 1
+        if trimmed:
+            _return_pinned_cache()   # outside the lock: it waits for the device
+        return trimmed
+
+    def _trim(self, want_bytes: int, pinned_too: bool = True,
+              pageable_too: bool = True) -> bool:
         """Drop idle buffers (largest classes first) until ``want_bytes`` are
         gone or none is idle and ready; True if pinned ones were dropped (the
         caller then returns them to the OS, outside the lock)."""
         trimmed_pinned = False
         for key in sorted(self._free, key=lambda k: k[1], reverse=True):
+            if not (pinned_too if key[0] else pageable_too):
+                continue
             cls = key[1]
             keep = []
             for entry in self._free[key]:

@@ -60,6 +60,13 @@ class Job:
         """``tensor`` is dropped while the job may still run (default: nothing,
         for jobs whose runner holds what it uses until it is done)."""
 
+    def order_after_copy(self) -> bool:
+        """For a move out: order every later use of the source's memory after
+        the copy out of it, without a host wait, and return ``True``; or do
+        nothing and return ``False`` when this job cannot (the default). See
+        NOTE [In-flight window] in tiers/moving.py."""
+        return False
+
 
 def use_after_event(event, device: torch.device, alloc_stream, tensor=None) -> None:
     """Order the current CUDA stream after ``event``; ``tensor`` (allocated on
@@ -115,6 +122,15 @@ class CudaJob(Job):
 
     def abandon(self, tensor) -> None:
         tensor.record_stream(self.side)
+
+    def order_after_copy(self) -> bool:
+        """The stream the copy was ordered after (the source's producer) and
+        the current stream wait on the copy's event: a GPU-side wait."""
+        self.stream.wait_event(self.event)
+        current = torch.cuda.current_stream(self.device)
+        if current != self.stream:
+            current.wait_event(self.event)
+        return True
 
     def wait_host(self) -> None:
         self.event.synchronize()
@@ -284,16 +300,30 @@ class AllDone(Job):
 class StagedJob(Job):
     """A move through a staging buffer (NOTE [Staged moves] in tiers/moving.py):
     ``job`` is the whole move; ``copied()`` is true once the bytes are in
-    ``host_view``; ``lease`` gives the buffer back to its pool."""
+    ``host_view``; ``lease`` gives the buffer back to its pool. ``copy_job``:
+    the copy into staging as a job of its own, when there is one (the Python
+    chain; ``None`` for the engine's chain, which keeps it inside)."""
 
-    __slots__ = ("job", "copied", "host_view", "lease")
+    __slots__ = ("job", "copied", "host_view", "lease", "copy_job")
 
-    def __init__(self, job: Job, copied, host_view: torch.Tensor, lease) -> None:
+    def __init__(self, job: Job, copied, host_view: torch.Tensor, lease,
+                 copy_job: Optional[Job] = None) -> None:
         self.job = job
         self.copied = copied
         self.host_view = host_view
         self.lease = lease
+        self.copy_job = copy_job
         lease.job = self
+
+    def order_after_copy(self) -> bool:
+        return self.copy_job is not None and self.copy_job.order_after_copy()
+
+    def wait_copied(self) -> None:
+        """Block the host until the bytes are in staging (or the move is over)."""
+        if self.copy_job is not None:
+            self.copy_job.wait_host()
+        else:
+            self.job.wait_host()
 
     def done(self) -> bool:
         return self.job.done()

@@ -187,6 +187,10 @@ class Offloader:
                     f"tiermem: this Offloader is already active in {where}; nest a "
                     "different Offloader (or no_offload()), and use one Offloader per thread")
             self._active_thread = me
+        # Between steps: the pools may give back idle pinned buffers now
+        # (NOTE [Trimming pinned buffers] in hostpool.py).
+        for store in self._placement.movers:
+            store.trim_idle()
         ctx = OffloadContext(self)
         self.stats = ctx.stats
         self._ctx = ctx

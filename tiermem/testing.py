@@ -11,6 +11,7 @@ Not imported by ``import tiermem``; use ``import tiermem.testing``.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Callable, Iterator, List, Tuple
 
 from .policy import Tier
@@ -29,6 +30,9 @@ __all__ = [
     "remove_private_dir",
     "record_placements",
     "deferred_param_checks",
+    "sources_in_flight",
+    "set_move_window",
+    "slow_copies",
 ]
 
 
@@ -125,3 +129,39 @@ def deferred_param_checks() -> Iterator[None]:
         yield
     finally:
         paramcheck.defer_on_cpu = before
+
+
+def sources_in_flight(off, tier: Tier) -> Tuple[int, int]:
+    """``(count, bytes)`` of the sources ``tier`` still holds for moves it has
+    launched (their copy not seen landed): what NOTE [In-flight window] in
+    tiers/moving.py bounds."""
+    return store_of(off, tier).sources_in_flight()
+
+
+def set_move_window(off, tensors: int = None, nbytes: int = None) -> None:
+    """Set the in-flight window of every moving tier of ``off`` (``None``:
+    leave that bound as it is). See NOTE [In-flight window] in tiers/moving.py."""
+    for store in off._placement.movers:
+        if tensors is not None:
+            store.window_tensors = tensors
+        if nbytes is not None:
+            store.window_bytes = nbytes
+
+
+@contextlib.contextmanager
+def slow_copies(delay_seconds: float) -> Iterator[None]:
+    """While inside, every copy out of the CPU copier (the worker thread of
+    the cpu tier, and of the nvme tier's staged CPU tensors) first sleeps
+    ``delay_seconds`` on its worker: a copy far slower than compute, as a
+    GPU running behind the host. Process-wide."""
+    from .copier import ThreadCopier
+    original = ThreadCopier.copy_out
+
+    def slow(self, src, dst):
+        return self._out.submit(lambda: (time.sleep(delay_seconds), dst.copy_(src)))
+
+    ThreadCopier.copy_out = slow
+    try:
+        yield
+    finally:
+        ThreadCopier.copy_out = original

@@ -73,6 +73,9 @@ class HostStore(MovingStore):
     def _held_bytes(self) -> int:
         return self.pool.in_use_bytes
 
+    def trim_idle(self) -> None:
+        self.pool.trim_when_idle()
+
     def close(self) -> None:
         self.drain()
         self.pool.clear()

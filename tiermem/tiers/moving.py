@@ -82,6 +82,35 @@ given at ``put`` (``handle.step``, :class:`~tiermem.tiers.base.StepEvents`).
 #   handle may still read it, and counts it in use until then.
 """
 
+# NOTE [In-flight window]
+# Landing alone (NOTE [Copy landed]) frees a source only when the forward
+# thread happens to see its copy finished. The host usually runs far ahead of
+# the copies (a GPU behind its queue, a slow disk), so few land during the
+# forward and the saved tensors pile up as if kept. So at each ``poll``, once
+# more than ``window_tensors`` launched moves, or more than ``window_bytes``
+# of their sources, are held, the oldest are retired until the window holds:
+# - a job that can order the source's reuse after its copy without the host
+#   (``Job.order_after_copy``: CUDA, the stream the source was made on and the
+#   current stream wait on the copy's event) gets the version check of NOTE
+#   [Copy landed] at once and its source is dropped. Invariant: every later
+#   kernel of those streams, among them any in-place write of the source and
+#   any kernel that gets its memory from the caching allocator (a block freed
+#   on a stream is handed out on that stream only), runs after the copy; a
+#   version unchanged now means no write was issued before. Hence no
+#   ``record_stream``. A staged move keeps its staging view as the copy
+#   (NOTE [Staged moves]), read back on the current stream, ordered after;
+# - otherwise, for CPU tensors only, the host waits for the copy (or the
+#   write) and the move lands as at ``poll``;
+# - a CUDA tensor whose job cannot order a stream (the engine's chain) is left
+#   to land: the forward never waits on the host for a CUDA copy.
+# The count kept is of launched moves in order, not yet retired: a source
+# dropped out of order still counts until the ones before it go, so the
+# sources held never exceed the window. Defaults: DEFAULT_WINDOW_TENSORS is
+# torchtune's (5 tensors), the only public figure; DEFAULT_WINDOW_BYTES the
+# prefetcher's largest window (256 MiB), the same bound on bytes in flight in
+# each direction. Neither was measured here: the first GPU run is to choose
+# them (benchmarks/gpu_suite.sh), and the planner may set them per store.
+
 from __future__ import annotations
 
 import collections
@@ -104,6 +133,11 @@ __all__ = ["MovingStore", "MovedHandle"]
 
 # The number autograd's next node will get (this thread): NOTE [Launch after the saving op].
 _sequence_nr = torch._C._autograd._get_sequence_nr
+
+#: NOTE [In-flight window]: most launched moves whose sources are held.
+DEFAULT_WINDOW_TENSORS = 5
+#: NOTE [In-flight window]: most bytes of sources held for launched moves.
+DEFAULT_WINDOW_BYTES = 256 * 1024 ** 2
 
 
 class MovedHandle:
@@ -140,6 +174,13 @@ class MovingStore(TierStore):
         # autograd node sequence number they were reserved under.
         self._unlaunched: collections.deque = collections.deque()
         self._unlaunched_seq = -1
+        #: NOTE [In-flight window]: bounds on the sources held for launched moves.
+        self.window_tensors = DEFAULT_WINDOW_TENSORS
+        self.window_bytes = DEFAULT_WINDOW_BYTES
+        # (weak ref to handle, job, nbytes) of launched moves not retired, in
+        # order, and their bytes (under the lock).
+        self._window: collections.deque = collections.deque()
+        self._window_bytes_held = 0
 
     # -- subclass steps -------------------------------------------------------
     def _reserve(self, layout: Layout, t: torch.Tensor):
@@ -160,6 +201,22 @@ class MovingStore(TierStore):
     def _held_bytes(self) -> int:
         """Bytes this store holds now (reported to the step after each put)."""
         return 0
+
+    def trim_idle(self) -> None:
+        """Between steps (no copy of this store queued by the step to come):
+        give back idle pinned buffers that refused requests need room from
+        (NOTE [Trimming pinned buffers] in hostpool.py). Default: nothing."""
+
+    def sources_in_flight(self) -> tuple:
+        """``(count, bytes)`` of the sources held for launched moves not seen
+        landed (NOTE [In-flight window])."""
+        count = nbytes = 0
+        with self._lock:
+            for ref, _ in self._pending:
+                h = ref()
+                if h is not None and h.src is not None and not h.failed:
+                    count, nbytes = count + 1, nbytes + h.nbytes
+        return count, nbytes
 
     def pending_moves(self) -> list:
         """``(weak ref to handle, job)`` of each move not landed yet, in order."""
@@ -223,6 +280,8 @@ class MovingStore(TierStore):
             self._pending.append((ref, job))
             if getattr(job, "host_view", None) is not None:
                 self._uncopied.append((ref, job))
+            self._window.append((ref, job, h.nbytes))
+            self._window_bytes_held += h.nbytes
 
     def poll(self) -> None:
         """Launch the moves of ops that have run (NOTE [Launch after the saving
@@ -232,6 +291,10 @@ class MovingStore(TierStore):
         if not self._pending:
             if self._uncopied:
                 self._uncopied.clear()   # all landed
+            if self._window:   # all landed
+                with self._lock:
+                    self._window.clear()
+                    self._window_bytes_held = 0
             return
         with self._lock:
             pending = self._pending
@@ -239,6 +302,52 @@ class MovingStore(TierStore):
                 self._landed(*pending.popleft())
             if self._uncopied:
                 self._drop_copied_sources()
+            if self._window:
+                self._bound_window()
+
+    def _bound_window(self) -> None:
+        """Retire the oldest moves until the window holds (NOTE [In-flight
+        window]); caller holds the lock."""
+        window = self._window
+        while window:
+            ref, job, nbytes = window[0]
+            h = ref()
+            held = h is not None and h.src is not None and not h.failed
+            if held and (len(window) <= self.window_tensors
+                         and self._window_bytes_held <= self.window_bytes):
+                return
+            if held and not self._retire(h, job):
+                return   # a CUDA copy that cannot be ordered on a stream: it lands
+            window.popleft()
+            self._window_bytes_held -= nbytes
+
+    def _retire(self, h: MovedHandle, job) -> bool:
+        """Drop ``h``'s source now, ordering its reuse after its copy (NOTE
+        [In-flight window]); ``False`` if that would need a host wait on a
+        CUDA copy (nothing done)."""
+        staged = getattr(job, "host_view", None)
+        if job.order_after_copy():
+            if h.src._version != h.version:
+                h.tainted = True   # NOTE [Copy landed]; the staging is not needed
+                if staged is not None and h.lease is not None:
+                    h.lease.release()
+            elif staged is not None:
+                h.host = staged    # NOTE [Staged moves]
+            h.src = None
+            return True
+        if h.layout.device.type == "cuda":
+            return False
+        if staged is None:
+            self._wait_landed(h)
+            return True
+        try:
+            job.wait_copied()
+        except Exception:
+            pass   # reported through job.failed() when it lands
+        self._drop_copied_sources()
+        if h.src is not None and not h.failed:   # the copy failed: the move is over
+            self._wait_landed(h)
+        return True
 
     def _drop_copied_sources(self) -> None:
         """NOTE [Staged moves]: drop the sources already copied to staging (in
@@ -310,6 +419,8 @@ class MovingStore(TierStore):
             while self._pending:
                 self._land_first()
             self._uncopied.clear()
+            self._window.clear()
+            self._window_bytes_held = 0
 
     def _wait_landed(self, h: MovedHandle) -> None:
         with self._lock:

@@ -129,6 +129,8 @@ class NvmeStore(MovingStore):
         #: and the Python chain as CUDA ones go (NOTE [Staged moves] runs in CI),
         #: instead of straight from memory.
         self.stage_cpu = False
+        #: Restores that found the staging pool full (NOTE [Restores past the staging budget]).
+        self.unpinned_restores = 0
         #: This store warned why it refuses tensors (the Offloader then need not).
         self.explained_refusals = False
         try:
@@ -156,6 +158,9 @@ class NvmeStore(MovingStore):
 
     def _held_bytes(self) -> int:
         return self.arena.used_bytes
+
+    def trim_idle(self) -> None:
+        self.staging.trim_when_idle()
 
     # -- move out -----------------------------------------------------------------
     def _reserve(self, layout: Layout, t: torch.Tensor):
@@ -227,7 +232,7 @@ class NvmeStore(MovingStore):
                                   side=getattr(d2h, "side", None))
         # Back to the pool through the lease: NOTE [Staged moves] in moving.py.
         job = StagedJob(chain, lambda: d2h.done() and d2h.failed() is None, view,
-                        StagingLease(self.staging, staging, cuda))
+                        StagingLease(self.staging, staging, cuda), copy_job=d2h)
         return (offset, crc), job
 
     def _note_disk_full(self, error: BaseException, this: str) -> None:
@@ -300,6 +305,17 @@ class NvmeStore(MovingStore):
             return dev, self._chain.read(self.file, dest, offset, what, expected)
         return self._start_restore_cuda(h, offset, expected, what)
 
+    # NOTE [Restores past the staging budget]
+    # A restore that finds the staging pool full (writes in flight, staged
+    # copies held: NOTE [Staged moves] in moving.py) neither pins fresh memory
+    # outside every budget (what it did before: a transient pinned buffer, a
+    # cudaHostAlloc and, dropped, a block torch's host cache keeps pinned) nor
+    # waits for a pooled buffer (those held by staged copies of failed writes
+    # never come back: a wait could hang backward). It reads into a page-aligned
+    # pageable buffer and copies from it through the Python chain: CUDA stages
+    # a pageable H2D copy itself and returns once the bytes are staged, so the
+    # chain thread (never the backward thread) blocks for the copy, and the
+    # buffer may be dropped after it. Counted in ``unpinned_restores``.
     def _start_restore_cuda(self, h, offset, expected, what):
         layout = h.layout
         device = layout.device
@@ -308,14 +324,14 @@ class NvmeStore(MovingStore):
         # Allocated on the compute stream: see NOTE [Stream lifetime] 2 in copier.py.
         dev = torch.empty(layout.pad + layout.numel, dtype=layout.dtype, device=device)
         staging = self.staging.acquire(layout.nbytes, pinned=True)
-        if staging is None:  # transient: outside the pool and its budget
-            staging = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=True)
-            pooled = False
-        else:
-            pooled = True
+        pooled = staging is not None
+        if not pooled:
+            # Pageable: see NOTE [Restores past the staging budget].
+            staging = aligned_empty(layout.nbytes)
+            self.unpinned_restores += 1
         view = staging[:layout.nbytes].view(layout.dtype)
         side = copier.h2d
-        if self.uses_engine_chain:
+        if self.uses_engine_chain and pooled:   # the engine's chain takes pinned staging only
             # The engine records the compute stream's point now (nothing was
             # queued on it since `dev` was allocated) and copies after it.
             try:

@@ -1,0 +1,32 @@
+"""benchmarks/gpu_suite.sh --dry-run: the time plan, GPU tests right after the
+build (issue 15 item 6: a cut-short run still gives the GPU tests' verdict)."""
+
+import os
+import subprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _plan(seconds: int):
+    out = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_suite.sh"), "--dry-run"],
+                         capture_output=True, text=True, timeout=30, check=True,
+                         env={**os.environ, "TIERMEM_SUITE_SECONDS": str(seconds)}).stdout
+    rows = [line.split() for line in out.splitlines()[2:] if line.strip()]
+    return {r[0]: (i, int(r[3]), int(r[4])) for i, r in enumerate(rows)}
+
+
+def test_dry_run_puts_the_gpu_tests_right_after_the_build():
+    """Fails before: no --dry-run (usage error), and the doctor ran between."""
+    plan = _plan(450)
+    order = sorted(plan, key=lambda name: plan[name][0])
+    assert order.index("gpu-tests") == order.index("build") + 1, order
+    assert order.index("gpu-tests") < min(order.index(p) for p in ("doctor", "size-a", "size-b"))
+
+
+def test_dry_run_gives_the_gpu_tests_a_window_within_the_budget():
+    for seconds in (450, 600):
+        plan = _plan(seconds)
+        _, starts_by, limit = plan["gpu-tests"]
+        assert limit >= 120, plan                      # room for the tests to give a verdict
+        assert starts_by + limit <= seconds, plan
+        assert sum(lim for _, _, lim in plan.values()) <= seconds, plan
