@@ -158,9 +158,9 @@ def test_policy_argument_name_is_checked():
         tiermem.Offloader(policy="fast")
 
 
-@pytest.mark.parametrize("policy", ["auto", "nvme", "recompute,nvme", "auto,cpu"])
+@pytest.mark.parametrize("policy", ["nvme", "recompute,nvme", "auto,cpu"])
 def test_unavailable_policies_fail_clearly_at_construction(policy):
-    # auto: the planner does not exist yet; nvme: no directory given.
+    # auto in a preference list: auto decides alone; nvme: no directory given.
     with pytest.raises(ConfigError, match=policy.split(",")[-1] if "auto" not in policy else "auto"):
         tiermem.Offloader(policy=policy, nvme_dir=None)
 
