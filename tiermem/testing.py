@@ -28,6 +28,7 @@ __all__ = [
     "remove_private_dir",
     "record_placements",
     "deferred_param_checks",
+    "planner_of",
 ]
 
 
@@ -117,3 +118,10 @@ def deferred_param_checks() -> Iterator[None]:
         yield
     finally:
         paramcheck.defer_on_cpu = before
+
+
+def planner_of(off):
+    """The :class:`~tiermem.planner.Planner` of a ``policy="auto"`` Offloader
+    (``profiles``: profiled steps so far; ``plans``: plans by step signature),
+    ``None`` for other policies."""
+    return off._placement.planner

@@ -92,6 +92,8 @@ class Plan:
     def as_dict(self) -> dict:
         """A JSON-ready copy (``json.dumps`` takes it as is)."""
         d = asdict(self)
+        for t in d["tensors"]:   # lists, as JSON gives them back
+            t["shape"], t["order"] = list(t["shape"]), list(t["order"])
         d["bytes_by_tier"] = self.bytes_by_tier()
         return d
 
