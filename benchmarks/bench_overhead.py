@@ -11,7 +11,11 @@ under each configuration:
 - ``cpu``: ``Offloader(policy="cpu", min_offload_bytes=0)`` (every tensor is
   copied to a host buffer and restored in backward; on a CPU-only machine the
   "device" is the host, so the copies are host-to-host memcpys on tiermem's
-  worker threads).
+  worker threads),
+- ``auto``: ``Offloader(policy="auto", device_budget="100%")``: after its first
+  (profiled, discarded as warmup) step, a plan that keeps everything, followed
+  by a lookup per tensor (NOTE [Following a plan] in tiermem/planner/runtime.py),
+- ``callable_keep``: a callable policy answering keep (the TensorInfo path).
 
 Configurations are run round-robin (one repeat of each, then the next), the
 first ``--warmup`` rounds are discarded, and the figure reported per
@@ -34,7 +38,7 @@ import torch
 import tiermem
 from common import emit, machine, pick_device, summarize, sync
 
-CONFIGS = ("plain", "identity_hooks", "keep", "cpu")
+CONFIGS = ("plain", "identity_hooks", "keep", "cpu", "auto", "callable_keep")
 
 
 class _Identity(torch.autograd.graph.saved_tensors_hooks):
@@ -77,7 +81,11 @@ def bench_size(size_bytes: int, n: int, repeats: int, warmup: int,
         "identity_hooks": _Identity(),
         "keep": tiermem.Offloader(policy="keep", min_offload_bytes=0),
         "cpu": tiermem.Offloader(policy="cpu", min_offload_bytes=0),
+        "auto": tiermem.Offloader(policy="auto", min_offload_bytes=0, device_budget="100%"),
+        "callable_keep": tiermem.Offloader(policy=lambda info: "keep", min_offload_bytes=0),
     }
+    if warmup < 2:
+        raise ValueError("bench_overhead: --warmup must be at least 2 (auto profiles its first step)")
     fwd = {c: [] for c in CONFIGS}
     bwd = {c: [] for c in CONFIGS}
     saved = {}
@@ -98,7 +106,7 @@ def bench_size(size_bytes: int, n: int, repeats: int, warmup: int,
                             "prefetch_hits": st.prefetch_hits,
                             "prefetch_misses": st.prefetch_misses,
                             "stall_seconds": st.stall_seconds}
-    for c in ("keep", "cpu"):
+    for c in ("keep", "cpu", "auto", "callable_keep"):
         ctxs[c].close()
         count = sum(saved[c]["count_by_tier"].values())
         if count != n:

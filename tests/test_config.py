@@ -51,6 +51,7 @@ GOOD = {
     "TIERMEM_CPU_BUDGET": ("8GiB", "cpu_budget", 8 * 2**30),
     "TIERMEM_NVME_BUDGET": ("100GB", "nvme_budget", 100 * 10**9),
     "TIERMEM_PREFETCH_BYTES": ("64MiB", "prefetch_bytes", 64 * 2**20),
+    "TIERMEM_DEVICE_BUDGET": ("12GiB", "device_budget", 12 * 2**30),
     "TIERMEM_ENGINE": ("python", "engine", "python"),
     "TIERMEM_IO_THREADS": ("8", "io_threads", 8),
     "TIERMEM_VERIFY": ("yes", "verify", True),
@@ -65,6 +66,7 @@ BAD = {
     "TIERMEM_CPU_BUDGET": "lots",
     "TIERMEM_NVME_BUDGET": "-1",
     "TIERMEM_PREFETCH_BYTES": "many",
+    "TIERMEM_DEVICE_BUDGET": "150%",
     "TIERMEM_ENGINE": "rust",
     "TIERMEM_IO_THREADS": "0",
     "TIERMEM_VERIFY": "perhaps",
@@ -158,9 +160,9 @@ def test_policy_argument_name_is_checked():
         tiermem.Offloader(policy="fast")
 
 
-@pytest.mark.parametrize("policy", ["auto", "nvme", "recompute,nvme", "auto,cpu"])
+@pytest.mark.parametrize("policy", ["nvme", "recompute,nvme", "auto,cpu"])
 def test_unavailable_policies_fail_clearly_at_construction(policy):
-    # auto: the planner does not exist yet; nvme: no directory given.
+    # auto in a preference list: auto decides alone; nvme: no directory given.
     with pytest.raises(ConfigError, match=policy.split(",")[-1] if "auto" not in policy else "auto"):
         tiermem.Offloader(policy=policy, nvme_dir=None)
 

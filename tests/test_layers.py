@@ -1,8 +1,10 @@
 """Imports run one way along the step path (README "How it works"): no module
 imports from a layer above it. Layers, top first:
 
-offloader -> hooks -> step -> placement -> tiers/* -> (jobs, copier, leases,
-hostpool, arena, io, ...). A module of a lower layer importing a higher one
+offloader -> hooks -> step -> placement -> tiers/* and planner/* -> (jobs,
+copier, leases, hostpool, arena, io, ...). The planner is consulted by
+placement and reads what tiers hand back (a handle's kind), so it sits with
+the tiers. A module of a lower layer importing a higher one
 would let it call back into the hooks' or the step's state.
 """
 
@@ -15,7 +17,7 @@ PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 
 
 #: Module -> layer (lower number: higher layer). Modules not listed are at the
 #: bottom (helpers every layer may use).
-LAYERS = {"offloader": 0, "hooks": 1, "step": 2, "placement": 3, "tiers": 4}
+LAYERS = {"offloader": 0, "hooks": 1, "step": 2, "placement": 3, "tiers": 4, "planner": 4}
 BOTTOM = 5
 
 

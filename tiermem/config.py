@@ -20,7 +20,8 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 from .errors import ConfigError
 
-__all__ = ["Config", "env_table_markdown", "parse_size", "parse_bool"]
+__all__ = ["Config", "env_table_markdown", "parse_size", "parse_bool", "BudgetShare",
+           "parse_device_budget"]
 
 _log = logging.getLogger("tiermem")
 
@@ -59,6 +60,45 @@ def parse_size(text: str, *, name: str) -> int:
     return int(number)
 
 
+@dataclass(frozen=True)
+class BudgetShare:
+    """A budget given as a share (``"50%"`` -> ``BudgetShare(0.5)``) of a figure
+    measured at run time (for ``device_budget``: the saved bytes a plain step
+    keeps, measured by the planner's profile). ``fraction`` is in [0, 1]."""
+
+    fraction: float
+
+    def __str__(self) -> str:
+        return f"{self.fraction * 100:g}%"
+
+
+_PERCENT_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*%\s*$", re.ASCII)
+
+
+def parse_device_budget(text: str, *, name: str) -> Union[int, BudgetShare]:
+    """Parse a device budget: a size (``12GiB``, ``4096``; see :func:`parse_size`)
+    or a percentage from 0% to 100% (``50%``, ``12.5%``) of the saved bytes a
+    plain step keeps. ``0`` / ``0%`` mean "keep as little as the tiers allow".
+    Raises :class:`ConfigError` naming ``name`` and the value otherwise
+    (``-1``, ``150%``, ``12 GiBs``)."""
+    m = _PERCENT_RE.match(str(text))
+    if m is not None:
+        pct = float(m.group(1))
+        if pct > 100:
+            raise ConfigError(
+                f"tiermem: {name}={text!r} is more than 100% of what a plain step keeps; "
+                "use at most 100% (keep everything), or a size such as 12GiB")
+        return BudgetShare(pct / 100)
+    if "%" in str(text):
+        raise ConfigError(f"tiermem: {name}={text!r} is not a percentage; use e.g. 50%")
+    try:
+        return parse_size(text, name=name)
+    except ConfigError:
+        raise ConfigError(
+            f"tiermem: {name}={text!r} is not a device budget; use a size (4096, 512MiB, "
+            "12GiB) or a percentage of what a plain step keeps (50%)") from None
+
+
 def parse_bool(text: str, *, name: str) -> bool:
     """Parse ``1/0/true/false/on/off/yes/no`` (any case)."""
     low = str(text).strip().lower()
@@ -93,6 +133,10 @@ def _policy(text: str, name: str) -> str:
 
 def _size(text: str, name: str) -> int:
     return parse_size(text, name=name)
+
+
+def _device_budget(text: str, name: str) -> Union[int, BudgetShare]:
+    return parse_device_budget(text, name=name)
 
 
 def _bool(text: str, name: str) -> bool:
@@ -159,6 +203,14 @@ class Config:
         "Most bytes the nvme tier keeps on disk, per rank; when full (or on ENOSPC), "
         "tensors go to the cpu tier, else stay on the device. Unset: 80% of the dir's "
         "free space at start, divided by LOCAL_WORLD_SIZE.", default_doc="auto", minimum=0)
+    device_budget: Union[int, BudgetShare, None] = _setting(
+        "TIERMEM_DEVICE_BUDGET", _device_budget,
+        "policy=auto: bytes of saved activations allowed to stay where they were made (GPU "
+        "memory for CUDA tensors, RAM for CPU tensors), per rank: a size, or a percentage "
+        "(0% to 100%) of what a plain step keeps, measured by the planner's first step. "
+        "Unset: the device's free memory less a tenth of its total (on the CPU: available "
+        "RAM), measured when the plan is made; if everything fits, nothing moves.",
+        default_doc="auto", minimum=0)
     prefetch_bytes: Optional[int] = _setting(
         "TIERMEM_PREFETCH_BYTES", _size,
         "Most bytes brought back ahead of need in backward (restored but not yet "
@@ -236,9 +288,13 @@ def _from_argument(f: dataclasses.Field, value: Any) -> Any:
         return _policy(",".join(str(getattr(v, "value", v)) for v in value), name)
     if isinstance(value, bool) and f.metadata["parse"] is _bool:
         return value
+    if f.metadata["parse"] is _device_budget and isinstance(value, BudgetShare):
+        if not 0 <= value.fraction <= 1:
+            raise ConfigError(f"tiermem: {name}={value} must be from 0% to 100%")
+        return value
     if isinstance(value, str):
         return _check_min(f, f.metadata["parse"](value, name), name, shown=value)
-    if f.metadata["parse"] in (_size, _int) and isinstance(value, int) and not isinstance(value, bool):
+    if f.metadata["parse"] in (_size, _int, _device_budget) and isinstance(value, int) and not isinstance(value, bool):
         return _check_min(f, value, name)
     if name == "nvme_dir" and isinstance(value, os.PathLike):
         return _path(os.fspath(value), name)
@@ -247,6 +303,8 @@ def _from_argument(f: dataclasses.Field, value: Any) -> Any:
 
 def _check_min(f: dataclasses.Field, value: Any, name: str, shown: Any = None) -> Any:
     minimum, maximum = f.metadata["min"], f.metadata.get("max")
+    if isinstance(value, BudgetShare):   # checked by its parser
+        return value
     shown = value if shown is None else shown
     if minimum is not None and value < minimum:
         raise ConfigError(f"tiermem: {name}={shown!r} must be at least {minimum}")

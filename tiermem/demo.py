@@ -48,11 +48,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The demo's command-line options (used by ``python -m tiermem demo``)."""
     p.add_argument("--steps", type=int, default=5, help="training steps (default: 5)")
     p.add_argument("--policy", choices=("keep", "cpu", "nvme", "recompute", "recompute,cpu",
-                                        "recompute,nvme"),
+                                        "recompute,nvme", "auto"),
                    default=None, help="tiermem policy of the offloaded run (default: "
                    "TIERMEM_POLICY if set, else cpu; nvme needs TIERMEM_NVME_DIR)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: cuda if torch.cuda.is_available(), else cpu (default: auto)")
+    p.add_argument("--device-budget", default=None, metavar="BUDGET",
+                   help="policy auto: device_budget, e.g. 50%% or 12GiB (default: "
+                   "TIERMEM_DEVICE_BUDGET, else the device's free memory); the plan is "
+                   "printed at the end")
     p.add_argument("--seed", type=int, default=0, help="base random seed (default: 0)")
     p.add_argument("--batch", type=int, default=DEMO_BATCH,
                    help=f"sequences per batch (default: {DEMO_BATCH})")
@@ -167,27 +171,29 @@ def run_demo(steps: int = 5, policy: str = "cpu", device: str = "auto", seed: in
              model_cfg: GPTConfig = DEMO_MODEL,
              on_start: Optional[Callable[[TinyGPT, torch.device, Offloader], None]] = None,
              on_step: Optional[Callable[[StepReport], None]] = None,
-             progress: bool = True) -> DemoResult:
+             progress: bool = True, device_budget=None) -> DemoResult:
     """Train ``steps`` steps; see the module docstring. ``on_start`` is called
     with the model, device and Offloader once they exist, ``on_step`` with each
-    :class:`StepReport` as it is measured."""
+    :class:`StepReport` as it is measured. ``device_budget``: the Offloader's
+    (policy auto), ``None`` for the environment's."""
     dev = pick_device(device)
     restore_determinism = _enable_determinism(dev)
     try:
         return _train(steps, policy, dev, seed, batch, min_offload_bytes, model_cfg,
-                      on_start, on_step, progress)
+                      on_start, on_step, progress, device_budget)
     finally:
         restore_determinism()
 
 
 def _train(steps, policy, dev, seed, batch, min_offload_bytes, model_cfg, on_start, on_step,
-           progress) -> DemoResult:
+           progress, device_budget=None) -> DemoResult:
     torch.manual_seed(seed)
     model = TinyGPT(model_cfg).to(dev)
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    off = Offloader(policy=policy, min_offload_bytes=min_offload_bytes)
+    off = Offloader(policy=policy, min_offload_bytes=min_offload_bytes,
+                    device_budget=device_budget)
     data_gen = torch.Generator().manual_seed(seed + 1)
     if on_start is not None:
         on_start(model, dev, off)
@@ -272,6 +278,9 @@ def run(args: argparse.Namespace) -> int:
         min_bytes = (None if args.min_offload_bytes is None
                      else parse_size(args.min_offload_bytes, name="--min-offload-bytes"))
         dev = pick_device(args.device)
+        if args.device_budget is not None:   # checked now, named as the option
+            from .config import parse_device_budget
+            parse_device_budget(args.device_budget, name="--device-budget")
         if args.policy is None:   # the environment's, as every Offloader would take it
             args.policy = Config.from_env().policy or "cpu"
         if "nvme" in args.policy and not Config.from_env().nvme_dir:
@@ -304,9 +313,19 @@ def run(args: argparse.Namespace) -> int:
             emit("tiermem demo: WARNING: TIERMEM_DISABLE is set, so the Offloader does nothing "
                  "and the comparison below is trivially equal; unset it to test tiermem")
 
+    offs: list = []
+
+    def start(model: TinyGPT, device: torch.device, off: Offloader) -> None:
+        offs.append(off)
+        header(model, device, off)
+
     result = run_demo(steps=args.steps, policy=args.policy, device=dev.type, seed=args.seed,
-                      batch=args.batch, min_offload_bytes=min_bytes, on_start=header,
-                      on_step=lambda r: emit(format_step(r)), progress=progress)
+                      batch=args.batch, min_offload_bytes=min_bytes, on_start=start,
+                      on_step=lambda r: emit(format_step(r)), progress=progress,
+                      device_budget=args.device_budget)
+    plan = offs[0].plan if offs else None
+    if plan is not None:
+        emit(str(plan))
     bad = [r.step for r in result.steps if not (r.grads_equal and r.params_equal)]
     if bad:
         emit(f"tiermem demo: FAILED: gradients or parameters differ from plain autograd "

@@ -132,6 +132,10 @@ def diagnose(nvme_dir=None, mib: int = 256) -> dict:
     except ConfigError as e:   # reported, not raised: doctor must always finish
         report["rank"]["error"] = str(e)
     from .io import engine_info
+    from .planner.rates import measure_rates
+    # Host and (CUDA) link rates the auto planner prices moves with; the disk's
+    # are measured by the planner in its own directory (and below, by doctor).
+    report["planner_rates"] = measure_rates(cuda=torch.cuda.is_available()).as_dict()
     report["engine"] = engine_info(cfg.engine)   # the engine this configuration uses
     path = nvme_dir or cfg.nvme_dir
     if path:
@@ -170,6 +174,12 @@ def _print(r: dict) -> None:
         line += (f"; default cpu budget {format_bytes(r['default_cpu_budget_bytes'])}, "
                  f"nvme staging {format_bytes(r['default_staging_bytes'])}")
     print(line)
+    pr = r["planner_rates"]
+    line = (f"planner rates (policy auto): host copy {pr['host_copy'] / 1e9:.2f} GB/s, "
+            f"pointwise {pr['pointwise'] / 1e9:.2f} GB/s")
+    if pr["d2h"]:
+        line += f", D2H {pr['d2h'] / 1e9:.2f} GB/s, H2D {pr['h2d'] / 1e9:.2f} GB/s"
+    print(line + f" (measured in {pr['measured_seconds'] * 1e3:.0f} ms)")
     g = r["gpu"]
     if g["available"]:
         line = f"GPU: {g['count']} x {g['name']}, {format_bytes(g['memory_bytes'])}"

@@ -240,6 +240,17 @@ class Packer:
         else:
             index = step.index
             step.index += 1
+            planning = step.planning
+            if planning is not None:   # policy="auto": a plan lookup by index
+                order = planning.order(index, t, nbytes, module, step.producers)
+                handle = placement.put(order, t, step, module, nbytes)
+                if planning.recorder is not None:   # a profiled step
+                    planning.recorder.placed(index, handle)
+                # Kept ones too, tracked or not: pack indices must not depend
+                # on whether this step tracks producers (NOTE [Following a plan]
+                # in planner/runtime.py).
+                step.remember(t, key, handle)
+                return handle
             producers = step.producers
             op = None if producers is None else producers.op_name(t)
             info = TensorInfo(t.shape, t.dtype, t.device, nbytes, module, op, index, False)

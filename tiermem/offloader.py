@@ -66,7 +66,11 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
     def __init__(self, offloader: "Offloader") -> None:
         self._off = offloader
         placement = offloader._placement
-        track = placement.tracks_producers or blocks_need_producers()
+        planner = placement.planner
+        #: policy="auto": this step's planning (profile, plan, or safe order).
+        self.planning = None if planner is None else planner.begin_step(unpack)
+        tracks = placement.tracks_producers if self.planning is None else self.planning.tracks
+        track = tracks or blocks_need_producers()
         #: Producer of each tensor of the forward (None unless the policy may
         #: recompute or is a callable that may read ``TensorInfo.op``).
         self.producers: Optional[ProducerMode] = ProducerMode() if track else None
@@ -76,7 +80,14 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         self.stats = self.step.stats
         self._packer = Packer(self.step, placement)
         self._modules = ModuleStack(on_root=self._packer.note_root)
-        super().__init__(opaque(self._packer.__call__), _hidden("unpack", unpack))
+        unpack_hook = _hidden("unpack", unpack)
+        if self.planning is not None:
+            self.step.planning = self.planning
+            recorder = self.planning.recorder
+            if recorder is not None:   # a profiled step: unpacks timed
+                recorder.start(self.stats)
+                unpack_hook = opaque(recorder.unpack)
+        super().__init__(opaque(self._packer.__call__), unpack_hook)
 
     @property
     def prefetcher(self):
@@ -113,6 +124,9 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
             super().__exit__(exc_type, exc, tb)
         finally:
             self._modules.__exit__(exc_type, exc, tb)
+            if self.planning is not None:
+                self._off._placement.planner.end_forward(self.planning, self.stats,
+                                                         failed=exc_type is not None)
             self.step.end_forward()
             self._packer.clear()
             self._off._exit(self, failed=exc_type is not None)
@@ -242,6 +256,19 @@ class Offloader:
         detach_modules(self, module)
 
     # -- inspection / lifetime ------------------------------------------------
+    @property
+    def plan(self):
+        """``policy="auto"``: the :class:`~tiermem.planner.Plan` the next step
+        follows (``str()`` a per-module table, ``.explain(i)``, ``.reasons``,
+        ``.as_dict()``), with the last planned step's measurements written in.
+        ``None`` before the first profiled step's backward has run, and for
+        other policies. Read it after a backward: it settles the planner
+        (plans from a finished profile, checks the last step; NOTE [Closed
+        loop] in planner/runtime.py)."""
+        if self.config.disable or self._placement.planner is None:
+            return None
+        return self._placement.planner.settle()
+
     @property
     def host_bytes_in_use(self) -> int:
         """Host bytes held by saved tensors still alive (0 when their graphs are freed)."""

@@ -25,7 +25,7 @@ import torch
 
 from .config import Config
 from .errors import ConfigError, TierMemError
-from .policy import FALLBACK, Tier, TensorInfo, TierOrder, resolve_policy, tier_order
+from .policy import AUTO, FALLBACK, Tier, TensorInfo, TierOrder, resolve_policy, tier_order
 from .ranks import STAGING_MIN_BYTES, STAGING_NODE_BYTES, per_rank_share
 from .spilldir import default_nvme_budget_bytes
 from .tiers.base import TierStore
@@ -97,6 +97,9 @@ class Placement:
 
     def __init__(self, cfg: Config) -> None:
         self.fixed_order, self.policy_fn = resolve_policy(cfg.policy, nvme_dir=cfg.nvme_dir)
+        auto = self.policy_fn is AUTO
+        if auto:   # the planner answers (Step.planning), never a policy function
+            self.policy_fn = None
         #: The first tier of a named policy (``None`` for a callable policy).
         self.fixed: Optional[Tier] = (self.fixed_order[0] if self.fixed_order is not None
                                       else None)
@@ -104,9 +107,10 @@ class Placement:
         self._completed: dict = {}
         # Producer tracking costs a Python call per op of the forward: only
         # when a recipe may be needed or a callable policy may read info.op.
+        # Under auto the step's planning decides (StepPlanning.tracks).
         self.tracks_producers = (
             Tier.RECOMPUTE in self.fixed_order if self.fixed_order is not None
-            else not getattr(self.policy_fn, "tiermem_builtin", False))
+            else not auto and not getattr(self.policy_fn, "tiermem_builtin", False))
         self.cpu_budget_bytes = (cfg.cpu_budget if cfg.cpu_budget is not None
                                  else default_cpu_budget_bytes())
         # keep, cpu and recompute always (a block wrapped with its own policy
@@ -125,6 +129,11 @@ class Placement:
         self.movers = tuple(s for s in self.stores.values()
                             if s.tier not in (Tier.KEEP, Tier.RECOMPUTE))
         self._warned: set = set()
+        #: The planner of ``policy="auto"`` (``None`` otherwise).
+        self.planner = None
+        if auto:
+            from .planner import Planner
+            self.planner = Planner(self, cfg)
 
     # -- choosing -----------------------------------------------------------------
     def order_for(self, info: TensorInfo) -> Tuple[Tier, ...]:

@@ -60,7 +60,7 @@ from .config import POLICY_NAMES
 from .errors import ConfigError, TierMemError
 
 __all__ = ["Tier", "TensorInfo", "PolicyFn", "TierOrder", "resolve_policy", "tier_order",
-           "is_constraint", "FALLBACK", "CHECKPOINT_POLICY_TIERS"]
+           "is_constraint", "FALLBACK", "CHECKPOINT_POLICY_TIERS", "AUTO"]
 
 
 class Tier(str, enum.Enum):
@@ -224,13 +224,20 @@ def is_constraint(choice) -> bool:
     return choice.must
 
 
+def AUTO(info: TensorInfo):
+    """The ``policy_fn`` of ``policy="auto"``: a marker. Placement answers for it
+    with the planner (:mod:`tiermem.planner`); it is never called."""
+    raise TierMemError("tiermem: the auto policy was called as a function; this is a bug")
+
+
 def resolve_policy(policy: Union[str, PolicyFn, None], *, nvme_dir: Optional[str]):
     """Turn the ``policy`` setting into ``(fixed_order, fn)``.
 
     Exactly one is set: ``fixed_order`` (see :func:`tier_order`) for named
     policies, including preference lists such as ``"recompute,cpu"`` (the hot
     path then needs no :class:`TensorInfo`); ``fn`` for callables and the
-    device-dependent default. ``"auto"`` is not available yet and raises.
+    device-dependent default; ``"auto"`` gives ``(None, AUTO)``, which
+    placement turns into the planner.
     """
     if policy is None:
         default_cpu_side = Tier.NVME if nvme_dir else Tier.KEEP
@@ -243,10 +250,10 @@ def resolve_policy(policy: Union[str, PolicyFn, None], *, nvme_dir: Optional[str
         return None, policy
     names = [n.strip() for n in str(policy).lower().split(",")]
     if "auto" in names:
-        raise ConfigError(
-            f"tiermem: policy={policy!r}: 'auto' (the planner) is not available in this "
-            "version; use keep, cpu, nvme, recompute (or a list such as 'recompute,cpu'), "
-            "or a callable policy")
+        if len(names) > 1:
+            raise ConfigError(f"tiermem: policy={policy!r}: 'auto' cannot be part of a "
+                              "preference list; use it alone")
+        return None, AUTO
     bad = [n for n in names if n not in POLICY_NAMES]
     if bad:
         raise ConfigError(

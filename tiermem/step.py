@@ -87,6 +87,8 @@ class Step:
         self.producers = producers
         self.min_offload_bytes = min_offload_bytes
         self.index = 0            # TensorInfo.index of the next tensor a policy sees
+        #: policy="auto": the planner's StepPlanning of this step, else None.
+        self.planning = None
         #: The model is sharded (FSDP2, DTensor parameters): the parameters its
         #: forward uses may be freed before backward, so recipes hold none as
         #: it is (see NOTE [Sharded parameters] in hooks.py).

@@ -33,6 +33,7 @@ __all__ = [
     "sources_in_flight",
     "set_move_window",
     "slow_copies",
+    "planner_of",
 ]
 
 
@@ -165,3 +166,10 @@ def slow_copies(delay_seconds: float) -> Iterator[None]:
         yield
     finally:
         ThreadCopier.copy_out = original
+
+
+def planner_of(off):
+    """The :class:`~tiermem.planner.Planner` of a ``policy="auto"`` Offloader
+    (``profiles``: profiled steps so far; ``plans``: plans by step signature),
+    ``None`` for other policies."""
+    return off._placement.planner

@@ -1,0 +1,185 @@
+"""policy="auto": the planner meets its device budget, moves nothing when
+everything fits, stays exact, re-plans on a shape change (and reuses the old
+plan when the old shape returns), settles within three steps, explains each
+tensor, and refuses bad budgets.
+
+Measured kept bytes are ``stats.bytes_by_tier['keep']`` (NOTE [Closed loop]
+in tiermem/planner/runtime.py). On the CPU only recompute and nvme free RAM,
+so the budgets below 100% run with an nvme_dir (Python engine).
+Runtime: about 25 s on 2 cores.
+"""
+
+import contextlib
+import json
+
+import pytest
+import torch
+
+import tiermem
+import tiermem.testing
+from helpers import compare_records, offloader, reference_steps, train_steps
+from models import make_case
+from tiermem.planner.rates import default_device_budget_bytes
+from tiermem.planner.runtime import KEPT_TOLERANCE, MAX_REPLANS
+
+MODELS = ("mlp", "block", "convnet", "embed_gather")
+STEPS = 4
+
+
+class _Recording:
+    """Enters ``off`` for one step and keeps that step's stats and plan."""
+
+    def __init__(self, off, log) -> None:
+        self.off, self.log = off, log
+
+    def __enter__(self):
+        self.plan = self.off.plan   # the plan this step follows (settled now)
+        return self.off.__enter__()
+
+    def __exit__(self, *exc):
+        out = self.off.__exit__(*exc)
+        self.log.append((self.plan, self.off.stats))
+        return out
+
+
+def _run(name, steps=STEPS, **settings):
+    off = offloader("auto", **settings)
+    log = []
+    case = make_case(name)
+    records = train_steps(case, lambda: _Recording(off, log), steps=steps)
+    return off, log, records
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_budget_above_the_baseline_moves_nothing(name):
+    off, log, records = _run(name, device_budget="100%")
+    compare_records(records, reference_steps(name, steps=STEPS), name)
+    for plan, stats in log[1:]:
+        assert set(t for t, n in stats.count_by_tier.items() if n) == {"keep"}, stats
+    plan = off.plan
+    assert plan.predicted_kept_bytes == plan.baseline_bytes == plan.measured_kept_bytes
+    assert all(p.tier == "keep" and p.reason.startswith("kept: everything fits")
+               for p in plan.tensors)
+    off.close()
+
+
+@pytest.mark.parametrize("budget", ["50%", "25%"])
+@pytest.mark.parametrize("name", MODELS)
+def test_budget_is_met_and_gradients_exact(name, budget, nvme_dir):
+    off, log, records = _run(name, device_budget=budget, nvme_dir=nvme_dir)
+    compare_records(records, reference_steps(name, steps=STEPS), name)
+    plan = off.plan
+    assert plan.budget_bytes == int(float(budget[:-1]) / 100 * plan.baseline_bytes)
+    for i, (_, stats) in enumerate(log[1:], 1):   # every planned step
+        kept = stats.bytes_by_tier["keep"]
+        assert kept <= plan.budget_bytes * (1 + KEPT_TOLERANCE), (i, kept, plan.budget_bytes)
+    assert plan.measured_kept_bytes <= plan.budget_bytes
+    assert sum(n for t, n in log[-1][1].count_by_tier.items() if t != "keep") > 0
+    off.close()
+
+
+def test_every_tensor_has_a_reason_and_the_plan_is_json(nvme_dir):
+    off, _, _ = _run("block", device_budget="50%", nvme_dir=nvme_dir)
+    plan = off.plan
+    assert plan.tensors and plan.reasons.keys() == {p.index for p in plan.tensors}
+    for p in plan.tensors:
+        assert p.reason.split(":")[0].split()[0] in (p.tier, "kept"), p.reason
+        assert plan.explain(p.index).endswith(p.reason)
+    d = plan.as_dict()
+    assert json.loads(json.dumps(d)) == d
+    assert d["bytes_by_tier"]["nvme"] > 0
+    table = str(plan)
+    assert "Block.mlp.1" in table and "predicted" in table and "measured" in table
+    off.close()
+
+
+def test_budget_out_of_reach_is_said_and_nothing_breaks(caplog):
+    # No nvme_dir: on the CPU only recompute frees RAM, which cannot reach 25%.
+    off, log, records = _run("mlp", device_budget="25%")
+    compare_records(records, reference_steps("mlp", steps=STEPS), "mlp")
+    plan = off.plan
+    assert any(n.startswith("budget not reachable") for n in plan.notes)
+    assert "budget not reachable" in caplog.text
+    assert plan.measured_kept_bytes == plan.predicted_kept_bytes > plan.budget_bytes
+    kept = [p for p in plan.tensors if p.tier == "keep"]
+    assert kept and all("no tier frees its memory" in p.reason for p in kept)
+
+
+def test_plan_is_none_before_the_first_profile_and_for_other_policies():
+    assert offloader("cpu").plan is None
+    off = offloader("auto", device_budget="50%")
+    assert off.plan is None
+    case = make_case("mlp")
+    with off:
+        loss = case.loss()
+    assert off.plan is None   # profiled, but its backward has not run
+    loss.backward()
+    assert off.plan is not None
+
+
+def test_plan_is_stable_after_three_steps(nvme_dir):
+    # Over six steps: a profile, then at most MAX_REPLANS corrections, then
+    # the same plan object for every later step.
+    for name in MODELS:
+        off, log, _ = _run(name, steps=6, device_budget="25%", nvme_dir=nvme_dir)
+        used = [plan for plan, _ in log]
+        assert used[0] is None and all(p is not None for p in used[1:])
+        assert len({id(p) for p in used[3:]}) == 1, name
+        assert used[-1].replans <= MAX_REPLANS
+        assert tiermem.testing.planner_of(off).profiles == 1
+        off.close()
+
+
+def _mlp_step(off, case, x):
+    case.model.zero_grad(set_to_none=True)
+    with off:
+        loss = case.model(x).square().mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in case.model.named_parameters()}
+
+
+def test_shape_change_replans_and_the_old_plan_returns(nvme_dir):
+    off = offloader("auto", device_budget="50%", nvme_dir=nvme_dir)
+    ref_case, case = make_case("mlp"), make_case("mlp")
+    planner = tiermem.testing.planner_of(off)
+    g = torch.Generator().manual_seed(3)
+    xa, xb = torch.randn(32, 24, generator=g), torch.randn(16, 24, generator=g)
+    plans = []
+    for x in (xa, xa, xa, xb, xb, xb, xa, xa, xb):
+        got = _mlp_step(off, case, x)
+        ref = _mlp_step(contextlib.nullcontext(), ref_case, x)
+        assert torch.equal(got[0], ref[0])
+        for n in ref[1]:
+            assert torch.equal(got[1][n], ref[1][n]), n
+        plans.append(off.plan)
+    assert planner.profiles == 2, "one profile per shape, none when a shape returns"
+    assert len(planner.plans) == 2
+    assert plans[2] is plans[7] or plans[7].signature == plans[2].signature
+    assert plans[5].signature != plans[2].signature
+    assert plans[8].signature == plans[5].signature
+    off.close()
+
+
+@pytest.mark.parametrize("bad", ["-1", "150%", "12 GiBs", "abc%", "%"])
+def test_bad_budget_is_a_config_error_naming_the_setting(bad, monkeypatch):
+    with pytest.raises(tiermem.ConfigError, match=f"device_budget={bad!r}"):
+        tiermem.Offloader(policy="auto", device_budget=bad)
+    monkeypatch.setenv("TIERMEM_DEVICE_BUDGET", bad)
+    with pytest.raises(tiermem.ConfigError, match=f"TIERMEM_DEVICE_BUDGET={bad!r}"):
+        tiermem.Config.from_env()
+
+
+def test_budget_settings_parse():
+    cfg = tiermem.Config.from_env({"TIERMEM_DEVICE_BUDGET": "12.5%"})
+    assert cfg.device_budget.fraction == 0.125
+    assert tiermem.Config.from_env({}, device_budget="512MiB").device_budget == 512 << 20
+    assert tiermem.Config.from_env({}, device_budget=4096).device_budget == 4096
+    with pytest.raises(tiermem.ConfigError, match="device_budget=-1"):
+        tiermem.Config.from_env({}, device_budget=-1)
+
+
+def test_default_budget_is_free_memory_less_headroom():
+    gib = 1 << 30
+    assert default_device_budget_bytes("cuda", free_bytes=60 * gib, total_bytes=80 * gib) \
+        == 52 * gib
+    assert default_device_budget_bytes("cuda", free_bytes=4 * gib, total_bytes=80 * gib) == 0

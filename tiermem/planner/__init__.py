@@ -1,0 +1,15 @@
+"""``policy="auto"``: profile a step, plan a tier per saved tensor under the
+budgets, follow the plan, correct it from measurement, explain it.
+
+- :mod:`.profile`: what the profiled step saved and when backward needed it;
+- :mod:`.rates`: copy, disk and pointwise rates measured on this machine;
+- :mod:`.solver`: the cost model and the choice (NOTE [Planner cost model]);
+- :mod:`.plan`: the :class:`Plan` (orders, predictions, measurements, reasons);
+- :mod:`.runtime`: the :class:`Planner` an Offloader holds, and the closed loop.
+"""
+
+from .plan import Plan, PlannedTensor
+from .rates import Rates, measure_rates
+from .runtime import Planner
+
+__all__ = ["Plan", "PlannedTensor", "Planner", "Rates", "measure_rates"]

@@ -1,0 +1,129 @@
+"""A plan: the tier order of each saved tensor of a step, what it predicts,
+what was measured, and why each tensor goes where it goes.
+
+``str(plan)`` is a per-module table, ``plan.explain(index)`` one tensor's
+reason, ``plan.reasons`` all of them, ``plan.as_dict()`` a JSON-ready copy.
+Made by :func:`tiermem.planner.solver.make_plan`; read through
+``Offloader.plan``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+from ..policy import Tier
+from ..telemetry import format_bytes
+
+__all__ = ["Plan", "PlannedTensor"]
+
+
+@dataclass
+class PlannedTensor:
+    """One tensor of the plan (pack index ``index``)."""
+
+    index: int
+    module: str
+    op: Optional[str]
+    shape: Tuple[int, ...]
+    dtype: str
+    nbytes: int
+    tier: str
+    order: Tuple[str, ...]
+    reason: str
+    #: Seconds from its save to its first use in backward (profile timeline).
+    window_s: float
+    #: Predicted cost of the chosen tier (regeneration or stall), seconds.
+    cost_s: float = 0.0
+
+
+@dataclass
+class Plan:
+    """See the module docstring. Byte figures count saved activations only
+    (parameters never); "kept" is what stays where it was made
+    (``stats.bytes_by_tier['keep']``: the plan's kept tensors, small and
+    unmovable tensors, and recipe inputs left on the device)."""
+
+    signature: str
+    tensors: List[PlannedTensor]
+    budget_bytes: int
+    budget_setting: str
+    baseline_bytes: int
+    fixed_kept_bytes: int
+    predicted_kept_bytes: int
+    predicted_stall_s: float
+    predicted_recompute_s: float
+    suggested_prefetch_bytes: int
+    rates: dict
+    planning_seconds: float = 0.0
+    #: Plans made for this signature before this one (closed-loop corrections).
+    replans: int = 0
+    #: Why this plan replaced the previous one ("" for the first).
+    replan_reason: str = ""
+    measured_kept_bytes: Optional[int] = None
+    measured_stall_s: Optional[float] = None
+    measured_steps: int = 0
+    notes: List[str] = field(default_factory=list)
+
+    # -- lookups used by the pack hook (runtime.py) ----------------------------------
+    def __post_init__(self) -> None:
+        self.orders: Tuple[tuple, ...] = tuple(
+            tuple(Tier(x) for x in p.order) for p in self.tensors)
+        self.recomputes = any(o[0] is Tier.RECOMPUTE for o in self.orders)
+
+    # -- explain --------------------------------------------------------------------
+    @property
+    def reasons(self) -> Dict[int, str]:
+        """Pack index -> the reason of its tier."""
+        return {p.index: p.reason for p in self.tensors}
+
+    def explain(self, index: int) -> str:
+        """Why tensor ``index`` (pack order) goes where it goes."""
+        p = self.tensors[index]
+        return (f"#{p.index} {p.module or '<no module>'} {p.op or '?'} "
+                f"{list(p.shape)} {p.dtype} {format_bytes(p.nbytes)}: {p.reason}")
+
+    def bytes_by_tier(self) -> Dict[str, int]:
+        out = {t.value: 0 for t in Tier}
+        for p in self.tensors:
+            out[p.tier] += p.nbytes
+        return out
+
+    def as_dict(self) -> dict:
+        """A JSON-ready copy (``json.dumps`` takes it as is)."""
+        d = asdict(self)
+        for t in d["tensors"]:   # lists, as JSON gives them back
+            t["shape"], t["order"] = list(t["shape"]), list(t["order"])
+        d["bytes_by_tier"] = self.bytes_by_tier()
+        return d
+
+    def __str__(self) -> str:
+        tiers = [t.value for t in Tier]
+        rows: Dict[str, Dict[str, int]] = {}
+        for p in self.tensors:
+            row = rows.setdefault(p.module or "<no module>", {t: 0 for t in tiers})
+            row[p.tier] += p.nbytes
+        width = max([len("module")] + [len(m) for m in rows])
+        head = f"{'module':<{width}}  " + "  ".join(f"{t:>10}" for t in tiers)
+        lines = [
+            f"tiermem plan {self.signature}: budget {format_bytes(self.budget_bytes)} "
+            f"({self.budget_setting}) of a plain step's {format_bytes(self.baseline_bytes)}; "
+            f"{len(self.tensors)} tensors; planned in {self.planning_seconds * 1e3:.1f} ms"
+            + (f"; re-planned {self.replans}x ({self.replan_reason})" if self.replans else ""),
+            head, "-" * len(head)]
+        for module, row in rows.items():
+            lines.append(f"{module:<{width}}  " + "  ".join(
+                f"{format_bytes(row[t]) if row[t] else '-':>10}" for t in tiers))
+        total = self.bytes_by_tier()
+        lines.append(f"{'total':<{width}}  " + "  ".join(
+            f"{format_bytes(total[t]) if total[t] else '-':>10}" for t in tiers))
+        measured = ("not measured yet" if self.measured_kept_bytes is None else
+                    f"measured {format_bytes(self.measured_kept_bytes)}")
+        lines.append(f"kept (incl. {format_bytes(self.fixed_kept_bytes)} small/unmovable): "
+                     f"predicted {format_bytes(self.predicted_kept_bytes)}, {measured}")
+        stall = ("" if self.measured_stall_s is None
+                 else f", measured {self.measured_stall_s * 1e3:.2f} ms")
+        lines.append(f"stall: predicted {self.predicted_stall_s * 1e3:.2f} ms{stall}; "
+                     f"recompute: predicted {self.predicted_recompute_s * 1e3:.2f} ms")
+        lines.extend(self.notes)
+        return "\n".join(lines)

@@ -1,0 +1,240 @@
+"""``policy="auto"`` at run time: which step profiles, which plan a step
+follows, and the closed loop that corrects a plan from measurement.
+
+# NOTE [Profile under the safe order]
+# A step with no plan for its shapes is profiled under the *safe* order:
+# recompute what the recompute tier takes, else the tiers that free device
+# memory (cpu, then nvme, for CUDA tensors; nvme for CPU tensors: the cpu
+# tier would hold a CPU tensor in the same RAM and free nothing), else keep.
+# No plan keeps less on the device than that, so the profile never needs
+# more device memory than the plan it leads to (keep-everything could run
+# out of memory where the plan fits). The price: that one step pays for
+# producer tracking, recomputes and moves, and its timeline (the windows the
+# plan reads) is the timeline of that placement.
+#
+# NOTE [Following a plan]
+# A plan is a tier order per pack index (``TensorInfo.index``), valid for one
+# step signature: the (shape, dtype, device) of each tensor in pack order.
+# The pack hook checks each tensor's key against the plan's at its index
+# (one tuple comparison) and takes the plan's order. On the first tensor that
+# differs (another sequence length, another branch), the plans cached for
+# other signatures are searched for one that agrees with the step so far
+# and with this tensor; if one does the step follows it (plans are cached per
+# signature: an old shape reuses its plan, no new profile), else the rest of
+# the step goes to the safe order and the next step profiles. Every order is
+# a valid placement, so a step off its plan is still exact; only its budget
+# is not planned.
+#
+# NOTE [Closed loop]
+# When a step that followed a plan is over (checked when the next step
+# starts, or when ``Offloader.plan`` is read), its measured kept bytes
+# (``stats.bytes_by_tier['keep']``: what stayed where it was made, small
+# tensors and recipe inputs included, parameters never) and stall
+# (``stats.stall_seconds``) are written into the plan and compared with the
+# prediction. Kept bytes over the budget by more than KEPT_TOLERANCE of it,
+# and above the prediction, re-plan with the budget lowered by the overshoot;
+# a stall above the prediction by more than STALL_TOLERANCE_S and half the
+# prediction re-plans with the copy and disk rates halved. At most
+# MAX_REPLANS re-plans per signature, each from the same profile with a
+# stricter target (never a looser one), so the plan is stable after at most
+# three steps (profile, plan, one correction) and cannot oscillate.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from ..config import BudgetShare
+from ..policy import Tier
+from .plan import Plan
+from .profile import Profile, Recorder
+from .rates import default_device_budget_bytes, measure_rates
+from .solver import make_plan, safe_order
+
+__all__ = ["Planner", "StepPlanning", "MAX_REPLANS", "KEPT_TOLERANCE", "STALL_TOLERANCE_S"]
+
+_log = logging.getLogger("tiermem")
+
+MAX_REPLANS = 1
+KEPT_TOLERANCE = 0.05
+STALL_TOLERANCE_S = 0.002
+
+
+class StepPlanning:
+    """What the pack hook asks for one step under ``auto`` (``Step.planning``)."""
+
+    __slots__ = ("planner", "plan", "recorder", "safe", "off_plan", "count", "tracks")
+
+    def __init__(self, planner: "Planner", plan: Optional[Plan],
+                 recorder: Optional[Recorder]) -> None:
+        self.planner = planner
+        self.plan = plan
+        self.recorder = recorder
+        self.safe = planner.safe
+        self.off_plan = False
+        self.count = 0
+        #: Producer tracking is needed (profiling, safe order, or a plan that recomputes).
+        self.tracks = plan is None or plan.recomputes
+
+    def order(self, index: int, t, nbytes: int, module: str, producers) -> tuple:
+        """The tier order of tensor ``index`` (NOTE [Following a plan])."""
+        self.count = index + 1
+        rec = self.recorder
+        if rec is not None:
+            rec.record(index, t, nbytes, module,
+                       None if producers is None else producers.op_name(t))
+            return self.safe[t.device.type]
+        plan = self.plan
+        if plan is not None:
+            keys = plan.keys
+            if index < len(keys) and keys[index] == (t.shape, t.dtype, t.device):
+                return plan.orders[index]
+            plan = self.plan = None if self.off_plan else self.planner.switch(keys, index, t)
+            if plan is not None:
+                return plan.orders[index]
+            self.off_plan = True
+        return self.safe[t.device.type]
+
+
+class Planner:
+    """The planner of one Offloader (``policy="auto"``); see the module docstring."""
+
+    def __init__(self, placement, cfg) -> None:
+        self._placement = placement
+        self.cfg = cfg
+        self.has_nvme = Tier.NVME in placement.stores
+        self.safe = {"cpu": safe_order("cpu", self.has_nvme),
+                     "cuda": safe_order("cuda", self.has_nvme)}
+        #: Plans by step signature (the tuple of keys; NOTE [Following a plan]).
+        self.plans: dict = {}
+        self._profiles: dict = {}
+        self.current: Optional[Plan] = None
+        #: Profiled steps so far.
+        self.profiles = 0
+        self._pending: Optional[Recorder] = None
+        self._need_profile = True
+        self._last = None
+        self.rates = None
+
+    # -- per step ----------------------------------------------------------------------
+    def begin_step(self, unpack) -> StepPlanning:
+        """The planning of a step starting now: profile, follow a plan, or
+        (a profile's backward not run yet) the safe order."""
+        self.settle()
+        if self._pending is not None:
+            return StepPlanning(self, None, None)
+        if self._need_profile or self.current is None:
+            self._need_profile = False
+            return StepPlanning(self, None, Recorder(unpack))
+        return StepPlanning(self, self.current, None)
+
+    def end_forward(self, sp: StepPlanning, stats, failed: bool) -> None:
+        """The step's forward is over (``failed``: it raised)."""
+        if sp.recorder is not None:
+            if failed:
+                self._need_profile = True
+                return
+            sp.recorder.end_forward()
+            self._pending = sp.recorder
+            self.profiles += 1
+            return
+        plan = sp.plan
+        if plan is None:
+            if sp.off_plan:
+                self._need_profile = True
+            return
+        if sp.count != len(plan.orders):   # a shorter step: a plan for it, or a profile
+            plan = self.plans.get(plan.keys[:sp.count])
+            if plan is None:
+                self._need_profile = True
+                return
+        self.current = plan
+        if not failed:
+            self._last = (plan, stats)
+
+    def settle(self) -> Optional[Plan]:
+        """Plan from a profile whose backward ran, and check the last planned
+        step (NOTE [Closed loop]); returns the current plan."""
+        rec = self._pending
+        if rec is not None and rec.backward_seen:
+            self._pending = None
+            profile = rec.finish()
+            self._profiles[profile.keys] = profile
+            self.current = self._plan(profile)
+        if self._last is not None:
+            plan, stats = self._last
+            self._last = None
+            self._check(plan, stats)
+        return self.current
+
+    def switch(self, keys: tuple, index: int, t) -> Optional[Plan]:
+        """A cached plan agreeing with ``keys[:index]`` and with ``t`` at ``index``."""
+        key = (t.shape, t.dtype, t.device)
+        for other, plan in self.plans.items():
+            if (len(other) > index and other[index] == key
+                    and other[:index] == keys[:index]):
+                return plan
+        return None
+
+    # -- planning ----------------------------------------------------------------------
+    def _budget(self, profile: Profile) -> tuple:
+        setting = self.cfg.device_budget
+        if isinstance(setting, BudgetShare):
+            return int(setting.fraction * profile.baseline_bytes), str(setting)
+        if setting is not None:
+            return setting, "device_budget"
+        cuda = any(r.device.startswith("cuda") for r in profile.records)
+        return default_device_budget_bytes("cuda" if cuda else "cpu"), "default: free memory"
+
+    def _plan(self, profile: Profile, target: Optional[int] = None, rate_factor: float = 1.0,
+              replans: int = 0, reason: str = "") -> Plan:
+        placement = self._placement
+        if self.rates is None:
+            cuda = any(r.device.startswith("cuda") for r in profile.records)
+            self.rates = measure_rates(placement.stores.get(Tier.NVME), cuda=cuda)
+        rates = self.rates if rate_factor == 1.0 else self.rates.scaled(rate_factor)
+        budget, setting = self._budget(profile)
+        nvme = placement.stores.get(Tier.NVME)
+        plan = make_plan(profile, rates, budget if target is None else target, setting,
+                         has_nvme=self.has_nvme, cpu_budget_bytes=placement.cpu_budget_bytes,
+                         nvme_budget_bytes=None if nvme is None else nvme.arena.budget_bytes,
+                         replans=replans, replan_reason=reason)
+        plan.budget_bytes = budget
+        plan.keys = profile.keys
+        plan.rate_factor = rate_factor
+        plan.target_bytes = budget if target is None else target
+        if target is not None:
+            plan.notes.append(f"planned to {target} bytes (budget lowered by the measured "
+                              "overshoot)")
+        for note in plan.notes:
+            if note.startswith("budget not reachable"):
+                _log.warning("tiermem: auto: %s (device_budget %s)", note, setting)
+        self.plans[profile.keys] = plan
+        return plan
+
+    def _check(self, plan: Plan, stats) -> None:
+        kept = stats.bytes_by_tier[Tier.KEEP.value]
+        stall = stats.stall_seconds
+        plan.measured_kept_bytes = kept
+        plan.measured_stall_s = stall
+        plan.measured_steps += 1
+        if plan.replans >= MAX_REPLANS or self.plans.get(plan.keys) is not plan:
+            return
+        target = getattr(plan, "target_bytes", plan.budget_bytes)
+        factor = plan.rate_factor
+        why = []
+        over = kept - plan.predicted_kept_bytes
+        if kept > plan.budget_bytes * (1 + KEPT_TOLERANCE) and over > 0:
+            target = max(0, target - over)
+            why.append(f"kept {kept} bytes, predicted {plan.predicted_kept_bytes}")
+        if stall > plan.predicted_stall_s + max(STALL_TOLERANCE_S, plan.predicted_stall_s / 2):
+            factor /= 2
+            why.append(f"stall {stall * 1e3:.2f} ms, predicted "
+                       f"{plan.predicted_stall_s * 1e3:.2f} ms")
+        if not why:
+            return
+        profile = self._profiles[plan.keys]
+        new = self._plan(profile, target, factor, plan.replans + 1, "; ".join(why))
+        if self.current is plan:
+            self.current = new
