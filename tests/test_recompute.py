@@ -3,6 +3,7 @@ random ops, in-place safety, fallbacks, and what a policy sees (info.op)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import pytest
@@ -692,3 +693,33 @@ def test_callable_policy_sees_only_the_tensors_autograd_saves():
     assert stats.recompute_input_bytes == 64 * 16 * 2          # x, stored in cpu
     assert stats.bytes_by_tier["cpu"] >= 64 * 16 * 2
     assert seen == plain == list(range(len(plain)))
+
+
+@pytest.mark.parametrize("policy", ["recompute", "recompute,cpu"])
+def test_a_long_chain_of_recomputable_ops_is_exact_and_bounded(policy):
+    """``y = y.sin()`` 300 times: each op saves its input, so every recipe would
+    read the previous dropped tensor; backward used to recurse through the
+    whole chain (RecursionError near 150). One tensor in MAX_RECIPE_DEPTH + 1
+    is not recomputed (NOTE [Depth of recipe chains]); gradients stay exact."""
+    from tiermem.tiers.recompute import MAX_RECIPE_DEPTH
+    n = 300
+    x = torch.randn(64, requires_grad=True)
+
+    def run(ctx):
+        with ctx:
+            y = x * 1
+            for _ in range(n):
+                y = y.sin()
+        (g,) = torch.autograd.grad(y.sum(), x)
+        return g
+
+    ref = run(contextlib.nullcontext())
+    off = tiermem.Offloader(policy=policy, min_offload_bytes=0)
+    got = run(off)
+    assert torch.equal(got, ref)
+    s = off.stats
+    chained = s.recompute_fallback_reasons
+    deep = sum(v for k, v in chained.items() if k.startswith("chain too deep"))
+    assert deep == n // (MAX_RECIPE_DEPTH + 1), chained
+    assert s.count_by_tier["recompute"] >= n - deep - 1
+    off.close()

@@ -56,10 +56,29 @@ from ..producers import Record, Ref
 from .base import Layout, RecipeServices, TierStore, exact_copy
 from .keep import Kept
 
-__all__ = ["RecomputeStore", "RecomputeHandle", "MAX_RECIPE_NODES"]
+__all__ = ["RecomputeStore", "RecomputeHandle", "MAX_RECIPE_NODES", "MAX_RECIPE_DEPTH"]
 
 #: Largest number of ops one recipe may run (bounds planning and backward cost).
 MAX_RECIPE_NODES = 32
+
+#: Longest chain of recipes whose inputs are other dropped tensors (NOTE
+#: [Depth of recipe chains]).
+MAX_RECIPE_DEPTH = 16
+
+# NOTE [Depth of recipe chains]
+# A recipe's input may be a tensor the step dropped too (NOTE [What a recipe
+# holds], case 1): regenerating it first regenerates that input, whose recipe
+# may need another dropped tensor, and so on. In a chain of pointwise ops
+# (``y = y.sin()`` n times: each op saves its input) every tensor would need
+# all the earlier ones: the first unpack in backward would recurse n levels
+# (Python's recursion limit: measured to fail near 150 levels) and hold every
+# regenerated tensor at once (the memory recompute was to save). So each
+# handle has a ``depth``: 1 + the largest depth of the dropped tensors its
+# recipe reads (1 when it reads none). A tensor whose depth would exceed
+# MAX_RECIPE_DEPTH is not recomputed (``stats.recompute_fallbacks``, reason
+# "chain too deep") and goes to its policy's next tier; the chain starts again
+# after it. Backward then regenerates at most MAX_RECIPE_DEPTH tensors for one
+# unpack, and a chain keeps one tensor in MAX_RECIPE_DEPTH + 1.
 
 
 class _Node:
@@ -103,7 +122,7 @@ class RecomputeHandle:
     """A dropped saved tensor and its recipe. Owned by autograd."""
 
     __slots__ = ("store", "step", "entry", "plan", "size", "stride", "dtype", "module",
-                 "nbytes", "version", "src_ref", "cached", "tainted", "__weakref__")
+                 "nbytes", "version", "src_ref", "cached", "tainted", "depth", "__weakref__")
 
 
 class _Plan:
@@ -112,6 +131,7 @@ class _Plan:
     def __init__(self) -> None:
         self.cost_bytes = 0
         self.nodes = 0
+        self.depth = 0             # largest depth of the dropped tensors read (NOTE [Depth of recipe chains])
         self.to_store: dict = {}   # id(tensor) -> tensor, stored if the plan is taken
 
     def store(self, t: torch.Tensor) -> None:
@@ -151,6 +171,9 @@ class RecomputeStore(TierStore):
                 raise _Ineligible(f"op {rec.name} is not recomputable")
             plan = _Plan()
             self._check(rec, step, plan, 0)
+            if plan.depth >= MAX_RECIPE_DEPTH:
+                raise _Ineligible("chain too deep (its recipe would regenerate "
+                                  f"{MAX_RECIPE_DEPTH} dropped tensors first)")
             nbytes = t.numel() * t.element_size()
             if plan.cost_bytes >= nbytes:
                 raise _Ineligible("its inputs cost as much memory as it frees")
@@ -182,6 +205,7 @@ class RecomputeStore(TierStore):
         h.src_ref = weakref.ref(t)
         h.cached = None
         h.tainted = False
+        h.depth = plan.depth + 1
         h.entry = step.dropped(h, nbytes)
         producers.watch(t, h)   # NOTE [Writes to dropped tensors] in producers.py
         for x, leaf in as_is:   # NOTE [Writes to recipe inputs] in producers.py
@@ -198,7 +222,10 @@ class RecomputeStore(TierStore):
             self._choose(ref, step, plan, depth)
 
     def _choose(self, ref: Ref, step, plan: _Plan, depth: int) -> None:
-        if _usable(step.lookup(ref)):
+        saved = step.lookup(ref)
+        if _usable(saved):
+            if type(saved) is RecomputeHandle and saved.depth > plan.depth:
+                plan.depth = saved.depth
             return
         x = ref.alive()
         if x is not None:
@@ -208,14 +235,14 @@ class RecomputeStore(TierStore):
         if sub is not None and sub.func is not None and sub.version == ref.version:
             trial = _Plan()
             trial.nodes, trial.to_store = plan.nodes, dict(plan.to_store)
-            trial.cost_bytes = plan.cost_bytes
+            trial.cost_bytes, trial.depth = plan.cost_bytes, plan.depth
             try:
                 self._check(sub, step, trial, depth + 1)
             except _Ineligible:
                 trial = None
             if trial is not None and (x is None or trial.cost_bytes - plan.cost_bytes < ref.nbytes):
-                plan.nodes, plan.to_store, plan.cost_bytes = (
-                    trial.nodes, trial.to_store, trial.cost_bytes)
+                plan.nodes, plan.to_store, plan.cost_bytes, plan.depth = (
+                    trial.nodes, trial.to_store, trial.cost_bytes, trial.depth)
                 return
         if x is None:
             raise _Ineligible("an input was freed or modified in place")
