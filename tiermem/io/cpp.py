@@ -61,7 +61,8 @@ SOURCES = [os.path.join(_CSRC, name)
 #: ... and in its CUDA build. See NOTE [CUDA build of the engine].
 CUDA_SOURCES = SOURCES + [os.path.join(_CSRC, name)
                           for name in ("cuda_chain.cpp", "cuda_bindings.cpp")]
-_HEADERS = [os.path.join(_CSRC, name) for name in ("io_engine.h", "tensor_release.h", "checks.h")]
+_HEADERS = [os.path.join(_CSRC, name) for name in ("io_engine.h", "tensor_release.h", "checks.h",
+                                                   "ready_queue.h")]
 _CUDA_HEADERS = [os.path.join(_CSRC, name) for name in ("cuda_chain.h", "cuda_bindings.h")]
 _NAME = "tiermem_C"
 _CUDA_NAME = "tiermem_C_cuda"
