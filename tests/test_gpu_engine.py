@@ -318,6 +318,7 @@ def test_a_slow_read_does_not_hold_back_a_finished_one(streams, tmp_path):
                                          h2d.cuda_stream, compute.cuda_stream)
             fut_b.wait()                                   # B read and its copy issued
             a_still_on_disk = not busy.done()
+            a_issued, b_issued = fut_a.issued(), fut_b.issued()
             fut_b.stream_wait(compute.cuda_stream)
             fut_a.stream_wait(compute.cuda_stream)
             busy.wait()
@@ -326,6 +327,30 @@ def test_a_slow_read_does_not_hold_back_a_finished_one(streams, tmp_path):
         chain_engine.close()
         busy_engine.close()
     assert a_still_on_disk, "B's copy waited for A's read"
+    assert b_issued and not a_issued   # EngineCudaJob.host_ready(): B yes, A not yet
+
+
+@pytest.mark.gpu
+def test_gapped_source_is_made_dense_in_the_compute_streams_pool(eng, streams, tmp_path):
+    """NOTE [Temporaries on the compute stream] in copier.py, for the chain:
+    once the write is done, the temporary's block serves the compute stream."""
+    d2h = streams[0]
+    compute = torch.cuda.current_stream()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    src = torch.randn(2048, 4096, device="cuda")[:, ::2]   # a 16 MiB temporary
+    staging = _pinned(src.numel() * 4).view(torch.float32).view(src.shape)
+    with eng.open(str(tmp_path / "f.bin"), src.numel() * 4) as f:
+        fut = f.write_from_device(src, staging, 0, d2h, compute)
+        fut.wait()                                # drains what the chain let go of
+        torch.cuda.synchronize()
+        reserved = torch.cuda.memory_reserved()
+        again = torch.empty(src.shape, device="cuda")
+        assert torch.cuda.memory_reserved() == reserved, "the temporary's block was not reusable"
+        back = aligned_empty(src.numel() * 4).view(torch.float32)
+        f.read(back, 0).wait()
+    assert torch.equal(back.view(src.shape), src.cpu())
+    del again
 
 
 @pytest.mark.gpu
