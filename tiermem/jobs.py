@@ -298,7 +298,9 @@ class EngineCudaJob(Job):
 
     ``done()`` is true once everything has completed (a read: its H2D copy
     too). The engine holds the device tensor and the staging buffer until its
-    copy is complete, so ``abandon`` has nothing to do (no ``record_stream``)."""
+    copy is complete, so ``abandon`` has nothing to do (no ``record_stream``);
+    a consumed read's device tensor it lets go of as soon as a stream is
+    ordered after the copy (NOTE [CUDA chain lifetime] in csrc/cuda_chain.cpp)."""
 
     __slots__ = ("fut", "what", "device", "stream", "error")
 
