@@ -404,7 +404,8 @@ def test_nvme_forward_on_the_python_chain_does_not_sync_the_host(tmp_path):
     store.settle()                             # nothing in flight: no new staging
     torch.cuda.synchronize()
     allocations, arena_bytes = store.staging.allocations, store.arena.size_bytes
-    kinds = (jobs.CudaJob, jobs.StagedJob, jobs.ChainJob, jobs.EventJob, jobs.FutureJob)
+    kinds = (jobs.CudaJob, jobs.StagedJob, jobs.ChainJob, jobs.ReadCopyJob, jobs.EventJob,
+             jobs.FutureJob)
     with forbid_host_waits(*kinds), off:
         loss = model(x).square().mean()
     loss.backward()

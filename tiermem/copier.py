@@ -52,7 +52,9 @@ buffer's elements on the device and copy in after the pad):
 # compute stream made to wait on the copy (``order_after_copy``, the in-flight
 # window); if abandoned, it is ``record_stream``-ed on the side stream first.
 # Its block then goes back to the compute stream's pool. The C++ chain does
-# the same (write_from_device's ``resolved``, csrc/cuda_chain.cpp).
+# the same (write_from_device's ``resolved``, csrc/cuda_chain.cpp). Cost: the
+# gather (a device-to-device copy of the source's bytes) now runs on the
+# compute stream, where it ran on the side stream before; not measured yet.
 """
 
 from __future__ import annotations
