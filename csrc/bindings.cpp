@@ -13,6 +13,7 @@
 // (Python picks the subclass: FileNotFoundError, ...).
 #include <torch/extension.h>
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <sstream>
@@ -21,6 +22,7 @@
 
 #include "checks.h"
 #include "io_engine.h"
+#include "ready_queue.h"
 #include "tensor_release.h"
 #ifdef TIERMEM_WITH_CUDA
 #include "cuda_bindings.h"  // CudaChain, CudaFuture
@@ -151,6 +153,44 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             }
             tiermem::drain_buried();
           });
+  // The CUDA chain's read queue (NOTE [Reads in completion order] in
+  // ready_queue.h) over tickets, so that CPU tests drive the protocol and its
+  // hook into engine futures without a GPU.
+  using TicketQueue = tiermem::ReadyQueue<std::int64_t>;
+  py::class_<TicketQueue, std::shared_ptr<TicketQueue>>(
+      m, "_ReadyQueue", "For tests: the CUDA chain's read queue over int tickets.")
+      .def(py::init<>())
+      .def("add_pending", &TicketQueue::add_pending)
+      .def("complete", &TicketQueue::complete, py::arg("ticket"))
+      .def(
+          "watch",
+          [](const std::shared_ptr<TicketQueue>& q, const tiermem::Future& f,
+             std::int64_t ticket) {
+            if (!q->add_pending()) return false;
+            f.on_done([q, ticket] { q->complete(ticket); });  // as read_to_device does
+            return true;
+          },
+          py::arg("future"), py::arg("ticket"),
+          "Count `ticket` as pending; it becomes ready when `future` is done. False "
+          "once stopped.")
+      .def(
+          "pop",
+          [](TicketQueue& q, double timeout_s) -> py::tuple {
+            std::int64_t ticket = -1;
+            TicketQueue::Pop r;
+            {
+              py::gil_scoped_release nogil;
+              r = q.pop(ticket, std::chrono::microseconds(
+                                    static_cast<std::int64_t>(timeout_s * 1e6)));
+            }
+            if (r == TicketQueue::Pop::Item) return py::make_tuple("item", ticket);
+            return py::make_tuple(r == TicketQueue::Pop::Timeout ? "timeout" : "finished",
+                                  py::none());
+          },
+          py::arg("timeout_s"), "('item', ticket) | ('timeout', None) | ('finished', None)")
+      .def("stop", &TicketQueue::stop)
+      .def_property_readonly("pending", &TicketQueue::pending);
+
   m.def("drain_buried", &tiermem::drain_buried,
         "Destroy the tensors engine threads let go of since the last call (see "
         "NOTE [Dropping tensors off the GIL]); every other call does this too.");

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 
 #include "cuda_bindings.h"
 #include "cuda_chain.h"
@@ -38,10 +39,20 @@ void register_cuda_chain(py::module_& m) {
           "done",
           [](CudaOp& op) {
             const bool done = op_done(op);
+            if (done) op_release_consumed(op);  // reads: the copy is complete
             drain_buried();  // after: what a finished request let go of is gone
             return done;
           },
-          "True once everything has completed (reads: the copy too), or failed. Never blocks.")
+          "True once everything has completed (reads: the copy too), or failed. Never blocks. "
+          "A read lets go of its destination and staging then.")
+      .def(
+          "issued",
+          [](CudaOp& op) {
+            std::lock_guard<std::mutex> lk(op.mu);
+            return op.issued;
+          },
+          "Reads: true once the pread is done and the host-to-device copy issued (or the "
+          "request failed): stream_wait() then no longer blocks the host. Never blocks.")
       .def(
           "copied",
           [](CudaOp& op) {
@@ -55,19 +66,29 @@ void register_cuda_chain(py::module_& m) {
           "synchronize",
           [](CudaOp& op) {
             DrainOnExit drain;  // also when it raises
-            py::gil_scoped_release nogil;
-            op_synchronize(op);
+            {
+              py::gil_scoped_release nogil;
+              op_synchronize(op);
+            }
+            op_release_consumed(op);  // GIL held: dropped now
           },
-          "wait(), then (reads) block until the copy has completed.")
+          "wait(), then (reads) block until the copy has completed; a read then lets go of "
+          "its destination and staging.")
       .def(
           "stream_wait",
           [](CudaOp& op, std::uintptr_t stream) {
             DrainOnExit drain;  // also when it raises
-            py::gil_scoped_release nogil;
-            op_stream_wait(op, stream);
+            {
+              py::gil_scoped_release nogil;
+              op_stream_wait(op, stream);
+            }
+            op_release_consumed(op);  // GIL held: dropped now
           },
           py::arg("stream"),
-          "wait(), then (reads) make `stream` wait for the copy without blocking the host.")
+          "wait(), then (reads) make `stream` wait for the copy without blocking the host, "
+          "and let go of the destination at once (NOTE [CUDA chain lifetime]): its reuse is "
+          "ordered after the copy on the stream it was allocated on. Consumed on another "
+          "stream, it must be record_stream()-ed there, as torch asks of any tensor.")
       .def_property_readonly("is_write", [](const CudaOp& op) { return op.is_write; });
 
   py::class_<CudaChain, std::shared_ptr<CudaChain>>(

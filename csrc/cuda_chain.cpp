@@ -8,11 +8,12 @@
 // NOTE [CUDA chain]
 //   Write (forward, `CudaChain.write_from_device`), all on the calling thread
 //   and none of it blocking the host or the compute stream:
+//     0. a gapped, conjugate or negative view is made contiguous and resolved
+//        by torch on `after` (NOTE [Temporaries on the compute stream] in
+//        copier.py), into `resolved`, which the request holds with `src`;
 //     1. event A recorded on `after` (the stream that produced `src`), and
 //        `stream` (the D2H side stream) made to wait on A;
-//     2. the copy src -> staging on `stream` (cudaMemcpyAsync; a gapped,
-//        conjugate or negative view goes through torch's copy_ with `stream`
-//        current);
+//     2. the copy src (or `resolved`) -> staging on `stream` (cudaMemcpyAsync);
 //     3. event C recorded on `stream`; the request is queued for the out thread.
 //   The out thread takes requests in order (one D2H stream completes its
 //   copies in order), sleeps in cudaEventSynchronize(C) (C is a blocking-sync
@@ -22,7 +23,8 @@
 //   Read (backward, `CudaChain.read_to_device`): on the calling thread, event
 //   A recorded on `after` (the stream `dst` was allocated on) and the pread
 //   into staging submitted to the pool at once. The in thread takes requests
-//   in order, waits for the pread, makes `stream` (the H2D side stream) wait on
+//   in the order their preads finish (NOTE [Reads in completion order] in
+//   ready_queue.h), makes `stream` (the H2D side stream) wait on
 //   A (the block may be one just freed that queued kernels still read), issues
 //   the copy staging -> dst on `stream` and records C. wait() returns once C is
 //   recorded; the consumer then orders its stream after the copy with
@@ -44,6 +46,15 @@
 //   record_stream: no block is handed out again while a copy of this chain
 //   may still touch it. As in io_engine.h, a thread never holds a lock while
 //   dropping a tensor (that may take the GIL).
+//   Except a consumed read: once a stream has been made to wait on C
+//   (stream_wait) or the host has seen C complete (synchronize, done), the
+//   read lets go of `dst` at once, in that binding call, with the GIL held
+//   (op_release_consumed), as the Python copier frees a consumed restore (NOTE
+//   [Stream lifetime] 2 in copier.py): `dst` was allocated on `after`, and
+//   its consumer's stream is ordered after the copy (on `after` itself, or
+//   on another stream that Python record_stream()s it on), so any reuse of
+//   its block is ordered after the copy too. Staging stays held until C is
+//   seen complete (a host buffer: nothing orders its reuse but the host).
 //   Events are created per request and destroyed with it; destroying an event
 //   whose work is pending is allowed (CUDA frees it when the work completes).
 //
@@ -72,6 +83,7 @@
 #include "checks.h"
 #include "cuda_chain.h"
 #include "io_engine.h"
+#include "ready_queue.h"
 #include "tensor_release.h"
 
 namespace py = pybind11;
@@ -92,8 +104,8 @@ struct OpQueue {
 };
 
 struct ChainState {
-  OpQueue out;  // writes, for the out thread
-  OpQueue in;   // reads, for the in thread
+  OpQueue out;                                 // writes, for the out thread
+  ReadyQueue<std::shared_ptr<CudaOp>> in;      // reads whose pread is done, for the in thread
 };
 
 namespace {
@@ -110,12 +122,23 @@ IOError cuda_error(const CudaOp& op, const char* what, const char* call, cudaErr
   return IOError(EIO, op.is_write ? "write" : "read", op.path, op.nbytes, op.offset, d.str());
 }
 
-// Lets go of the op's tensors (and file) with no lock held; on this thread
-// (no GIL) the tensors are only queued: NOTE [Dropping tensors off the GIL].
+// Lets go of the op's tensors (and file): taken out under op.mu (a consumed
+// read's device tensor may be let go of by a binding call at the same time,
+// op_release_consumed), dropped with no lock held; on a thread without the
+// GIL they are only queued: NOTE [Dropping tensors off the GIL].
 void release(CudaOp& op) {
-  bury(std::move(op.device_tensor));
-  bury(std::move(op.staging));
-  std::shared_ptr<File> file = std::move(op.file);
+  at::Tensor device_tensor, resolved, staging;
+  std::shared_ptr<File> file;
+  {
+    std::lock_guard<std::mutex> lk(op.mu);
+    device_tensor = std::move(op.device_tensor);
+    resolved = std::move(op.resolved);
+    staging = std::move(op.staging);
+    file = std::move(op.file);
+  }
+  bury(std::move(device_tensor));
+  bury(std::move(resolved));
+  bury(std::move(staging));
 }
 
 void finish(CudaOp& op, Future io, std::exception_ptr error, bool copy_done) {
@@ -144,7 +167,9 @@ void run_write(CudaOp& op) {
         cuda_error(op, "the device-to-host copy failed", "cudaEventSynchronize", e));
   } else {
     // The copy has landed: the device memory can go now, before the pwrite.
+    // (Writes' tensors are touched by this thread only: no lock.)
     bury(std::move(op.device_tensor));
+    bury(std::move(op.resolved));
     try {
       // The request's keepalive holds staging until the pwrite is done.
       // Moved, not copied: a copy made here would take the GIL (tensor_release.h).
@@ -157,11 +182,12 @@ void run_write(CudaOp& op) {
   release(op);
 }
 
-// In thread: wait for the pread, then issue the H2D copy. True if issued.
+// In thread: the pread is done (the ready queue hands out only those); issue
+// the H2D copy. True if issued.
 bool issue_read(CudaOp& op) {
   std::exception_ptr error;
   try {
-    op.io.wait();
+    op.io.wait();  // returns at once; raises the pread's error
   } catch (...) {
     error = std::current_exception();
   }
@@ -223,25 +249,38 @@ void out_main(std::shared_ptr<ChainState> st) {
   while (std::shared_ptr<CudaOp> op = pop(st->out)) run_write(*op);
 }
 
-void in_main(std::shared_ptr<ChainState> st) {
-  std::deque<std::shared_ptr<CudaOp>> copying;  // H2D copies issued, not seen complete
-  for (;;) {
-    std::shared_ptr<CudaOp> op;
+// Releases the buffers of every copy seen complete (several streams may
+// complete out of order; no lock is held here).
+void reap(std::deque<std::shared_ptr<CudaOp>>& copying) {
+  for (auto it = copying.begin(); it != copying.end();) {
+    if (!copy_finished(**it)) {
+      ++it;
+      continue;
+    }
+    std::shared_ptr<CudaOp> done = std::move(*it);
+    it = copying.erase(it);
     {
-      std::unique_lock<std::mutex> lk(st->in.mu);
-      if (copying.empty()) {
-        st->in.cv.wait(lk, [&] { return st->in.stopping || !st->in.ops.empty(); });
-      } else {
-        // Copies in flight: look at them again soon, or at once for new work.
-        // (Stopping waits for them: close() returns once every copy is done.)
-        st->in.cv.wait_for(lk, kReapInterval, [&] { return !st->in.ops.empty(); });
-      }
-      if (!st->in.ops.empty()) {
-        op = std::move(st->in.ops.front());
-        st->in.ops.pop_front();
-      } else if (st->in.stopping && copying.empty()) {
-        return;
-      }
+      std::lock_guard<std::mutex> lk(done->mu);
+      done->copy_done = true;
+    }
+    release(*done);
+  }
+}
+
+void in_main(std::shared_ptr<ChainState> st) {
+  using Pop = ReadyQueue<std::shared_ptr<CudaOp>>::Pop;
+  std::deque<std::shared_ptr<CudaOp>> copying;  // H2D copies issued, not seen complete
+  bool finished = false;  // stopped, and every read popped
+  while (!finished || !copying.empty()) {
+    std::shared_ptr<CudaOp> op;
+    if (!finished) {
+      // Copies in flight: look at them again soon, or at once for a read
+      // that is done. (Stopping waits for them: close() returns once every
+      // copy is done.)
+      const auto timeout = copying.empty() ? std::chrono::microseconds(-1) : kReapInterval;
+      finished = st->in.pop(op, timeout) == Pop::Finished;
+    } else {
+      std::this_thread::sleep_for(kReapInterval);
     }
     if (op) {
       if (issue_read(*op)) {
@@ -250,21 +289,7 @@ void in_main(std::shared_ptr<ChainState> st) {
         release(*op);
       }
     }
-    // Release the buffers of every copy seen complete (several streams may
-    // complete out of order; no lock is held here).
-    for (auto it = copying.begin(); it != copying.end();) {
-      if (!copy_finished(**it)) {
-        ++it;
-        continue;
-      }
-      std::shared_ptr<CudaOp> done = std::move(*it);
-      it = copying.erase(it);
-      {
-        std::lock_guard<std::mutex> lk(done->mu);
-        done->copy_done = true;
-      }
-      release(*done);
-    }
+    reap(copying);
   }
 }
 
@@ -308,7 +333,8 @@ cudaStream_t as_stream(std::uintptr_t s) { return reinterpret_cast<cudaStream_t>
 
 // ---------------------------------------------------------------- request setup
 // Shared by write_from_device and read_to_device, in this order: new_op,
-// lock_open, then (on the op's device) new_events.
+// a check that the chain is open (lock_open for writes, add_pending for
+// reads), then (on the op's device) new_events.
 
 // A request's fields common to both directions. `device_tensor` is a write's
 // source or a read's destination; the caller sets the rest (a write's file, a
@@ -391,13 +417,12 @@ bool CudaChain::closed() const {
 }
 
 void CudaChain::stop() {
-  for (OpQueue* q : {&state_->out, &state_->in}) {
-    {
-      std::lock_guard<std::mutex> lk(q->mu);
-      q->stopping = true;
-    }
-    q->cv.notify_all();
+  {
+    std::lock_guard<std::mutex> lk(state_->out.mu);
+    state_->out.stopping = true;
   }
+  state_->out.cv.notify_all();
+  state_->in.stop();
 }
 
 std::shared_ptr<CudaOp> CudaChain::write_from_device(const std::shared_ptr<File>& file,
@@ -436,22 +461,25 @@ std::shared_ptr<CudaOp> CudaChain::write_from_device(const std::shared_ptr<File>
   // how soon a write starts, never what it writes.
   lock_open(state_->out, *op).unlock();
   c10::cuda::CUDAGuard guard(op->device);
+  if (nbytes && !raw) {
+    // Made by torch on `after`, before A is recorded there: its block comes
+    // from (and goes back to) the compute stream's pool, not the side
+    // stream's (NOTE [Temporaries on the compute stream] in copier.py).
+    // Conjugate/negative views are resolved on the device: torch's D2H
+    // copy_ of such a view applies the conj/neg on the host right after
+    // queueing the copy, before the bytes land (pytorch#146286).
+    c10::cuda::CUDAStreamGuard sguard(
+        c10::cuda::getStreamFromExternal(as_stream(after), op->device));
+    op->resolved = src.resolve_conj().resolve_neg().contiguous();
+  }
   new_events(*op, after);
-  if (nbytes && raw) {
-    const cudaError_t e = cudaMemcpyAsync(op->host, src.data_ptr(), nbytes,
-                                          cudaMemcpyDeviceToHost, op->stream);
+  if (nbytes) {
+    const void* from = raw ? src.data_ptr() : op->resolved.data_ptr();
+    const cudaError_t e = cudaMemcpyAsync(op->host, from, nbytes, cudaMemcpyDeviceToHost,
+                                          op->stream);
     if (e != cudaSuccess) {
       throw cuda_error(*op, "the device-to-host copy could not be issued", "cudaMemcpyAsync", e);
     }
-  } else if (nbytes) {
-    // Torch gathers or resolves it (on the device, then one copy), with
-    // `stream` current so that a temporary belongs to that stream.
-    // Conjugate/negative views are resolved on the device first: torch's
-    // D2H copy_ of such a view applies the conj/neg on the host right after
-    // queueing the copy, before the bytes land (pytorch#146286).
-    c10::cuda::CUDAStreamGuard sguard(c10::cuda::getStreamFromExternal(op->stream, op->device));
-    at::Tensor dst = staging;
-    dst.copy_(src.resolve_conj().resolve_neg(), /*non_blocking=*/true);
   }
   const cudaError_t e = cudaEventRecord(op->copied, op->stream);
   if (e != cudaSuccess) {
@@ -490,16 +518,29 @@ std::shared_ptr<CudaOp> CudaChain::read_to_device(const std::shared_ptr<File>& f
   std::shared_ptr<CudaOp> op = new_op(false, file, offset, nbytes, dst, staging, stream);
   op->dev = nbytes ? dst.data_ptr() : nullptr;
 
-  std::unique_lock<std::mutex> lk = lock_open(state_->in, *op);
-  {
+  // Counted before its pread can finish, so that the in thread does not end
+  // while the read is on the disk; no lock held while submitting (a pread of
+  // 0 bytes finishes, and hands itself to the queue, inside submit).
+  if (!state_->in.add_pending()) {
+    throw IOError(EBADF, "read", op->path, op->nbytes, op->offset, "the CUDA chain is closed");
+  }
+  try {
     c10::cuda::CUDAGuard guard(op->device);
     new_events(*op, after);
+    // Submitted now, so that the disk works at once. Throws IOError if the
+    // file or the engine is closed.
+    op->io = file->read(op->host, nbytes, op->offset, hold(staging));
+  } catch (...) {
+    state_->in.cancel_pending();
+    throw;
   }
-  // Submitted now, so that the disk works while the request waits its turn
-  // on the in thread. Throws IOError if the file or the engine is closed.
-  op->io = file->read(op->host, nbytes, op->offset, hold(staging));
-  state_->in.ops.push_back(op);
-  state_->in.cv.notify_one();
+  // To the in thread once the pread is done: NOTE [Reads in completion order]
+  // in ready_queue.h. The callback owns the op until it runs (a cycle through
+  // op->io that ends then: every submitted request runs, Engine::close too).
+  std::weak_ptr<ChainState> st = state_;
+  op->io.on_done([st, op] {
+    if (std::shared_ptr<ChainState> s = st.lock()) s->in.complete(op);
+  });
   return op;
 }
 
@@ -545,6 +586,18 @@ void op_synchronize(CudaOp& op) {
   if (e != cudaSuccess) {
     throw cuda_error(op, "the host-to-device copy failed", "cudaEventSynchronize", e);
   }
+}
+
+void op_release_consumed(CudaOp& op) {
+  if (op.is_write) return;
+  at::Tensor device_tensor, staging;
+  {
+    std::lock_guard<std::mutex> lk(op.mu);
+    if (!op.issued || op.error) return;  // not ordered after a copy: the chain keeps it
+    device_tensor = std::move(op.device_tensor);
+    if (op.copy_done) staging = std::move(op.staging);
+  }
+  // Dropped here, no lock held (the caller holds the GIL: at once).
 }
 
 void op_stream_wait(CudaOp& op, std::uintptr_t stream) {

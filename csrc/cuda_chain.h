@@ -37,12 +37,15 @@ struct CudaOp {
   // Owned by the chain's threads once queued (see NOTE [CUDA chain lifetime]).
   std::shared_ptr<File> file;      // writes: until the pwrite is submitted
   at::Tensor device_tensor;
+  at::Tensor resolved;             // writes: a non-contiguous/conj/neg source made dense
   at::Tensor staging;
 
   std::mutex mu;
   std::condition_variable cv;
   bool issued = false;     // write: pwrite submitted; read: H2D copy issued (or failed)
   bool copy_done = false;  // reads: `copied` seen complete
+  // Guarded by `mu` for reads (op_release_consumed): device_tensor, resolved,
+  // staging, file.
   std::exception_ptr error;
   Future io;               // the pwrite or pread
 
@@ -96,5 +99,9 @@ bool op_done(CudaOp& op);          // never blocks
 bool op_copied(CudaOp& op);        // writes: the device tensor is let go of; never blocks
 void op_synchronize(CudaOp& op);   // op_wait, then (reads) the copy
 void op_stream_wait(CudaOp& op, std::uintptr_t stream);  // op_wait, then (reads) `stream` waits
+// Reads ordered before a consumer (after op_stream_wait or op_synchronize, or
+// op_done true): lets go of the device tensor (and of staging once the copy
+// is seen complete) now. Call with the GIL held. NOTE [CUDA chain lifetime].
+void op_release_consumed(CudaOp& op);
 
 }  // namespace tiermem

@@ -275,11 +275,14 @@ void run_chunk(Chunk chunk, AlignedBuffer& bounce) {
   }
   if (!request_done) return;
   released.reset();  // before finished: see NOTE [Request lifetime]; no lock held
+  std::function<void()> on_done;
   {
     std::lock_guard<std::mutex> lk(fut.mu);
     fut.finished = true;
+    on_done = std::move(fut.on_done);
   }
   fut.cv.notify_all();
+  if (on_done) on_done();  // no lock held (Future::on_done)
   FileState& file = *req->file;
   {
     std::lock_guard<std::mutex> lk(file.mu);
@@ -322,6 +325,18 @@ bool Future::done() const {
   if (!state_) return true;
   std::lock_guard<std::mutex> lk(state_->mu);
   return state_->finished;
+}
+
+void Future::on_done(std::function<void()> fn) const {
+  if (!fn) return;
+  if (state_) {
+    std::lock_guard<std::mutex> lk(state_->mu);
+    if (!state_->finished) {
+      state_->on_done = std::move(fn);  // run by the worker that finishes it
+      return;
+    }
+  }
+  fn();  // already finished: here, no lock held
 }
 
 // ---------------------------------------------------------------- File

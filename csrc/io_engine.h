@@ -5,12 +5,15 @@
 //
 //   file                    owns                                  uses
 //   bindings.cpp            the module init; Engine, File,        checks.h, tensor_release.h,
-//                           Future; IOError -> OSError            io_engine.h, cuda_bindings.h*
+//                           Future; IOError -> OSError;           io_engine.h, ready_queue.h,
+//                           _ReadyQueue (tests)                   cuda_bindings.h*
 //   cuda_bindings.{h,cpp}*  Python classes CudaChain, CudaFuture  cuda_chain.h, tensor_release.h,
 //                                                                 io_engine.h
 //   cuda_chain.{h,cpp}*     the CUDA chain (NOTE [CUDA chain])    checks.h, tensor_release.h,
-//                                                                 io_engine.h
+//                                                                 io_engine.h, ready_queue.h
 //   checks.h                the offset check, nbytes_of           io_engine.h
+//   ready_queue.h           reads in completion order (NOTE       -
+//                           [Reads in completion order])
 //   tensor_release.{h,cpp}  bury, hold, drain_buried (NOTE        -
 //                           [Dropping tensors off the GIL])
 //   io_engine.{h,cpp}       this I/O core                         -
@@ -24,7 +27,7 @@
 //        +-------------------------------+----------------+
 //        |  each of these three uses some of
 //        v
-//   checks.h --> io_engine           tensor_release
+//   checks.h --> io_engine           tensor_release     ready_queue
 //
 // Outside the core: tensor_release needs ATen and the Python C API; checks.h
 // and the bindings torch and pybind11; cuda_chain torch (pybind11 too, for
@@ -64,6 +67,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -112,6 +116,7 @@ struct FutureState {
   std::string op, path;
   std::uint64_t nbytes = 0, offset = 0;
   std::shared_ptr<void> keepalive;      // the caller's buffer owner (opaque here)
+  std::function<void()> on_done;        // Future::on_done's, run once after finished
 };
 
 // Handle on a request. wait() blocks until every chunk has run and throws the
@@ -122,6 +127,13 @@ class Future {
   explicit Future(std::shared_ptr<FutureState> state) : state_(std::move(state)) {}
   void wait() const;
   bool done() const;
+  // Runs `fn` once the request is finished (done() true, keepalive let go):
+  // on the worker that finished it, with no lock held, or here at once if it
+  // already is. One callback per request (a second replaces the first). `fn`
+  // must not block, and must not own this request's Future (a cycle until it
+  // runs). Used by the CUDA chain to take reads in completion order (NOTE
+  // [Reads in completion order] in ready_queue.h).
+  void on_done(std::function<void()> fn) const;
 
  private:
   std::shared_ptr<FutureState> state_;

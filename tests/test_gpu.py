@@ -326,6 +326,42 @@ def test_conjugate_view_moved_to_cpu_tier_keeps_its_values(monkeypatch):
     assert torch.equal(got, expected)
 
 
+def test_gapped_source_temporary_goes_back_to_the_compute_streams_pool():
+    """NOTE [Temporaries on the compute stream]: the dense temporary of a gapped
+    source is made on the compute stream, so once the copy has landed its block
+    serves the compute stream's next allocation of that size (it used to be
+    cached in the side stream's pool, and the compute stream reserved more)."""
+    c = copier.CudaCopier(DEV)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    src = torch.randn(2048, 4096, device=DEV)[:, ::2]      # a 16 MiB temporary
+    dst = torch.empty(src.shape, pin_memory=True)
+    job = c.copy_out(src, dst)
+    job.wait_host()
+    assert job.temp is None
+    torch.cuda.synchronize()
+    reserved = torch.cuda.memory_reserved()
+    again = torch.empty(src.shape, device=DEV)
+    assert torch.cuda.memory_reserved() == reserved, "the temporary's block was not reusable"
+    assert torch.equal(dst, src.cpu())
+    del again
+
+
+def test_gapped_source_temporary_is_held_until_its_copy_lands():
+    c = copier.CudaCopier(DEV)
+    src = torch.randn(1024, 2048, device=DEV)[:, ::2]
+    expected = src.cpu()
+    dst = torch.empty(src.shape, pin_memory=True)
+    with torch.cuda.stream(c.d2h):
+        torch.cuda._sleep(SLEEP_CYCLES)                    # the copy runs late
+    job = c.copy_out(src, dst)
+    assert not job.done() and job.temp is not None
+    scribble = [torch.full((1024, 1024), 7.0, device=DEV) for _ in range(8)]
+    job.wait_host()
+    assert torch.equal(dst, expected)
+    del scribble
+
+
 def _nvme_off(tmp_path, engine, **kw):
     return tiermem.Offloader(policy="nvme", nvme_dir=str(tmp_path / "spill"), engine=engine,
                              min_offload_bytes=0, **kw)
@@ -368,7 +404,8 @@ def test_nvme_forward_on_the_python_chain_does_not_sync_the_host(tmp_path):
     store.settle()                             # nothing in flight: no new staging
     torch.cuda.synchronize()
     allocations, arena_bytes = store.staging.allocations, store.arena.size_bytes
-    kinds = (jobs.CudaJob, jobs.StagedJob, jobs.ChainJob, jobs.EventJob, jobs.FutureJob)
+    kinds = (jobs.CudaJob, jobs.StagedJob, jobs.ChainJob, jobs.ReadCopyJob, jobs.EventJob,
+             jobs.FutureJob)
     with forbid_host_waits(*kinds), off:
         loss = model(x).square().mean()
     loss.backward()

@@ -259,6 +259,101 @@ def test_consumer_waits_for_a_slow_copy_without_blocking_the_host(eng, streams, 
 
 
 @pytest.mark.gpu
+def test_consumed_read_lets_go_of_its_destination_at_once(eng, streams, tmp_path):
+    """NOTE [CUDA chain lifetime]: once the consumer's stream waits on the
+    copy, the chain lets go of the destination in that call, as the Python
+    copier does, not when it later sees the (slowed) copy complete."""
+    n = 4 << 20
+    h2d = streams[1]
+    data = torch.randn(n)
+    with eng.open(str(tmp_path / "f.bin"), 4 * n) as f:
+        f.write(data, 0).wait()
+        with torch.cuda.stream(h2d):
+            torch.cuda._sleep(4 * SLEEP_CYCLES)   # the copy completes ~100 ms from now
+        compute = torch.cuda.current_stream()
+        dst = torch.empty(n, device="cuda")
+        fut = f.read_to_device(_pinned(4 * n).view(torch.float32), dst, 0, h2d, compute)
+        fut.stream_wait(compute.cuda_stream)
+        check = dst.double().sum()                 # the consumer, ordered after the copy
+        copy_pending = not fut.done()
+        before = torch.cuda.memory_allocated()
+        del dst
+        freed = before - torch.cuda.memory_allocated()
+        fut.synchronize()
+    assert copy_pending
+    assert freed >= 4 * n, f"the chain still held the consumed destination ({freed} B freed)"
+    assert check.item() == data.cuda().double().sum().item()
+
+
+@pytest.mark.gpu
+def test_a_slow_read_does_not_hold_back_a_finished_one(streams, tmp_path):
+    """NOTE [Reads in completion order]: read A waits on a busy disk queue
+    (another engine's single worker, behind a 256 MiB read); read B, submitted
+    after it, is read at once and its copy issued while A is still on the disk.
+    The in thread used to wait on A first."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if not engine_info()["cuda"]:
+        pytest.skip("the C++ engine has no CUDA chain")
+    from tiermem.io.cpp import CppEngine
+    busy_engine, chain_engine = CppEngine(1), CppEngine(2)
+    big = 256 << 20
+    n = 1 << 16
+    h2d = streams[1]
+    compute = torch.cuda.current_stream()
+    data = torch.randn(n)
+    try:
+        with busy_engine.open(str(tmp_path / "busy.bin"), big) as fa, \
+                chain_engine.open(str(tmp_path / "b.bin"), 4 * n) as fb:
+            fa.write(aligned_empty(big), 0).wait()
+            fa.write(data, 0).wait()
+            fb.write(data, 0).wait()
+            busy = fa.read(aligned_empty(big), 0)          # the worker is busy a while
+            dst_a = torch.empty(n, device="cuda")
+            dst_b = torch.empty(n, device="cuda")
+            chain = chain_engine._cuda()
+            fut_a = chain.read_to_device(fa._f, 0, _pinned(4 * n).view(torch.float32), dst_a,
+                                         h2d.cuda_stream, compute.cuda_stream)
+            fut_b = chain.read_to_device(fb._f, 0, _pinned(4 * n).view(torch.float32), dst_b,
+                                         h2d.cuda_stream, compute.cuda_stream)
+            fut_b.wait()                                   # B read and its copy issued
+            a_still_on_disk = not busy.done()
+            a_issued, b_issued = fut_a.issued(), fut_b.issued()
+            fut_b.stream_wait(compute.cuda_stream)
+            fut_a.stream_wait(compute.cuda_stream)
+            busy.wait()
+            assert torch.equal(dst_a.cpu(), data) and torch.equal(dst_b.cpu(), data)
+    finally:
+        chain_engine.close()
+        busy_engine.close()
+    assert a_still_on_disk, "B's copy waited for A's read"
+    assert b_issued and not a_issued   # EngineCudaJob.host_ready(): B yes, A not yet
+
+
+@pytest.mark.gpu
+def test_gapped_source_is_made_dense_in_the_compute_streams_pool(eng, streams, tmp_path):
+    """NOTE [Temporaries on the compute stream] in copier.py, for the chain:
+    once the write is done, the temporary's block serves the compute stream."""
+    d2h = streams[0]
+    compute = torch.cuda.current_stream()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    src = torch.randn(2048, 4096, device="cuda")[:, ::2]   # a 16 MiB temporary
+    staging = _pinned(src.numel() * 4).view(torch.float32).view(src.shape)
+    with eng.open(str(tmp_path / "f.bin"), src.numel() * 4) as f:
+        fut = f.write_from_device(src, staging, 0, d2h, compute)
+        fut.wait()                                # drains what the chain let go of
+        torch.cuda.synchronize()
+        reserved = torch.cuda.memory_reserved()
+        again = torch.empty(src.shape, device="cuda")
+        assert torch.cuda.memory_reserved() == reserved, "the temporary's block was not reusable"
+        back = aligned_empty(src.numel() * 4).view(torch.float32)
+        f.read(back, 0).wait()
+    assert torch.equal(back.view(src.shape), src.cpu())
+    del again
+
+
+@pytest.mark.gpu
 def test_errors_name_the_file_and_offset(eng, streams, tmp_path):
     path = str(tmp_path / "f.bin")
     compute = torch.cuda.current_stream()

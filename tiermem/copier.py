@@ -37,6 +37,24 @@ buffer's elements on the device and copy in after the pad):
 #    last used it; the pool hands it out again only once that job is done
 #    (``HostPool.acquire``), so a new D2H copy can never overwrite bytes an H2D
 #    copy is still reading, nor the reverse.
+#
+# NOTE [Temporaries on the compute stream]
+# A source that cannot be copied as raw bytes (a gapped view, a lazy conjugate
+# or negative view) needs a dense device temporary first. Made by torch's
+# copy_ with the side stream current, it came from the side stream's pool of
+# the caching allocator, and went back there: blocks that only the side
+# stream could reuse, so device memory the compute stream could not use
+# (fragmentation: the compute stream then asks for new segments). Now the
+# temporary is made on the compute stream, before the side stream is ordered
+# after it, and the copy out reads it. The job holds it (``CudaJob.temp``) as
+# the handle holds the source (rule 1), and lets go of it once the copy is
+# ordered before any reuse: seen complete (``done``, ``wait_host``), or the
+# compute stream made to wait on the copy (``order_after_copy``, the in-flight
+# window); if abandoned, it is ``record_stream``-ed on the side stream first.
+# Its block then goes back to the compute stream's pool. The C++ chain does
+# the same (write_from_device's ``resolved``, csrc/cuda_chain.cpp). Cost: the
+# gather (a device-to-device copy of the source's bytes) now runs on the
+# compute stream, where it ran on the side stream before; not measured yet.
 """
 
 from __future__ import annotations
@@ -108,16 +126,22 @@ class CudaCopier:
 
     def _copy(self, stream, src: torch.Tensor, dst: torch.Tensor) -> Job:
         compute = torch.cuda.current_stream(self.device)
-        stream.wait_stream(compute)
-        with torch.cuda.stream(stream):
+        temp = None
+        if src.is_cuda:
+            # On the compute stream: NOTE [Temporaries on the compute stream].
             # Conj/neg views resolved on the device: a D2H copy_ of such a view
             # applies them on the host before the bytes land (pytorch#146286).
-            dst.copy_(src.resolve_conj().resolve_neg(), non_blocking=True)
+            dense = src.resolve_conj().resolve_neg().contiguous()
+            if dense.data_ptr() != src.data_ptr():   # a new tensor: gathered or resolved
+                src = temp = dense
+        stream.wait_stream(compute)
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
             # blocking: a host wait on it (a worker thread of the nvme tier,
             # drain) sleeps instead of spinning a CPU core.
             event = torch.cuda.Event(blocking=True)
             event.record(stream)
-        return CudaJob(event, self.device, compute, stream)
+        return CudaJob(event, self.device, compute, stream, temp)
 
     def copy_out(self, src: torch.Tensor, dst: torch.Tensor) -> Job:
         return self._copy(self.d2h, src, dst)

@@ -9,6 +9,8 @@ Tiers and pools see only the protocol:
 - ``wait_host()``: block the host until finished (re-raises the error);
 - ``order_before_use(tensor)``: make the current consumer (the host thread,
   or the current CUDA stream) see what the job wrote into ``tensor``;
+- ``host_ready()``: ``order_before_use`` would not block the host (at most a
+  GPU-side wait); never blocks;
 - ``abandon(tensor)``: ``tensor`` (source or destination) is dropped while
   the job may still run.
 
@@ -19,7 +21,8 @@ allocated on is ``record_stream``-ed there (NOTE [Stream lifetime] in copier.py)
 
 Kinds: :class:`ThreadJob` (a worker thread's copy), :class:`CudaJob` (a copy on
 a side stream, its event), :class:`FutureJob` (an engine future, CPU tensors),
-:class:`ChainJob` (a Python chain thread, maybe followed by a CUDA copy),
+:class:`ChainJob` (a Python chain thread), :class:`ReadCopyJob` (a
+read then a CUDA copy, NOTE [Waiting only for the read] in tiers/nvme_chain.py),
 :class:`EngineCudaJob` (the C++ engine's CUDA chain), :class:`EventJob` (one
 event), :class:`AllDone` (a job and events, all complete), :class:`StagedJob`
 (a move through a staging buffer, NOTE [Staged moves] in tiers/moving.py).
@@ -35,7 +38,7 @@ import torch
 from .errors import TierMemError
 
 __all__ = ["Job", "use_after_event", "ThreadJob", "CudaJob", "FutureJob", "ChainJob",
-           "EngineCudaJob", "EventJob", "AllDone", "StagedJob"]
+           "ReadCopyJob", "EngineCudaJob", "EventJob", "AllDone", "StagedJob"]
 
 
 class Job:
@@ -55,6 +58,10 @@ class Job:
     def order_before_use(self, tensor=None) -> None:
         """Make the current consumer see the job's writes (default: a host wait)."""
         self.wait_host()
+
+    def host_ready(self) -> bool:
+        """``order_before_use`` would not block the host (default: done)."""
+        return self.done()
 
     def abandon(self, tensor) -> None:
         """``tensor`` is dropped while the job may still run (default: nothing,
@@ -104,24 +111,37 @@ class ThreadJob(Job):
 
 class CudaJob(Job):
     """A copy on side stream ``side``, complete when ``event`` is; its
-    destination was allocated on ``stream``."""
+    destination was allocated on ``stream`` (a copy out: the stream it was
+    ordered after). ``temp``: a dense temporary made on ``stream`` that the
+    copy reads, held until the copy is ordered before its reuse (NOTE
+    [Temporaries on the compute stream] in copier.py)."""
 
-    __slots__ = ("event", "device", "stream", "side")
+    __slots__ = ("event", "device", "stream", "side", "temp")
 
-    def __init__(self, event, device: torch.device, stream, side) -> None:
+    def __init__(self, event, device: torch.device, stream, side, temp=None) -> None:
         self.event = event
         self.device = device
         self.stream = stream
         self.side = side
+        self.temp = temp
 
     def done(self) -> bool:
-        return self.event.query()
+        if not self.event.query():
+            return False
+        self.temp = None
+        return True
 
     def order_before_use(self, tensor=None) -> None:
         use_after_event(self.event, self.device, self.stream, tensor)
 
+    def host_ready(self) -> bool:
+        return True   # a GPU-side wait
+
     def abandon(self, tensor) -> None:
         tensor.record_stream(self.side)
+        temp, self.temp = self.temp, None
+        if temp is not None:
+            temp.record_stream(self.side)
 
     def order_after_copy(self) -> bool:
         """The stream the copy was ordered after (the source's producer) and
@@ -130,10 +150,12 @@ class CudaJob(Job):
         current = torch.cuda.current_stream(self.device)
         if current != self.stream:
             current.wait_event(self.event)
+        self.temp = None   # made on ``stream``: its reuse there is ordered now
         return True
 
     def wait_host(self) -> None:
         self.event.synchronize()
+        self.temp = None
 
 
 class EventJob(Job):
@@ -227,6 +249,48 @@ class ChainJob(Job):
             tensor.record_stream(self.side)
 
 
+class ReadCopyJob(Job):
+    """A read then a copy (:class:`~tiermem.tiers.nvme_chain.ReadThenCopy`):
+    the consumer waits on the host for the read only, and on the device for
+    the copy (NOTE [Waiting only for the read] in tiers/nvme_chain.py).
+    ``stream``: the stream the destination was allocated on; ``side``: the
+    copy's stream (``None``: the copy's result is not a CUDA event)."""
+
+    __slots__ = ("task", "device", "stream", "side")
+
+    def __init__(self, task, device=None, stream=None, side=None) -> None:
+        self.task = task
+        self.device = device
+        self.stream = stream
+        self.side = side
+
+    def done(self) -> bool:
+        task = self.task
+        if not task.finished():
+            return False
+        return task.error is not None or task.result is None or task.result.query()
+
+    def failed(self):
+        return self.task.error if self.task.finished() else None
+
+    def host_ready(self) -> bool:
+        return self.task.read_done()
+
+    def wait_host(self) -> None:
+        event = self.task.wait()
+        if event is not None:
+            event.synchronize()
+
+    def order_before_use(self, tensor=None) -> None:
+        event = self.task.wait()   # the host waits for the read only
+        if event is not None:
+            use_after_event(event, self.device, self.stream, tensor)
+
+    def abandon(self, tensor) -> None:
+        if self.side is not None:
+            tensor.record_stream(self.side)
+
+
 class EngineCudaJob(Job):
     """A request of the engine's CUDA chain (a ``CudaFuture``, see NOTE [CUDA
     chain] in csrc/cuda_chain.cpp). ``stream``: for a read, the stream the
@@ -234,7 +298,9 @@ class EngineCudaJob(Job):
 
     ``done()`` is true once everything has completed (a read: its H2D copy
     too). The engine holds the device tensor and the staging buffer until its
-    copy is complete, so ``abandon`` has nothing to do (no ``record_stream``)."""
+    copy is complete, so ``abandon`` has nothing to do (no ``record_stream``);
+    a consumed read's device tensor it lets go of as soon as a stream is
+    ordered after the copy (NOTE [CUDA chain lifetime] in csrc/cuda_chain.cpp)."""
 
     __slots__ = ("fut", "what", "device", "stream", "error")
 
@@ -268,6 +334,11 @@ class EngineCudaJob(Job):
         except OSError as e:
             return self._failure(e)
         return None
+
+    def host_ready(self) -> bool:
+        # A read: its pread is done and its copy issued, so stream_wait() does
+        # not block the host. A write: done.
+        return self.fut.issued() if self.stream is not None else self.done()
 
     def order_before_use(self, tensor=None) -> None:
         if self.stream is None:
@@ -336,6 +407,9 @@ class StagedJob(Job):
 
     def order_before_use(self, tensor=None) -> None:
         self.job.order_before_use(tensor)
+
+    def host_ready(self) -> bool:
+        return self.job.host_ready()
 
     def abandon(self, tensor) -> None:
         self.job.abandon(tensor)

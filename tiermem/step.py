@@ -148,10 +148,15 @@ class Step:
         """A move failed after it started: the tensor stays where it was."""
         self.stats.budget_fallbacks += 1
 
-    def restored(self, prefetched: bool, seconds: float, late: bool) -> None:
+    def restored(self, prefetched: bool, seconds: float, late: bool,
+                 host_wait: bool = False) -> None:
         """An unpack took a restore (``prefetched``: started ahead of need) and
-        waited ``seconds`` for it (``late``: not complete when it came)."""
+        waited ``seconds`` for it (``late``: not complete when it came;
+        ``host_wait``: the host had to wait for it, a read not done, rather
+        than only ordering its stream after a copy)."""
         stats = self.stats
+        if host_wait:
+            stats.host_waits += 1
         if prefetched:
             stats.prefetch_hits += 1
         else:

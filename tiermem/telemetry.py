@@ -46,6 +46,10 @@ class StepStats:
       their tensor already on its way.
     - ``late_restores``: restores not complete when their unpack came (on CUDA
       an upper bound of GPU stalls: the stream may still not have reached them).
+    - ``host_waits``: late restores whose unpack blocked the host (a read from
+      disk not done yet, or a CPU copy), rather than only making the stream wait
+      on a copy's event (NOTE [Waiting only for the read] in
+      tiers/nvme_chain.py); their time is in ``stall_seconds``.
     - ``peak_host_bytes``: most host bytes held by the cpu tier during the step.
     - ``peak_disk_bytes``: most bytes of the nvme tier's file in use during the step.
     - ``bytes_by_tier["recompute"]``: bytes of saved tensors dropped (to be
@@ -70,6 +74,7 @@ class StepStats:
     prefetch_hits: int = 0
     prefetch_misses: int = 0
     late_restores: int = 0
+    host_waits: int = 0
     peak_host_bytes: int = 0
     peak_disk_bytes: int = 0
     recompute_input_bytes: int = 0

@@ -6,11 +6,15 @@
 // file, wait, read back and compare; then requests are left in flight while
 // the file is closed, and the engine is destroyed with and without close().
 // Every request's keepalive must be let go before its future says done
-// (NOTE [Request lifetime]).
+// (NOTE [Request lifetime]). Then reads hand themselves to a ReadyQueue from
+// their Future::on_done, as the CUDA chain's reads do (NOTE [Reads in
+// completion order] in ready_queue.h): each comes out once, done, while
+// other threads pop.
 // Exit status 0 and "stress_io: ok" on success.
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <memory>
 #include <cstdio>
 #include <cstring>
@@ -19,6 +23,7 @@
 #include <vector>
 
 #include "io_engine.h"
+#include "ready_queue.h"
 
 namespace {
 
@@ -67,6 +72,49 @@ bool round_trips(tiermem::File& f, int t, int ops) {
 
 }  // namespace
 
+// Reads of odd sizes hand their ticket to a ReadyQueue when done; two threads
+// pop. Every ticket must come out exactly once, with its future done.
+bool completions_arrive_once(tiermem::File& f) {
+  constexpr int kReads = 64;
+  tiermem::ReadyQueue<int> q;
+  std::vector<std::vector<char>> bufs(kReads);
+  std::vector<tiermem::Future> futs;
+  for (int i = 0; i < kReads; ++i) {
+    bufs[i].resize(1 + (std::size_t(i) * 104729) % (2 << 20));
+    if (!q.add_pending()) return false;
+    futs.push_back(f.read(bufs[i].data(), bufs[i].size(), std::uint64_t(i % 4) * kSlot));
+    futs.back().on_done([&q, i] { q.complete(i); });
+  }
+  std::vector<std::atomic<int>> seen(kReads);
+  std::atomic<bool> ok{true};
+  std::atomic<int> popped{0};
+  q.stop();  // no new items; the pending ones still come out
+  auto popper = [&] {
+    for (;;) {
+      int t = -1;
+      const auto r = q.pop(t, std::chrono::microseconds(-1));
+      if (r == tiermem::ReadyQueue<int>::Pop::Finished) return;
+      if (r != tiermem::ReadyQueue<int>::Pop::Item || t < 0 || t >= kReads) {
+        ok = false;
+        return;
+      }
+      if (!futs[t].done()) ok = false;  // handed on only once done
+      seen[t]++;
+      popped++;
+    }
+  };
+  std::thread a(popper), b(popper);
+  a.join();
+  b.join();
+  for (auto& s : seen) {
+    if (s.load() != 1) ok = false;
+  }
+  // Registered on a finished request: runs at once, on this thread.
+  bool ran = false;
+  futs[0].on_done([&ran] { ran = true; });
+  return ok && popped == kReads && ran && !q.add_pending();
+}
+
 int main(int argc, char** argv) {
   if (argc != 2) {
     std::fprintf(stderr, "usage: %s <dir>\n", argv[0]);
@@ -84,6 +132,7 @@ int main(int argc, char** argv) {
       });
     }
     for (auto& s : submitters) s.join();
+    if (!completions_arrive_once(*f)) ok = false;
     // Left in flight: close() must wait for them; later submits fail with EBADF.
     std::vector<char> big(5 << 20, 3);
     for (int i = 0; i < 8; ++i) f->write(big.data(), big.size(), std::uint64_t(i) * 2 * kSlot);

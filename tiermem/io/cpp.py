@@ -61,7 +61,8 @@ SOURCES = [os.path.join(_CSRC, name)
 #: ... and in its CUDA build. See NOTE [CUDA build of the engine].
 CUDA_SOURCES = SOURCES + [os.path.join(_CSRC, name)
                           for name in ("cuda_chain.cpp", "cuda_bindings.cpp")]
-_HEADERS = [os.path.join(_CSRC, name) for name in ("io_engine.h", "tensor_release.h", "checks.h")]
+_HEADERS = [os.path.join(_CSRC, name) for name in ("io_engine.h", "tensor_release.h", "checks.h",
+                                                   "ready_queue.h")]
 _CUDA_HEADERS = [os.path.join(_CSRC, name) for name in ("cuda_chain.h", "cuda_bindings.h")]
 _NAME = "tiermem_C"
 _CUDA_NAME = "tiermem_C_cuda"
@@ -262,7 +263,9 @@ class _CppFile(IOFile):
         ``CudaFuture`` at once: ``stream_wait(s.cuda_stream)`` makes stream ``s``
         wait for the copy (the host waits only for the read), ``synchronize()``
         makes the host wait, ``done()`` never blocks. The engine holds ``staging``
-        and ``dst`` until the copy is complete."""
+        and ``dst`` until the copy is complete, except that ``dst`` is let go of
+        once ``stream_wait`` has ordered a consumer after the copy (NOTE [CUDA
+        chain lifetime] in csrc/cuda_chain.cpp)."""
         return self._engine._cuda().read_to_device(
             self._f, offset, staging, dst, stream.cuda_stream, after.cuda_stream)
 

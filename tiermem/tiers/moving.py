@@ -563,7 +563,8 @@ class _Waited:
     def __call__(self) -> torch.Tensor:
         job = self.job
         late = not job.done()
+        host_wait = late and not job.host_ready()   # else at most a GPU-side wait
         t0 = time.perf_counter()
         job.order_before_use(self.dev)
-        self.step.restored(self.prefetched, time.perf_counter() - t0, late)
+        self.step.restored(self.prefetched, time.perf_counter() - t0, late, host_wait)
         return self.out
