@@ -1,6 +1,7 @@
 """Soak: a long run per policy, with fixed and with varying shapes, that must stay flat.
 
-For each policy (keep, cpu, nvme, recompute, recompute+nvme) and each shape
+For each policy (keep, cpu, nvme, recompute, recompute+nvme, auto at a 50%
+budget) and each shape
 mode (``fixed``: one batch size; ``varying``: batch sizes drawn from 64..1024
 rows, as variable-length NLP batches are), a small MLP trains ``--steps``
 steps under one Offloader. Every ``--every`` steps the run records: RSS,
@@ -36,7 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tiermem  # noqa: E402
 from common import emit, machine  # noqa: E402
 
-POLICIES = ("keep", "cpu", "nvme", "recompute", "recompute,nvme")
+#: ``auto@50%``: the planner with ``device_budget="50%"``.
+POLICIES = ("keep", "cpu", "nvme", "recompute", "recompute,nvme", "auto@50%")
 MODES = ("fixed", "varying")
 RSS_SLACK_BYTES = 64 << 20
 RSS_SLACK_RATIO = 0.10
@@ -83,10 +85,13 @@ def _model(width: int) -> torch.nn.Module:
 def soak_one(policy: str, mode: str, steps: int, every: int, warmup: int, width: int,
              nvme_root: str) -> dict:
     """One policy x shape mode; returns its samples and verdict."""
-    nvme_dir = tempfile.mkdtemp(prefix=f"soak-{policy.replace(',', '+')}-{mode}-", dir=nvme_root)
+    tag = policy.replace(",", "+").replace("@", "-").replace("%", "pct")
+    nvme_dir = tempfile.mkdtemp(prefix=f"soak-{tag}-{mode}-", dir=nvme_root)
     model = _model(width)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    off = tiermem.Offloader(policy=policy, nvme_dir=nvme_dir, min_offload_bytes=0)
+    name, _, budget = policy.partition("@")
+    extra = {"device_budget": budget} if budget else {}
+    off = tiermem.Offloader(policy=name, nvme_dir=nvme_dir, min_offload_bytes=0, **extra)
     rng = random.Random(0)
     proc = psutil.Process()
     samples, moved = [], 0
