@@ -16,6 +16,8 @@ import pytest
 import torch
 
 import tiermem
+import tiermem.offloader
+import tiermem.step
 import tiermem.testing
 from helpers import compare_records, offloader, reference_steps, train_steps
 from models import make_case
@@ -183,3 +185,82 @@ def test_default_budget_is_free_memory_less_headroom():
     assert default_device_budget_bytes("cuda", free_bytes=60 * gib, total_bytes=80 * gib) \
         == 52 * gib
     assert default_device_budget_bytes("cuda", free_bytes=4 * gib, total_bytes=80 * gib) == 0
+
+
+class _CountingProducers(tiermem.offloader.ProducerMode):
+    """ProducerMode that counts the forwards it tracks (class attribute ``entered``)."""
+
+    entered = 0
+
+    def __enter__(self):
+        type(self).entered += 1
+        return super().__enter__()
+
+
+@pytest.mark.parametrize("budget,recomputes", [("100%", False), ("25%", True)])
+def test_producer_tracking_runs_only_while_the_plan_recomputes(budget, recomputes,
+                                                                monkeypatch):
+    # mlp without nvme_dir: at 25% only recompute frees RAM, so that plan
+    # recomputes; at 100% it keeps everything and its steps track nothing.
+    monkeypatch.setattr(tiermem.offloader, "ProducerMode", _CountingProducers)
+    monkeypatch.setattr(_CountingProducers, "entered", 0)
+    off = offloader("auto", device_budget=budget)
+    case = make_case("mlp")
+    tracked = []
+    for _ in range(4):
+        before = _CountingProducers.entered
+        with off:
+            loss = case.loss()
+        loss.backward()
+        tracked.append(_CountingProducers.entered - before)
+    assert off.plan.recomputes is recomputes
+    assert tracked[0] == 1, "the profiled step tracks producers"
+    assert tracked[1:] == [int(recomputes)] * 3, tracked
+    off.close()
+
+
+class _SavesTwice(torch.nn.Module):
+    """sin and cos both save ``h``: one dedup hit per step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return (h.sin() * h.cos()).square().mean()
+
+
+def test_a_kept_plan_is_followed_without_dedup_keys_and_counts_as_its_profile(monkeypatch):
+    # Positions of dedup hits must not shift the indices of the tensors after
+    # them, and kept tensors need no dedup key (NOTE [Following a plan]).
+    calls = []
+    real = tiermem.step.Step.key_of
+    monkeypatch.setattr(tiermem.step.Step, "key_of",
+                        staticmethod(lambda t: calls.append(1) or real(t)))
+    torch.manual_seed(0)
+    model, ref = _SavesTwice(), _SavesTwice()
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(8, 16)
+    off = offloader("auto", device_budget="100%")
+    log = []
+    for step in range(4):
+        calls.clear()
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+        with _Recording(off, log):
+            loss = model(x)
+        loss.backward()
+        ref(x).backward()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad), (step, n)
+    profiled, planned = log[0][1], log[-1][1]
+    assert profiled.dedup_hits == 1, "the profile saw h twice"
+    assert calls == [], f"{len(calls)} dedup keys computed on a keep-everything plan"
+    assert planned.dedup_hits == profiled.dedup_hits
+    assert sum(planned.count_by_tier.values()) == sum(profiled.count_by_tier.values())
+    assert set(t for t, n in planned.count_by_tier.items() if n) == {"keep"}
+    plan = off.plan
+    assert log[-1][0] is plan and tiermem.testing.planner_of(off).profiles == 1
+    assert plan.kept_at and all(i is not None for i in plan.kept_at)
+    off.close()

@@ -219,7 +219,57 @@ class Packer:
             stats.unsupported_count += 1
             stats.record(_KEEP, nbytes)
             return Kept(t, current_module())
+        if scoped is None and fixed is None:
+            planning = self.step.planning
+            if planning is not None:
+                return self._place_planned(t, nbytes, planning)
         return self._place(t, nbytes, scoped, fixed)
+
+    def _place_planned(self, t: torch.Tensor, nbytes: int, planning) -> Any:
+        """``policy="auto"``: the plan's tier for ``t`` (NOTE [Following a plan]
+        in planner/runtime.py). A tensor the plan keeps, at a pack position
+        whose profile agrees with this step so far, costs one table lookup and
+        one signature check: no dedup key, no TensorInfo."""
+        step = self.step
+        pos = planning.pos
+        planning.pos = pos + 1
+        kept_at = planning.kept_at
+        if pos < len(kept_at):
+            i = kept_at[pos]
+            if i is not None:
+                j = i if i >= 0 else ~i
+                plan = planning.plan
+                if (t.dtype is plan.dtypes[j] and t.shape == plan.shapes[j]
+                        and t.device == plan.devices[j]):
+                    if i < 0:   # a dedup hit, in the profile, of a tensor kept here
+                        step.stats.dedup_hits += 1
+                        return Kept(t, "")
+                    if step.index == i:
+                        step.index = planning.count = i + 1
+                        step.stats.record(_KEEP, nbytes)
+                        handle = Kept(t, current_module())
+                        if step.producers is not None:   # recipes look their inputs up
+                            step.remember(t, step.key_of(t), handle)
+                        return handle
+        key = step.key_of(t)
+        handle = step.find(key)
+        if handle is not None:
+            step.stats.dedup_hits += 1
+            step.share(handle)
+            if planning.recorder is not None:
+                planning.recorder.hit(handle)
+            return handle
+        module = current_module()
+        index = step.index
+        step.index += 1
+        order = planning.order(index, t, nbytes, module, step.producers)
+        handle = self.placement.put(order, t, step, module, nbytes)
+        if planning.recorder is not None:   # a profiled step
+            planning.recorder.placed(index, handle)
+        # Kept ones too, tracked or not: the pack positions and indices of a
+        # step that follows its plan are those of its profile.
+        step.remember(t, key, handle)
+        return handle
 
     def _place(self, t: torch.Tensor, nbytes: int, scoped, fixed) -> Any:
         step = self.step
@@ -240,17 +290,6 @@ class Packer:
         else:
             index = step.index
             step.index += 1
-            planning = step.planning
-            if planning is not None:   # policy="auto": a plan lookup by index
-                order = planning.order(index, t, nbytes, module, step.producers)
-                handle = placement.put(order, t, step, module, nbytes)
-                if planning.recorder is not None:   # a profiled step
-                    planning.recorder.placed(index, handle)
-                # Kept ones too, tracked or not: pack indices must not depend
-                # on whether this step tracks producers (NOTE [Following a plan]
-                # in planner/runtime.py).
-                step.remember(t, key, handle)
-                return handle
             producers = step.producers
             op = None if producers is None else producers.op_name(t)
             info = TensorInfo(t.shape, t.dtype, t.device, nbytes, module, op, index, False)
