@@ -264,3 +264,81 @@ def test_a_kept_plan_is_followed_without_dedup_keys_and_counts_as_its_profile(mo
     assert log[-1][0] is plan and tiermem.testing.planner_of(off).profiles == 1
     assert plan.kept_at and all(i is not None for i in plan.kept_at)
     off.close()
+
+
+class _Branchy(torch.nn.Module):
+    """Saves two more tensors midway when ``extra`` (a data-dependent branch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1, self.lin2 = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x, extra: bool):
+        h = self.lin1(x).sin()
+        if extra:
+            h = h.cos().exp()
+        return self.lin2(h).square().mean()
+
+
+def test_a_branch_midway_profiles_once_per_branch_and_stays_exact(nvme_dir):
+    torch.manual_seed(0)
+    model, ref = _Branchy(), _Branchy()
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(64, 16)
+    off = offloader("auto", device_budget="50%", nvme_dir=nvme_dir)
+    planner = tiermem.testing.planner_of(off)
+    used = []
+    for step, extra in enumerate([False, False, False, True, True, True, False, True, False]):
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+        used.append(off.plan)
+        with off:
+            loss = model(x, extra)
+        loss.backward()
+        ref(x, extra).backward()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad), (step, extra, n)
+    # Step 3 leaves the plain branch's plan midway (the rest under the safe
+    # order), step 4 profiles the extra branch; later switches find the cached
+    # plan at the first differing tensor: no third profile.
+    assert planner.profiles == 2 and len(planner.plans) == 2
+    a, b = (p.signature for p in planner.plans.values())
+    sigs = [None if p is None else p.signature for p in used[1:] + [off.plan]]
+    assert sigs == [a, a, a, a, b, b, a, b, a], sigs   # the plan each step started with
+    off.close()
+
+
+def test_a_wrong_first_plan_is_corrected_once_and_then_holds(nvme_dir, monkeypatch):
+    # Rates that make every nvme move look free (predicted stall 0) while each
+    # disk read is held back 20 ms: the first plan's restores stall, the
+    # closed loop re-plans once with the rates halved, and every later step
+    # keeps that plan (MAX_REPLANS: no oscillation, no new profile).
+    import time
+
+    import tiermem.io.pyengine as pyengine
+    from tiermem.planner.rates import Rates
+    read = pyengine._PyFile._read_chunk
+
+    def slow_read(self, *args):
+        time.sleep(0.02)
+        return read(self, *args)
+
+    monkeypatch.setattr(pyengine._PyFile, "_read_chunk", slow_read)
+    off = offloader("auto", device_budget="25%", nvme_dir=nvme_dir)
+    planner = tiermem.testing.planner_of(off)
+    planner.rates = Rates(host_copy=1e15, pointwise=1.0, disk_write=1e15, disk_read=1e15,
+                          disk_engine="fake")
+    case = make_case("mlp")
+    log = []
+    records = train_steps(case, lambda: _Recording(off, log), steps=6)
+    compare_records(records, reference_steps("mlp", steps=6), "mlp")
+    used = [plan for plan, _ in log]
+    first = used[1]
+    assert first.replans == 0 and first.predicted_stall_s == 0.0
+    assert first.bytes_by_tier()["nvme"] > 0
+    assert first.measured_stall_s > 0.002, first.measured_stall_s
+    assert used[2].replans == 1 and "stall" in used[2].replan_reason
+    assert used[2].rate_factor == 0.5
+    assert all(p is used[2] for p in used[3:]), "the corrected plan holds"
+    assert off.plan is used[2] and planner.profiles == 1
+    off.close()

@@ -71,6 +71,7 @@ _KEEP = Tier.KEEP.value
 _in_backward = torch._C._current_graph_task_id   # -1 outside autograd's engine
 _Parameter = torch.nn.Parameter
 _strided = torch.strided
+_Tensor = torch.Tensor
 
 
 def opaque(fn):
@@ -215,42 +216,61 @@ class Packer:
         if fixed is Tier.KEEP:
             stats.record(_KEEP, nbytes)
             return Kept(t, "")
+        planning = None
+        if fixed is None:   # policy auto (or a callable policy); not inside a scoped block
+            planning = self.step.planning
+            if planning is not None and type(t) is _Tensor:
+                handle = self._keep_planned(t, nbytes, planning)
+                if handle is not None:
+                    return handle
         if not _movable(t):
             stats.unsupported_count += 1
             stats.record(_KEEP, nbytes)
             return Kept(t, current_module())
-        if scoped is None and fixed is None:
-            planning = self.step.planning
-            if planning is not None:
-                return self._place_planned(t, nbytes, planning)
+        if planning is not None:
+            return self._place_planned(t, nbytes, planning)
         return self._place(t, nbytes, scoped, fixed)
 
-    def _place_planned(self, t: torch.Tensor, nbytes: int, planning) -> Any:
-        """``policy="auto"``: the plan's tier for ``t`` (NOTE [Following a plan]
-        in planner/runtime.py). A tensor the plan keeps, at a pack position
-        whose profile agrees with this step so far, costs one table lookup and
-        one signature check: no dedup key, no TensorInfo."""
-        step = self.step
+    def _keep_planned(self, t: torch.Tensor, nbytes: int, planning) -> Any:
+        """``policy="auto"``, the hot path (NOTE [Following a plan] in
+        planner/runtime.py): the Kept handle of ``t`` if the plan keeps the
+        tensor at this pack position and ``t`` matches it, else ``None`` (then
+        the general path places it). One tuple lookup, one (shape, dtype,
+        device) check; no dedup key, no TensorInfo. The device check also
+        stands for ``_movable``: a plan holds cpu and cuda tensors only."""
         pos = planning.pos
-        planning.pos = pos + 1
         kept_at = planning.kept_at
-        if pos < len(kept_at):
-            i = kept_at[pos]
-            if i is not None:
-                j = i if i >= 0 else ~i
-                plan = planning.plan
-                if (t.dtype is plan.dtypes[j] and t.shape == plan.shapes[j]
-                        and t.device == plan.devices[j]):
-                    if i < 0:   # a dedup hit, in the profile, of a tensor kept here
-                        step.stats.dedup_hits += 1
-                        return Kept(t, "")
-                    if step.index == i:
-                        step.index = planning.count = i + 1
-                        step.stats.record(_KEEP, nbytes)
-                        handle = Kept(t, current_module())
-                        if step.producers is not None:   # recipes look their inputs up
-                            step.remember(t, step.key_of(t), handle)
-                        return handle
+        if pos >= len(kept_at):
+            return None
+        i = kept_at[pos]
+        if i is None:
+            return None
+        j = i if i >= 0 else ~i
+        plan = planning.plan
+        if not (t.dtype is plan.dtypes[j] and t.shape == plan.shapes[j]
+                and t.device == plan.devices[j]):
+            return None
+        step = self.step
+        if i < 0:   # a dedup hit, in the profile, of a tensor kept here: keep again
+            planning.pos = pos + 1
+            step.stats.dedup_hits += 1
+            return Kept(t, "")
+        if step.index != i:
+            return None
+        planning.pos = pos + 1
+        step.index = planning.count = i + 1
+        step.stats.record(_KEEP, nbytes)
+        handle = Kept(t, "")
+        if step.producers is not None:   # recipes look their inputs up
+            step.remember(t, step.key_of(t), handle)
+        return handle
+
+    def _place_planned(self, t: torch.Tensor, nbytes: int, planning) -> Any:
+        """``policy="auto"``, the general path (NOTE [Following a plan] in
+        planner/runtime.py): dedup lookup, then the plan's order at the next
+        index (or the profile's safe order)."""
+        step = self.step
+        planning.pos += 1
         key = step.key_of(t)
         handle = step.find(key)
         if handle is not None:

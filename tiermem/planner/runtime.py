@@ -34,9 +34,12 @@ follows, and the closed loop that corrects a plan from measurement.
 # None. A step following its plan reads ``kept_at[pos]``; where it names a
 # kept tensor whose (shape, dtype, device) match the plan's at i (three
 # comparisons on flat per-index tuples) and, for a new tensor, the step's
-# index is i, the tensor is kept at once (no dedup key, no dedup entry, no
-# TensorInfo; the entry is made only when producers are tracked, for the
-# recipes that look their inputs up). A position that was a hit in the
+# index is i, the tensor is kept at once, as the fixed keep tier keeps it
+# (no module name in its handle, no dedup key, no dedup entry, no TensorInfo;
+# the entry is made only when producers are tracked, for the recipes that
+# look their inputs up). The device check stands for the pack hook's
+# movable-tensor check, which costs more (a plan holds cpu and cuda tensors
+# only). A position that was a hit in the
 # profile is not counted as an index, as in the profile. Anything else takes
 # the general path above (dedup lookup, index, key check). Exactness never
 # rests on the table: a kept tensor is a valid placement whatever else the
