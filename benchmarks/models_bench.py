@@ -498,7 +498,8 @@ class Runner:
                 "measured_kept_bytes": plan.measured_kept_bytes,
                 "predicted_stall_s": plan.predicted_stall_s,
                 "predicted_recompute_s": plan.predicted_recompute_s,
-                "replans": plan.replans, "bytes_by_tier": plan.bytes_by_tier(),
+                "replans": plan.replans, "replan_reason": plan.replan_reason,
+                "bytes_by_tier": plan.bytes_by_tier(),
                 "notes": list(plan.notes),
                 "profiles": tiermem.testing.planner_of(self.off).profiles}
         return out
