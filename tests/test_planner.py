@@ -339,6 +339,8 @@ def test_a_wrong_first_plan_is_corrected_once_and_then_holds(nvme_dir, monkeypat
     assert first.measured_stall_s > 0.002, first.measured_stall_s
     assert used[2].replans == 1 and "stall" in used[2].replan_reason
     assert used[2].rate_factor == 0.5
+    assert used[2].target_bytes == used[2].budget_bytes   # a stall re-plan keeps the target
+    assert not any("budget lowered" in n for n in used[2].notes), used[2].notes
     assert all(p is used[2] for p in used[3:]), "the corrected plan holds"
     assert off.plan is used[2] and planner.profiles == 1
     off.close()

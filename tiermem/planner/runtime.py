@@ -236,7 +236,7 @@ class Planner:
         plan.follow(profile.keys, profile.positions)
         plan.rate_factor = rate_factor
         plan.target_bytes = budget if target is None else target
-        if target is not None:
+        if target is not None and target < budget:
             plan.notes.append(f"planned to {target} bytes (budget lowered by the measured "
                               "overshoot)")
         for note in plan.notes:
