@@ -121,12 +121,20 @@ def test_plan_is_none_before_the_first_profile_and_for_other_policies():
 
 def test_plan_is_stable_after_three_steps(nvme_dir):
     # Over six steps: a profile, then at most MAX_REPLANS corrections, then
-    # the same plan object for every later step.
+    # the same plan object for every later step. A correction is made from a
+    # measured stall, which on a shared machine may first exceed its
+    # tolerance in any step (seen: 3.5 ms at step 3 for convnet, before and
+    # after the hot-path change): what holds whatever the timing is at most
+    # one change of plan and never a return to an earlier one. Settling by
+    # step 3 is asserted where the stall is forced (the test below).
     for name in MODELS:
         off, log, _ = _run(name, steps=6, device_budget="25%", nvme_dir=nvme_dir)
         used = [plan for plan, _ in log]
         assert used[0] is None and all(p is not None for p in used[1:])
-        assert len({id(p) for p in used[3:]}) == 1, name
+        changes = [k for k in range(2, len(used)) if used[k] is not used[k - 1]]
+        assert len(changes) <= MAX_REPLANS, (name, [(p.replans, p.replan_reason)
+                                                    for p in used[1:]])
+        assert all(used[k].replans == used[k - 1].replans + 1 for k in changes)
         assert used[-1].replans <= MAX_REPLANS
         assert tiermem.testing.planner_of(off).profiles == 1
         off.close()
@@ -262,7 +270,7 @@ def test_a_kept_plan_is_followed_without_dedup_keys_and_counts_as_its_profile(mo
     assert set(t for t, n in planned.count_by_tier.items() if n) == {"keep"}
     plan = off.plan
     assert log[-1][0] is plan and tiermem.testing.planner_of(off).profiles == 1
-    assert plan.kept_at and all(i is not None for i in plan.kept_at)
+    assert plan.kept_at and all(e is not None for e in plan.kept_at)
     off.close()
 
 
@@ -309,21 +317,24 @@ def test_a_branch_midway_profiles_once_per_branch_and_stays_exact(nvme_dir):
 
 
 def test_a_wrong_first_plan_is_corrected_once_and_then_holds(nvme_dir, monkeypatch):
-    # Rates that make every nvme move look free (predicted stall 0) while each
-    # disk read is held back 20 ms: the first plan's restores stall, the
-    # closed loop re-plans once with the rates halved, and every later step
-    # keeps that plan (MAX_REPLANS: no oscillation, no new profile).
-    import time
-
-    import tiermem.io.pyengine as pyengine
+    # Rates that make every nvme move look free (predicted stall 0), and a
+    # measured stall of 10 ms written into the first planned step's stats as
+    # the closed loop reads them (later steps: 0, so that the machine's own
+    # timing noise cannot trigger the one correction late). The first plan is
+    # corrected once, at the next step, with the rates halved and the same
+    # target; every later step keeps that plan (MAX_REPLANS: no oscillation,
+    # no new profile).
     from tiermem.planner.rates import Rates
-    read = pyengine._PyFile._read_chunk
+    from tiermem.planner.runtime import Planner
+    check = Planner._check
+    seen = []
 
-    def slow_read(self, *args):
-        time.sleep(0.02)
-        return read(self, *args)
+    def measured(self, plan, stats):
+        stats.stall_seconds = 0.010 if not seen else 0.0
+        seen.append(plan)
+        return check(self, plan, stats)
 
-    monkeypatch.setattr(pyengine._PyFile, "_read_chunk", slow_read)
+    monkeypatch.setattr(Planner, "_check", measured)
     off = offloader("auto", device_budget="25%", nvme_dir=nvme_dir)
     planner = tiermem.testing.planner_of(off)
     planner.rates = Rates(host_copy=1e15, pointwise=1.0, disk_write=1e15, disk_read=1e15,
@@ -333,14 +344,15 @@ def test_a_wrong_first_plan_is_corrected_once_and_then_holds(nvme_dir, monkeypat
     records = train_steps(case, lambda: _Recording(off, log), steps=6)
     compare_records(records, reference_steps("mlp", steps=6), "mlp")
     used = [plan for plan, _ in log]
-    first = used[1]
+    first, fixed = used[1], used[2]
     assert first.replans == 0 and first.predicted_stall_s == 0.0
     assert first.bytes_by_tier()["nvme"] > 0
-    assert first.measured_stall_s > 0.002, first.measured_stall_s
-    assert used[2].replans == 1 and "stall" in used[2].replan_reason
-    assert used[2].rate_factor == 0.5
-    assert used[2].target_bytes == used[2].budget_bytes   # a stall re-plan keeps the target
-    assert not any("budget lowered" in n for n in used[2].notes), used[2].notes
-    assert all(p is used[2] for p in used[3:]), "the corrected plan holds"
-    assert off.plan is used[2] and planner.profiles == 1
+    assert first.measured_stall_s == 0.010
+    assert fixed is not first and fixed.replans == 1
+    assert fixed.replan_reason == "stall 10.00 ms, predicted 0.00 ms"
+    assert fixed.rate_factor == 0.5
+    assert fixed.target_bytes == fixed.budget_bytes   # a stall re-plan keeps the target
+    assert not any("budget lowered" in n for n in fixed.notes), fixed.notes
+    assert all(p is fixed for p in used[2:]), "the corrected plan holds"
+    assert off.plan is fixed and planner.profiles == 1
     off.close()

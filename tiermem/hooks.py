@@ -220,9 +220,29 @@ class Packer:
         if fixed is None:   # policy auto (or a callable policy); not inside a scoped block
             planning = self.step.planning
             if planning is not None and type(t) is _Tensor:
-                handle = self._keep_planned(t, nbytes, planning)
-                if handle is not None:
-                    return handle
+                # The planned keep, inlined: it runs per tensor (NOTE [Following
+                # a plan] in planner/runtime.py). One tuple lookup, one (shape,
+                # dtype, device) check, which also stands for _movable below (a
+                # plan holds cpu and cuda tensors only); no dedup key, no TensorInfo.
+                pos = planning.pos
+                kept_at = planning.kept_at
+                entry = kept_at[pos] if pos < len(kept_at) else None
+                if entry is not None:
+                    i, shape, dtype, device = entry
+                    if t.dtype is dtype and t.shape == shape and t.device == device:
+                        step = self.step
+                        if i < 0:   # a dedup hit in the profile, of a kept tensor
+                            planning.pos = pos + 1
+                            stats.dedup_hits += 1
+                            return Kept(t, "")
+                        if step.index == i:
+                            planning.pos = pos + 1
+                            step.index = planning.count = i + 1
+                            stats.record(_KEEP, nbytes)
+                            kept = Kept(t, "")
+                            if step.producers is not None:   # recipes look inputs up
+                                step.remember(t, step.key_of(t), kept)
+                            return kept
         if not _movable(t):
             stats.unsupported_count += 1
             stats.record(_KEEP, nbytes)
@@ -230,40 +250,6 @@ class Packer:
         if planning is not None:
             return self._place_planned(t, nbytes, planning)
         return self._place(t, nbytes, scoped, fixed)
-
-    def _keep_planned(self, t: torch.Tensor, nbytes: int, planning) -> Any:
-        """``policy="auto"``, the hot path (NOTE [Following a plan] in
-        planner/runtime.py): the Kept handle of ``t`` if the plan keeps the
-        tensor at this pack position and ``t`` matches it, else ``None`` (then
-        the general path places it). One tuple lookup, one (shape, dtype,
-        device) check; no dedup key, no TensorInfo. The device check also
-        stands for ``_movable``: a plan holds cpu and cuda tensors only."""
-        pos = planning.pos
-        kept_at = planning.kept_at
-        if pos >= len(kept_at):
-            return None
-        i = kept_at[pos]
-        if i is None:
-            return None
-        j = i if i >= 0 else ~i
-        plan = planning.plan
-        if not (t.dtype is plan.dtypes[j] and t.shape == plan.shapes[j]
-                and t.device == plan.devices[j]):
-            return None
-        step = self.step
-        if i < 0:   # a dedup hit, in the profile, of a tensor kept here: keep again
-            planning.pos = pos + 1
-            step.stats.dedup_hits += 1
-            return Kept(t, "")
-        if step.index != i:
-            return None
-        planning.pos = pos + 1
-        step.index = planning.count = i + 1
-        step.stats.record(_KEEP, nbytes)
-        handle = Kept(t, "")
-        if step.producers is not None:   # recipes look their inputs up
-            step.remember(t, step.key_of(t), handle)
-        return handle
 
     def _place_planned(self, t: torch.Tensor, nbytes: int, planning) -> Any:
         """``policy="auto"``, the general path (NOTE [Following a plan] in

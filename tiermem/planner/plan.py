@@ -72,30 +72,26 @@ class Plan:
             tuple(Tier(x) for x in p.order) for p in self.tensors)
         self.recomputes = any(o[0] is Tier.RECOMPUTE for o in self.orders)
         self.keys: tuple = ()
-        self.shapes: tuple = ()
-        self.dtypes: tuple = ()
-        self.devices: tuple = ()
         self.kept_at: tuple = ()
 
     def follow(self, keys: tuple, positions: tuple) -> None:
         """Bind the plan to its step signature ``keys`` ((shape, dtype,
         device) per index) and the profile's pack ``positions`` (see
-        ``Recorder.positions``), and build the flat per-index and per-position
-        tables the pack hook reads (NOTE [Following a plan] in
-        planner/runtime.py): ``kept_at[pos]`` is ``i`` where position ``pos``
-        was the new tensor of index ``i`` and the plan keeps it, ``~i`` where
-        it was a dedup hit of index ``i`` and the plan keeps ``i``, else
-        ``None`` (the general path)."""
+        ``Recorder.positions``), and build the per-position table the pack
+        hook reads (NOTE [Following a plan] in
+        planner/runtime.py): ``kept_at[pos]`` is ``(i, shape, dtype, device)``
+        where position ``pos`` was the new tensor of index ``i`` and the plan
+        keeps it, ``(~i, shape, dtype, device)`` where it was a dedup hit of
+        index ``i`` and the plan keeps ``i`` (the key of ``i`` either way),
+        else ``None`` (the general path)."""
         if len(keys) != len(self.orders):
             raise TierMemError(f"tiermem: a plan of {len(self.orders)} tensors bound to "
                                  f"{len(keys)} keys; this is a bug")
         self.keys = keys
-        self.shapes = tuple(k[0] for k in keys)
-        self.dtypes = tuple(k[1] for k in keys)
-        self.devices = tuple(k[2] for k in keys)
         kept = tuple(o == (Tier.KEEP,) for o in self.orders)
         self.kept_at = tuple(
-            None if p is None else p if p >= 0 and kept[p] else p if p < 0 and kept[~p] else None
+            None if p is None or not kept[p if p >= 0 else ~p]
+            else (p,) + tuple(keys[p if p >= 0 else ~p])
             for p in positions)
 
     # -- explain --------------------------------------------------------------------

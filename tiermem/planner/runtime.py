@@ -30,10 +30,10 @@ follows, and the closed loop that corrects a plan from measurement.
 # [Pack order of checks] in hooks.py). So the profile also records each *pack
 # position* (every tensor that reaches the plan, dedup hits included): the
 # new tensor of index i, or a dedup hit of index i. ``Plan.kept_at`` maps a
-# position to i (new, planned keep) or ~i (a hit of i, planned keep), else
-# None. A step following its plan reads ``kept_at[pos]``; where it names a
-# kept tensor whose (shape, dtype, device) match the plan's at i (three
-# comparisons on flat per-index tuples) and, for a new tensor, the step's
+# position to (i, shape, dtype, device) (new, planned keep) or (~i, ...) (a
+# hit of i, planned keep), with the key of i, else None. The pack hook reads
+# ``kept_at[pos]``; where it names a kept tensor whose (shape, dtype, device)
+# match (three comparisons, no tuple built) and, for a new tensor, the step's
 # index is i, the tensor is kept at once, as the fixed keep tier keeps it
 # (no module name in its handle, no dedup key, no dedup entry, no TensorInfo;
 # the entry is made only when producers are tracked, for the recipes that
