@@ -1,12 +1,15 @@
 """policy="auto": the planner meets its device budget, moves nothing when
 everything fits, stays exact, re-plans on a shape change (and reuses the old
-plan when the old shape returns), settles within three steps, explains each
-tensor, and refuses bad budgets.
+plan when the old shape returns), corrects a wrong plan once and never
+oscillates, explains each tensor, and refuses bad budgets; a step following
+a plan that keeps a tensor computes no dedup key for it, and producer
+tracking runs only while a plan recomputes; a branch midway profiles once
+per branch.
 
 Measured kept bytes are ``stats.bytes_by_tier['keep']`` (NOTE [Closed loop]
 in tiermem/planner/runtime.py). On the CPU only recompute and nvme free RAM,
 so the budgets below 100% run with an nvme_dir (Python engine).
-Runtime: about 25 s on 2 cores.
+Runtime: 4-25 s on 2 shared cores (measured 2026-12-01, varies with load).
 """
 
 import contextlib

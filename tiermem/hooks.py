@@ -12,7 +12,8 @@ lock. Nothing else lives here.
 # The pack hook runs for every saved tensor, so its checks are ordered from
 # cheapest to dearest and stop at the first that decides: non-strided tensors,
 # parameters/buffers (before size, so that stats never count a parameter as an
-# activation), small tensors, a fixed "keep" policy, unmovable tensors, then the
+# activation), small tensors, a fixed "keep" policy, a tensor an auto plan keeps
+# (NOTE [Following a plan] in planner/runtime.py), unmovable tensors, then the
 # dedup lookup, and only then the policy (a callable policy gets a TensorInfo;
 # a named one needs none). Kept tensors are never deduplicated: keeping a
 # tensor twice costs nothing.
