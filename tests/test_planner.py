@@ -359,3 +359,23 @@ def test_a_wrong_first_plan_is_corrected_once_and_then_holds(nvme_dir, monkeypat
     assert all(p is fixed for p in used[2:]), "the corrected plan holds"
     assert off.plan is fixed and planner.profiles == 1
     off.close()
+
+
+def test_a_planned_kept_tensor_keeps_the_in_place_check():
+    # The planned keep (NOTE [Following a plan]) makes the same Kept handle as
+    # the keep tier: a saved tensor written after its save raises at unpack.
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+    off = offloader("auto", device_budget="100%")
+    for step in range(3):
+        with off:
+            h = lin(x)
+            loss = h.sin().sum()
+        if step < 2:
+            loss.backward()
+    assert off.plan is not None and off.stats.count_by_tier["keep"] > 0
+    h.add_(1)   # sin saved h
+    with pytest.raises(tiermem.TierMemError, match="modified by an in-place operation"):
+        loss.backward()
+    off.close()
