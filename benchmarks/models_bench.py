@@ -45,7 +45,10 @@ import torch
 from torch import nn
 
 import tiermem
+import tiermem.testing
 from tiermem.models import GPTConfig, TinyGPT
+
+from .common import rss_bytes
 
 __all__ = ["ModelSpec", "ConfigSpec", "CONFIGS", "build_model", "Runner", "make_runner",
            "probe_config", "peer_versions", "state_fingerprint", "tensor_state_bytes",
@@ -236,6 +239,8 @@ class ConfigSpec:
     family: str              # "reference" | "recompute" | "peer" | "tiermem"
     tiermem_policy: Optional[str] = None
     wrap: Optional[str] = None   # None | "checkpoint" | "sac"
+    #: tiermem ``device_budget`` (policy auto): bytes or a share of a plain step's saved bytes.
+    device_budget: Optional[str] = None
 
 
 CONFIGS: Dict[str, ConfigSpec] = {c.name: c for c in [
@@ -265,8 +270,12 @@ CONFIGS: Dict[str, ConfigSpec] = {c.name: c for c in [
                "eligible, the rest to cpu", "tiermem", tiermem_policy="recompute,cpu"),
     ConfigSpec("tiermem_recompute_nvme", "tiermem policy=recompute,nvme: recompute what is "
                "eligible, the rest to nvme", "tiermem", tiermem_policy="recompute,nvme"),
-    ConfigSpec("tiermem_auto", "tiermem policy=auto (planner)", "tiermem",
-               tiermem_policy="auto"),
+    ConfigSpec("tiermem_auto", "tiermem policy=auto (planner), default device budget "
+               "(on the CPU: free RAM less headroom)", "tiermem", tiermem_policy="auto"),
+    ConfigSpec("tiermem_auto_50", "tiermem policy=auto, device_budget=50% (of a plain "
+               "step's saved bytes)", "tiermem", tiermem_policy="auto", device_budget="50%"),
+    ConfigSpec("tiermem_auto_25", "tiermem policy=auto, device_budget=25%", "tiermem",
+               tiermem_policy="auto", device_budget="25%"),
 ]}
 
 
@@ -283,14 +292,19 @@ def peer_versions() -> dict:
     return out
 
 
-def _tiermem_settings(opts: dict, spec: ModelSpec, policy: str) -> dict:
+def _tiermem_settings(opts: dict, spec: ModelSpec, cs: ConfigSpec) -> dict:
     kw = {}
+    policy = cs.tiermem_policy
     if opts.get("min_offload_bytes") is not None:
         kw["min_offload_bytes"] = int(opts["min_offload_bytes"])
     if opts.get("tiermem_cpu_budget"):
         kw["cpu_budget"] = opts["tiermem_cpu_budget"]
-    if "nvme" in policy:
+    # auto gets the nvme tier where the run has a directory: on the CPU only
+    # recompute and nvme free RAM.
+    if "nvme" in policy or (policy == "auto" and opts.get("nvme_dir")):
         kw["nvme_dir"] = opts["nvme_dir"]
+    if cs.device_budget is not None:
+        kw["device_budget"] = cs.device_budget
     return kw
 
 
@@ -408,10 +422,17 @@ class Runner:
             policy = BigToCpu(mixed_threshold(spec, opts)) if pol == "mixed" else pol
             if pol == "mixed":
                 self.extra["mixed_policy"] = repr(policy)
-            self.off = tiermem.Offloader(policy=policy, **_tiermem_settings(opts, spec, pol))
+            self.off = tiermem.Offloader(policy=policy, **_tiermem_settings(opts, spec, cs))
             self.extra["cpu_budget_bytes"] = getattr(self.off, "cpu_budget_bytes", None)
             self.extra["min_offload_bytes"] = self.off.config.min_offload_bytes
         self.phases = _Phases(device)
+        #: CPU only: RSS after the last forward less RSS before it (one read of
+        #: /proc/self/statm each). With MALLOC_MMAP_THRESHOLD_ set low (the
+        #: suite's --malloc-mmap-threshold) every large tensor is its own
+        #: mapping, so this is the bytes the forward left alive in RAM: what a
+        #: configuration keeps of the saved activations, for any configuration
+        #: (tiermem, checkpointing, plain), measured the same way.
+        self.forward_held_bytes: Optional[int] = None
 
     def _ctx(self):
         if self.off is not None:
@@ -436,10 +457,15 @@ class Runner:
             on_phase("forward")
         # step_scope "step": the context wraps forward and backward; else forward only.
         whole = self.step_scope == "step"
+        rss0 = None if cuda else rss_bytes()
         with ctx if whole else contextlib.nullcontext():
             with contextlib.nullcontext() if whole else ctx:
                 loss = self.model(x, y)
             ph.mark(1)
+            if not cuda:
+                # What the forward left allocated (saved activations held in RAM,
+                # the loss, moves not landed yet): see forward_held_bytes.
+                self.forward_held_bytes = rss_bytes() - rss0
             if on_phase:
                 on_phase("backward")
             loss.backward()
@@ -463,6 +489,19 @@ class Runner:
         # each a device sync on CUDA (NOTE [Trimming pinned buffers]).
         out["pinned_returns_total"] = sum(
             tier["pinned_returns"] for tier in self.off.store_stats().values())
+        plan = self.off.plan   # auto: settled between steps (NOTE [Closed loop])
+        if plan is not None:
+            self.extra["plan"] = {
+                "budget_bytes": plan.budget_bytes, "budget_setting": plan.budget_setting,
+                "baseline_bytes": plan.baseline_bytes,
+                "predicted_kept_bytes": plan.predicted_kept_bytes,
+                "measured_kept_bytes": plan.measured_kept_bytes,
+                "predicted_stall_s": plan.predicted_stall_s,
+                "predicted_recompute_s": plan.predicted_recompute_s,
+                "replans": plan.replans, "replan_reason": plan.replan_reason,
+                "bytes_by_tier": plan.bytes_by_tier(),
+                "notes": list(plan.notes),
+                "profiles": tiermem.testing.planner_of(self.off).profiles}
         return out
 
     def peer_stats(self) -> Optional[dict]:

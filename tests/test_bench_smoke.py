@@ -22,7 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUITE = [sys.executable, "-m", "benchmarks.suite"]
 
 MUST_RUN = ["baseline", "checkpoint", "sac", "save_on_cpu", "tiermem_keep", "tiermem_cpu",
-            "tiermem_nvme", "tiermem_mixed", "ckpt_tiermem_cpu"]
+            "tiermem_nvme", "tiermem_mixed", "ckpt_tiermem_cpu", "tiermem_auto_50",
+            "tiermem_auto_25"]
 
 
 def _has(mod):
@@ -124,7 +125,7 @@ def test_peers_say_whether_they_ran(smoke):
     # torchtune's offloading needs CUDA: it can never run on this machine.
     assert res["peers"]["torchtune"]["ran"] is False
     assert res["configs"]["tiermem_recompute"]["status"] == "ok"
-    assert res["configs"]["tiermem_auto"]["status"] == "ok"   # the planner runs
+    assert res["configs"]["tiermem_auto"]["status"] == "ok"   # the planner runs (issue 12)
 
 
 @pytest.mark.slow
@@ -132,6 +133,12 @@ def test_outputs(smoke):
     out, res, _ = smoke
     md = (out / "smoke.md").read_text()
     assert "| tiermem_cpu | ok |" in md and "Ceilings measured in this run" in md
+    # The planner's budgets: saved bytes left in RAM per configuration.
+    assert "Saved bytes left in RAM against the planner's budgets" in md
+    assert "| tiermem_auto_50 |" in md.split("planner's budgets")[1]
+    assert res["configs"]["baseline"]["forward_held_bytes"] > 0
+    plan = res["configs"]["tiermem_auto_50"]["extra"]["plan"]
+    assert plan["budget_setting"] == "50%" and plan["profiles"] == 1
     tl = res["configs"]["baseline"]["isolated"]["timeline"]
     assert len(tl["t_seconds"]) == len(tl["host_bytes"]) > 2
     if _has("matplotlib"):

@@ -1,12 +1,15 @@
 """policy="auto": the planner meets its device budget, moves nothing when
 everything fits, stays exact, re-plans on a shape change (and reuses the old
-plan when the old shape returns), settles within three steps, explains each
-tensor, and refuses bad budgets.
+plan when the old shape returns), corrects a wrong plan once and never
+oscillates, explains each tensor, and refuses bad budgets; a step following
+a plan that keeps a tensor computes no dedup key for it, and producer
+tracking runs only while a plan recomputes; a branch midway profiles once
+per branch.
 
 Measured kept bytes are ``stats.bytes_by_tier['keep']`` (NOTE [Closed loop]
 in tiermem/planner/runtime.py). On the CPU only recompute and nvme free RAM,
 so the budgets below 100% run with an nvme_dir (Python engine).
-Runtime: about 25 s on 2 cores.
+Runtime: 4-25 s on 2 shared cores (measured 2026-12-01, varies with load).
 """
 
 import contextlib
@@ -16,6 +19,8 @@ import pytest
 import torch
 
 import tiermem
+import tiermem.offloader
+import tiermem.step
 import tiermem.testing
 from helpers import compare_records, offloader, reference_steps, train_steps
 from models import make_case
@@ -119,12 +124,20 @@ def test_plan_is_none_before_the_first_profile_and_for_other_policies():
 
 def test_plan_is_stable_after_three_steps(nvme_dir):
     # Over six steps: a profile, then at most MAX_REPLANS corrections, then
-    # the same plan object for every later step.
+    # the same plan object for every later step. A correction is made from a
+    # measured stall, which on a shared machine may first exceed its
+    # tolerance in any step (seen: 3.5 ms at step 3 for convnet, before and
+    # after the hot-path change): what holds whatever the timing is at most
+    # one change of plan and never a return to an earlier one. Settling by
+    # step 3 is asserted where the stall is forced (the test below).
     for name in MODELS:
         off, log, _ = _run(name, steps=6, device_budget="25%", nvme_dir=nvme_dir)
         used = [plan for plan, _ in log]
         assert used[0] is None and all(p is not None for p in used[1:])
-        assert len({id(p) for p in used[3:]}) == 1, name
+        changes = [k for k in range(2, len(used)) if used[k] is not used[k - 1]]
+        assert len(changes) <= MAX_REPLANS, (name, [(p.replans, p.replan_reason)
+                                                    for p in used[1:]])
+        assert all(used[k].replans == used[k - 1].replans + 1 for k in changes)
         assert used[-1].replans <= MAX_REPLANS
         assert tiermem.testing.planner_of(off).profiles == 1
         off.close()
@@ -183,3 +196,186 @@ def test_default_budget_is_free_memory_less_headroom():
     assert default_device_budget_bytes("cuda", free_bytes=60 * gib, total_bytes=80 * gib) \
         == 52 * gib
     assert default_device_budget_bytes("cuda", free_bytes=4 * gib, total_bytes=80 * gib) == 0
+
+
+class _CountingProducers(tiermem.offloader.ProducerMode):
+    """ProducerMode that counts the forwards it tracks (class attribute ``entered``)."""
+
+    entered = 0
+
+    def __enter__(self):
+        type(self).entered += 1
+        return super().__enter__()
+
+
+@pytest.mark.parametrize("budget,recomputes", [("100%", False), ("25%", True)])
+def test_producer_tracking_runs_only_while_the_plan_recomputes(budget, recomputes,
+                                                                monkeypatch):
+    # mlp without nvme_dir: at 25% only recompute frees RAM, so that plan
+    # recomputes; at 100% it keeps everything and its steps track nothing.
+    monkeypatch.setattr(tiermem.offloader, "ProducerMode", _CountingProducers)
+    monkeypatch.setattr(_CountingProducers, "entered", 0)
+    off = offloader("auto", device_budget=budget)
+    case = make_case("mlp")
+    tracked = []
+    for _ in range(4):
+        before = _CountingProducers.entered
+        with off:
+            loss = case.loss()
+        loss.backward()
+        tracked.append(_CountingProducers.entered - before)
+    assert off.plan.recomputes is recomputes
+    assert tracked[0] == 1, "the profiled step tracks producers"
+    assert tracked[1:] == [int(recomputes)] * 3, tracked
+    off.close()
+
+
+class _SavesTwice(torch.nn.Module):
+    """sin and cos both save ``h``: one dedup hit per step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return (h.sin() * h.cos()).square().mean()
+
+
+def test_a_kept_plan_is_followed_without_dedup_keys_and_counts_as_its_profile(monkeypatch):
+    # Positions of dedup hits must not shift the indices of the tensors after
+    # them, and kept tensors need no dedup key (NOTE [Following a plan]).
+    calls = []
+    real = tiermem.step.Step.key_of
+    monkeypatch.setattr(tiermem.step.Step, "key_of",
+                        staticmethod(lambda t: calls.append(1) or real(t)))
+    torch.manual_seed(0)
+    model, ref = _SavesTwice(), _SavesTwice()
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(8, 16)
+    off = offloader("auto", device_budget="100%")
+    log = []
+    for step in range(4):
+        calls.clear()
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+        with _Recording(off, log):
+            loss = model(x)
+        loss.backward()
+        ref(x).backward()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad), (step, n)
+    profiled, planned = log[0][1], log[-1][1]
+    assert profiled.dedup_hits == 1, "the profile saw h twice"
+    assert calls == [], f"{len(calls)} dedup keys computed on a keep-everything plan"
+    assert planned.dedup_hits == profiled.dedup_hits
+    assert sum(planned.count_by_tier.values()) == sum(profiled.count_by_tier.values())
+    assert set(t for t, n in planned.count_by_tier.items() if n) == {"keep"}
+    plan = off.plan
+    assert log[-1][0] is plan and tiermem.testing.planner_of(off).profiles == 1
+    assert plan.kept_at and all(e is not None for e in plan.kept_at)
+    off.close()
+
+
+class _Branchy(torch.nn.Module):
+    """Saves two more tensors midway when ``extra`` (a data-dependent branch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1, self.lin2 = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x, extra: bool):
+        h = self.lin1(x).sin()
+        if extra:
+            h = h.cos().exp()
+        return self.lin2(h).square().mean()
+
+
+def test_a_branch_midway_profiles_once_per_branch_and_stays_exact(nvme_dir):
+    torch.manual_seed(0)
+    model, ref = _Branchy(), _Branchy()
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(64, 16)
+    off = offloader("auto", device_budget="50%", nvme_dir=nvme_dir)
+    planner = tiermem.testing.planner_of(off)
+    used = []
+    for step, extra in enumerate([False, False, False, True, True, True, False, True, False]):
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+        used.append(off.plan)
+        with off:
+            loss = model(x, extra)
+        loss.backward()
+        ref(x, extra).backward()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad), (step, extra, n)
+    # Step 3 leaves the plain branch's plan midway (the rest under the safe
+    # order), step 4 profiles the extra branch; later switches find the cached
+    # plan at the first differing tensor: no third profile.
+    assert planner.profiles == 2 and len(planner.plans) == 2
+    a, b = (p.signature for p in planner.plans.values())
+    sigs = [None if p is None else p.signature for p in used[1:] + [off.plan]]
+    assert sigs == [a, a, a, a, b, b, a, b, a], sigs   # the plan each step started with
+    off.close()
+
+
+def test_a_wrong_first_plan_is_corrected_once_and_then_holds(nvme_dir, monkeypatch):
+    # Rates that make every nvme move look free (predicted stall 0), and a
+    # measured stall of 10 ms written into the first planned step's stats as
+    # the closed loop reads them (later steps: 0, so that the machine's own
+    # timing noise cannot trigger the one correction late). The first plan is
+    # corrected once, at the next step, with the rates halved and the same
+    # target; every later step keeps that plan (MAX_REPLANS: no oscillation,
+    # no new profile).
+    from tiermem.planner.rates import Rates
+    from tiermem.planner.runtime import Planner
+    check = Planner._check
+    seen = []
+
+    def measured(self, plan, stats):
+        stats.stall_seconds = 0.010 if not seen else 0.0
+        seen.append(plan)
+        return check(self, plan, stats)
+
+    monkeypatch.setattr(Planner, "_check", measured)
+    off = offloader("auto", device_budget="25%", nvme_dir=nvme_dir)
+    planner = tiermem.testing.planner_of(off)
+    planner.rates = Rates(host_copy=1e15, pointwise=1.0, disk_write=1e15, disk_read=1e15,
+                          disk_engine="fake")
+    case = make_case("mlp")
+    log = []
+    records = train_steps(case, lambda: _Recording(off, log), steps=6)
+    compare_records(records, reference_steps("mlp", steps=6), "mlp")
+    used = [plan for plan, _ in log]
+    first, fixed = used[1], used[2]
+    assert first.replans == 0 and first.predicted_stall_s == 0.0
+    assert first.bytes_by_tier()["nvme"] > 0
+    assert first.measured_stall_s == 0.010
+    assert fixed is not first and fixed.replans == 1
+    assert fixed.replan_reason == "stall 10.00 ms, predicted 0.00 ms"
+    assert fixed.rate_factor == 0.5
+    assert fixed.target_bytes == fixed.budget_bytes   # a stall re-plan keeps the target
+    assert not any("budget lowered" in n for n in fixed.notes), fixed.notes
+    assert all(p is fixed for p in used[2:]), "the corrected plan holds"
+    assert off.plan is fixed and planner.profiles == 1
+    off.close()
+
+
+def test_a_planned_kept_tensor_keeps_the_in_place_check():
+    # The planned keep (NOTE [Following a plan]) makes the same Kept handle as
+    # the keep tier: a saved tensor written after its save raises at unpack.
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+    off = offloader("auto", device_budget="100%")
+    for step in range(3):
+        with off:
+            h = lin(x)
+            loss = h.sin().sum()
+        if step < 2:
+            loss.backward()
+    assert off.plan is not None and off.stats.count_by_tier["keep"] > 0
+    h.add_(1)   # sin saved h
+    with pytest.raises(tiermem.TierMemError, match="modified by an in-place operation"):
+        loss.backward()
+    off.close()

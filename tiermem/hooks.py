@@ -12,7 +12,8 @@ lock. Nothing else lives here.
 # The pack hook runs for every saved tensor, so its checks are ordered from
 # cheapest to dearest and stop at the first that decides: non-strided tensors,
 # parameters/buffers (before size, so that stats never count a parameter as an
-# activation), small tensors, a fixed "keep" policy, unmovable tensors, then the
+# activation), small tensors, a fixed "keep" policy, a tensor an auto plan keeps
+# (NOTE [Following a plan] in planner/runtime.py), unmovable tensors, then the
 # dedup lookup, and only then the policy (a callable policy gets a TensorInfo;
 # a named one needs none). Kept tensors are never deduplicated: keeping a
 # tensor twice costs nothing.
@@ -71,6 +72,7 @@ _KEEP = Tier.KEEP.value
 _in_backward = torch._C._current_graph_task_id   # -1 outside autograd's engine
 _Parameter = torch.nn.Parameter
 _strided = torch.strided
+_Tensor = torch.Tensor
 
 
 def opaque(fn):
@@ -215,11 +217,66 @@ class Packer:
         if fixed is Tier.KEEP:
             stats.record(_KEEP, nbytes)
             return Kept(t, "")
+        planning = None
+        if fixed is None:   # policy auto (or a callable policy); not inside a scoped block
+            planning = self.step.planning
+            if planning is not None and type(t) is _Tensor:
+                # The planned keep, inlined: it runs per tensor (NOTE [Following
+                # a plan] in planner/runtime.py). One tuple lookup, one (shape,
+                # dtype, device) check, which also stands for _movable below (a
+                # plan holds cpu and cuda tensors only); no dedup key, no TensorInfo.
+                pos = planning.pos
+                kept_at = planning.kept_at
+                entry = kept_at[pos] if pos < len(kept_at) else None
+                if entry is not None:
+                    i, shape, dtype, device = entry
+                    if t.dtype is dtype and t.shape == shape and t.device == device:
+                        step = self.step
+                        if i < 0:   # a dedup hit in the profile, of a kept tensor
+                            planning.pos = pos + 1
+                            stats.dedup_hits += 1
+                            return Kept(t, "")
+                        if step.index == i:
+                            planning.pos = pos + 1
+                            step.index = planning.count = i + 1
+                            stats.record(_KEEP, nbytes)
+                            kept = Kept(t, "")
+                            if step.producers is not None:   # recipes look inputs up
+                                step.remember(t, step.key_of(t), kept)
+                            return kept
         if not _movable(t):
             stats.unsupported_count += 1
             stats.record(_KEEP, nbytes)
             return Kept(t, current_module())
+        if planning is not None:
+            return self._place_planned(t, nbytes, planning)
         return self._place(t, nbytes, scoped, fixed)
+
+    def _place_planned(self, t: torch.Tensor, nbytes: int, planning) -> Any:
+        """``policy="auto"``, the general path (NOTE [Following a plan] in
+        planner/runtime.py): dedup lookup, then the plan's order at the next
+        index (or the profile's safe order)."""
+        step = self.step
+        planning.pos += 1
+        key = step.key_of(t)
+        handle = step.find(key)
+        if handle is not None:
+            step.stats.dedup_hits += 1
+            step.share(handle)
+            if planning.recorder is not None:
+                planning.recorder.hit(handle)
+            return handle
+        module = current_module()
+        index = step.index
+        step.index += 1
+        order = planning.order(index, t, nbytes, module, step.producers)
+        handle = self.placement.put(order, t, step, module, nbytes)
+        if planning.recorder is not None:   # a profiled step
+            planning.recorder.placed(index, handle)
+        # Kept ones too, tracked or not: the pack positions and indices of a
+        # step that follows its plan are those of its profile.
+        step.remember(t, key, handle)
+        return handle
 
     def _place(self, t: torch.Tensor, nbytes: int, scoped, fixed) -> Any:
         step = self.step
@@ -240,17 +297,6 @@ class Packer:
         else:
             index = step.index
             step.index += 1
-            planning = step.planning
-            if planning is not None:   # policy="auto": a plan lookup by index
-                order = planning.order(index, t, nbytes, module, step.producers)
-                handle = placement.put(order, t, step, module, nbytes)
-                if planning.recorder is not None:   # a profiled step
-                    planning.recorder.placed(index, handle)
-                # Kept ones too, tracked or not: pack indices must not depend
-                # on whether this step tracks producers (NOTE [Following a plan]
-                # in planner/runtime.py).
-                step.remember(t, key, handle)
-                return handle
             producers = step.producers
             op = None if producers is None else producers.op_name(t)
             info = TensorInfo(t.shape, t.dtype, t.device, nbytes, module, op, index, False)

@@ -12,7 +12,7 @@ from ..common import summarize
 ALL_CONFIGS = ["baseline", "checkpoint", "sac", "save_on_cpu", "torchtune", "deepspeed",
                "tiermem_keep", "tiermem_cpu", "tiermem_nvme", "tiermem_mixed",
                "ckpt_tiermem_cpu", "tiermem_recompute", "tiermem_recompute_cpu",
-               "tiermem_recompute_nvme", "tiermem_auto"]
+               "tiermem_recompute_nvme", "tiermem_auto", "tiermem_auto_50", "tiermem_auto_25"]
 
 _GPU_MODEL = dict(layers=12, width=2048, heads=16, seq_len=2048, vocab=8192,
                   dtype="bfloat16", dropout=0.1)
@@ -111,6 +111,9 @@ def merge_config(e: dict, opts: dict) -> None:
                   "device_allocated_after_setup_bytes"):
             if iso.get(k) is not None:
                 e[k] = iso[k]
+        held = [b for b in iso.get("forward_held_bytes") or [] if b is not None]
+        if held:
+            e["forward_held_bytes"] = int(statistics.median(held))
         pin = iso.get("pinned_host") or {}
         if pin.get("allocated_bytes_peak") is not None:
             e["peak_pinned_host_bytes"] = pin["allocated_bytes_peak"]

@@ -76,6 +76,7 @@ def render_markdown(res: dict) -> str:
         lines.append(f"| {name} | {status} | {step} | {vs} | {tps} | {dmem} | {hmem} | {moved} "
                      f"| {stall} | {late} | {exs} |")
     lines.append("")
+    lines += _budget_lines(res)
     rep = (res.get("interleaved") or {}).get("baseline_repeat")
     if rep and "reproducible" in rep:
         lines.append(f"(Control: a second plain baseline in the same run was "
@@ -154,3 +155,85 @@ def render_markdown(res: dict) -> str:
         lines.append(f"- {n}")
     lines.append("")
     return "\n".join(lines)
+
+
+#: Budgets of the planner's bar (issue 12), as shares of the baseline, and the
+#: tolerance on the measured bytes (KEPT_TOLERANCE in tiermem/planner/runtime.py).
+_BUDGETS = (0.5, 0.25)
+_TOLERANCE = 0.05
+
+
+def _budget_lines(res: dict) -> list:
+    """Saved bytes left in RAM per configuration against 50% / 25% budgets (CPU runs).
+
+    Two measures: ``forward_held_bytes`` (RSS after the forward less RSS
+    before it, every configuration, isolated run, median) and, for tiermem,
+    ``bytes_by_tier['keep']`` of the last step (what the planner's budget
+    counts). On the CPU the cpu tier's copies are RAM too (in buffers pooled
+    from earlier steps, so the RSS delta misses them): its bytes are added to
+    both measures. A configuration meets a budget when both of its measures
+    are within budget x baseline + 5% (the baseline's own measure of each kind)."""
+    if res["device"] == "cuda":
+        return []
+    confs = res["configs"]
+    base = confs.get("baseline") or {}
+    base_held = base.get("forward_held_bytes")
+    if not base_held:
+        return []
+    base_kept = None
+    keep = confs.get("tiermem_keep") or {}
+    if (keep.get("tiermem") or {}).get("last_step"):
+        base_kept = keep["tiermem"]["last_step"]["bytes_by_tier"]["keep"]
+    fastest = {}
+    rows = []
+    for name, e in confs.items():
+        held = e.get("forward_held_bytes")
+        st = e.get("step_seconds")
+        if held is None or not st:
+            continue
+        tm = (e.get("tiermem") or {}).get("last_step")
+        kept = None
+        if tm:
+            host = tm["bytes_by_tier"]["cpu"]
+            kept = tm["bytes_by_tier"]["keep"] + host
+            held += host
+        meets = []
+        for b in _BUDGETS:
+            ok = held <= base_held * b * (1 + _TOLERANCE)
+            if kept is not None and base_kept:
+                ok = ok and kept <= base_kept * b * (1 + _TOLERANCE)
+            meets.append(ok)
+            if ok and (b not in fastest or st["median"] < fastest[b][1]):
+                fastest[b] = (name, st["median"])
+        rows.append((name, st["median"], held, kept, meets, e))
+    out = ["", "**Saved bytes left in RAM against the planner's budgets** (forward held: "
+           "RSS after the forward less before it, isolated run, median; in RAM (tiermem): "
+           "bytes_by_tier keep + cpu, last step; the cpu tier's bytes are added to forward "
+           "held too (its copies sit in host buffers pooled before the step); a budget is met "
+           f"when each measure is within budget x baseline + {_TOLERANCE:.0%}; baseline in "
+           "RAM = tiermem_keep's):", "",
+           "| config | step ms median | × fastest meeting 50% | × fastest meeting 25% | "
+           "forward held | share of baseline | in RAM (tiermem) | meets 50% | meets 25% | plan |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, step, held, kept, meets, e in rows:
+        rel = [f"{step / fastest[b][1]:.2f}" if b in fastest else "–" for b in _BUDGETS]
+        plan = (e.get("extra") or {}).get("plan")
+        ptxt = "–"
+        if plan:
+            bt = {k: v for k, v in plan["bytes_by_tier"].items() if v}
+            ptxt = (f"budget {fmt_bytes(plan['budget_bytes'])}, predicted kept "
+                    f"{fmt_bytes(plan['predicted_kept_bytes'])}, "
+                    + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in bt.items())
+                    + (f"; re-planned {plan['replans']}x: {plan.get('replan_reason') or 'reason not recorded'}"
+                       if plan.get("replans") else ""))
+        out.append(f"| {name} | {_ms(step)} | {rel[0]} | {rel[1]} | {fmt_bytes(held)} | "
+                   f"{held / base_held:.2f} | {fmt_bytes(kept) if kept is not None else '–'} | "
+                   f"{'yes' if meets[0] else 'no'} | {'yes' if meets[1] else 'no'} | {ptxt} |")
+    for b in _BUDGETS:
+        if b in fastest:
+            out.append(f"- fastest meeting {b:.0%}: {fastest[b][0]} "
+                       f"({_ms(fastest[b][1])} ms)")
+        else:
+            out.append(f"- no configuration meets {b:.0%}")
+    out.append("")
+    return out

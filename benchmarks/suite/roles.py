@@ -227,7 +227,7 @@ def role_isolated(opts: dict, name: str) -> dict:
     res["host_peak_method"] = ("VmHWM after clear_refs=5 (reset once model and optimizer "
                                "exist)" if reset_peak_rss() else
                                "VmHWM since process start (clear_refs not supported)")
-    times, phases, losses, tsteps = [], [], [], []
+    times, phases, losses, tsteps, held = [], [], [], [], []
     for i in range(n):
         x, y = batches[i]
         try:
@@ -242,6 +242,7 @@ def role_isolated(opts: dict, name: str) -> dict:
         if i >= opts["warmup"]:
             times.append(dt)
             phases.append(ph)
+            held.append(runner.forward_held_bytes)
             st = runner.tiermem_stats()
             if st is not None:
                 tsteps.append(_tiermem_step_record(st))
@@ -264,6 +265,7 @@ def role_isolated(opts: dict, name: str) -> dict:
     res["times"] = times
     res["phases"] = phases
     res["tiermem_steps"] = tsteps
+    res["forward_held_bytes"] = held
     res["tiermem_last_step"] = runner.tiermem_stats()
     res["peer_stats"] = runner.peer_stats()
     res["extra"] = runner.extra

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+from ..errors import TierMemError
 from ..policy import Tier
 from ..telemetry import format_bytes
 
@@ -70,6 +71,28 @@ class Plan:
         self.orders: Tuple[tuple, ...] = tuple(
             tuple(Tier(x) for x in p.order) for p in self.tensors)
         self.recomputes = any(o[0] is Tier.RECOMPUTE for o in self.orders)
+        self.keys: tuple = ()
+        self.kept_at: tuple = ()
+
+    def follow(self, keys: tuple, positions: tuple) -> None:
+        """Bind the plan to its step signature ``keys`` ((shape, dtype,
+        device) per index) and the profile's pack ``positions`` (see
+        ``Recorder.positions``), and build the per-position table the pack
+        hook reads (NOTE [Following a plan] in
+        planner/runtime.py): ``kept_at[pos]`` is ``(i, shape, dtype, device)``
+        where position ``pos`` was the new tensor of index ``i`` and the plan
+        keeps it, ``(~i, shape, dtype, device)`` where it was a dedup hit of
+        index ``i`` and the plan keeps ``i`` (the key of ``i`` either way),
+        else ``None`` (the general path)."""
+        if len(keys) != len(self.orders):
+            raise TierMemError(f"tiermem: a plan of {len(self.orders)} tensors bound to "
+                                 f"{len(keys)} keys; this is a bug")
+        self.keys = keys
+        kept = tuple(o == (Tier.KEEP,) for o in self.orders)
+        self.kept_at = tuple(
+            None if p is None or not kept[p if p >= 0 else ~p]
+            else (p,) + tuple(keys[p if p >= 0 else ~p])
+            for p in positions)
 
     # -- explain --------------------------------------------------------------------
     @property

@@ -82,6 +82,8 @@ class Profile:
     #: bytes_by_tier['keep'] of the profiled step.
     measured_kept_bytes: int
     stats: dict = field(default_factory=dict)
+    #: Per pack position: see ``Recorder.positions``.
+    positions: tuple = ()
 
     @property
     def baseline_bytes(self) -> int:
@@ -103,6 +105,10 @@ class Recorder:
         self._unpack = unpack
         self.records: List[TensorRecord] = []
         self.keys: list = []
+        #: Per pack position (NOTE [Following a plan] in planner/runtime.py):
+        #: ``i`` a new tensor of index ``i``; ``~i`` a dedup hit of index ``i``;
+        #: ``None`` a dedup hit of a handle this step did not record.
+        self.positions: list = []
         self._by_handle: Dict[int, int] = {}
         self._recompute_handles: set = set()
         self._kept_before = 0
@@ -126,6 +132,7 @@ class Recorder:
             index, module, op, tuple(t.shape), str(t.dtype).replace("torch.", ""),
             str(t.device), nbytes, time.perf_counter() - self.t0))
         self.keys.append((t.shape, t.dtype, t.device))
+        self.positions.append(index)
         by = self.stats.bytes_by_tier
         self._kept_before = by[Tier.KEEP.value]
         self._inputs_before = self.stats.recompute_input_bytes
@@ -145,6 +152,11 @@ class Recorder:
         else:
             rec.profile_tier = handle.store.tier.value
         self._by_handle[id(handle)] = index
+
+    def hit(self, handle: Any) -> None:
+        """The tensor at the next pack position was a dedup hit of ``handle``."""
+        index = self._by_handle.get(id(handle))
+        self.positions.append(None if index is None else ~index)
 
     def end_forward(self) -> None:
         self.forward_end_s = time.perf_counter() - self.t0
@@ -183,4 +195,5 @@ class Recorder:
             self.end_forward()
         return Profile(self.records, tuple(self.keys), self.fixed_kept_bytes,
                        self.forward_end_s, self.first_unpack_s, self.last_unpack_s,
-                       self.measured_kept_bytes, self.stats.as_dict())
+                       self.measured_kept_bytes, self.stats.as_dict(),
+                       tuple(self.positions))

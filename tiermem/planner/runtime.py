@@ -24,6 +24,28 @@ follows, and the closed loop that corrects a plan from measurement.
 # the step goes to the safe order and the next step profiles. Every order is
 # a valid placement, so a step off its plan is still exact; only its budget
 # is not planned.
+# The hot path (measured: bench_overhead, benchmarks/results/
+# 2026-12-01-cpu-overhead-auto.md). Most tensors of most plans are kept, and
+# a kept tensor needs no dedup key (kept tensors are never deduplicated: NOTE
+# [Pack order of checks] in hooks.py). So the profile also records each *pack
+# position* (every tensor that reaches the plan, dedup hits included): the
+# new tensor of index i, or a dedup hit of index i. ``Plan.kept_at`` maps a
+# position to (i, shape, dtype, device) (new, planned keep) or (~i, ...) (a
+# hit of i, planned keep), with the key of i, else None. The pack hook reads
+# ``kept_at[pos]``; where it names a kept tensor whose (shape, dtype, device)
+# match (three comparisons, no tuple built) and, for a new tensor, the step's
+# index is i, the tensor is kept at once, as the fixed keep tier keeps it
+# (no module name in its handle, no dedup key, no dedup entry, no TensorInfo;
+# the entry is made only when producers are tracked, for the recipes that
+# look their inputs up). The device check stands for the pack hook's
+# movable-tensor check, which costs more (a plan holds cpu and cuda tensors
+# only). A position that was a hit in the
+# profile is not counted as an index, as in the profile. Anything else takes
+# the general path above (dedup lookup, index, key check). Exactness never
+# rests on the table: a kept tensor is a valid placement whatever else the
+# step saved (a storage kept twice costs nothing); what a wrong guess could
+# cost is only memory (a tensor kept that this step's dedup would have shared
+# with a moved one), which the closed loop measures.
 #
 # NOTE [Closed loop]
 # When a step that followed a plan is over (checked when the next step
@@ -62,9 +84,14 @@ STALL_TOLERANCE_S = 0.002
 
 
 class StepPlanning:
-    """What the pack hook asks for one step under ``auto`` (``Step.planning``)."""
+    """What the pack hook asks for one step under ``auto`` (``Step.planning``).
 
-    __slots__ = ("planner", "plan", "recorder", "safe", "off_plan", "count", "tracks")
+    The pack hook reads ``kept_at`` and ``plan`` directly (NOTE [Following a
+    plan]): ``pos`` counts the tensors that reached the plan, dedup hits
+    included; ``count`` the indices handed out (``Step.index``)."""
+
+    __slots__ = ("planner", "plan", "recorder", "safe", "off_plan", "count", "tracks", "pos",
+                 "kept_at")
 
     def __init__(self, planner: "Planner", plan: Optional[Plan],
                  recorder: Optional[Recorder]) -> None:
@@ -74,6 +101,10 @@ class StepPlanning:
         self.safe = planner.safe
         self.off_plan = False
         self.count = 0
+        self.pos = 0
+        #: The plan's per-position fast table (``Plan.kept_at``), () when none
+        #: applies (profiling, safe order, or the step left its plan).
+        self.kept_at = () if plan is None else plan.kept_at
         #: Producer tracking is needed (profiling, safe order, or a plan that recomputes).
         self.tracks = plan is None or plan.recomputes
 
@@ -90,6 +121,7 @@ class StepPlanning:
             keys = plan.keys
             if index < len(keys) and keys[index] == (t.shape, t.dtype, t.device):
                 return plan.orders[index]
+            self.kept_at = ()   # positions no longer line up with a plan
             plan = self.plan = None if self.off_plan else self.planner.switch(keys, index, t)
             if plan is not None:
                 return plan.orders[index]
@@ -201,10 +233,10 @@ class Planner:
                          nvme_budget_bytes=None if nvme is None else nvme.arena.budget_bytes,
                          replans=replans, replan_reason=reason)
         plan.budget_bytes = budget
-        plan.keys = profile.keys
+        plan.follow(profile.keys, profile.positions)
         plan.rate_factor = rate_factor
         plan.target_bytes = budget if target is None else target
-        if target is not None:
+        if target is not None and target < budget:
             plan.notes.append(f"planned to {target} bytes (budget lowered by the measured "
                               "overshoot)")
         for note in plan.notes:
