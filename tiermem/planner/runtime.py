@@ -47,6 +47,27 @@ follows, and the closed loop that corrects a plan from measurement.
 # cost is only memory (a tensor kept that this step's dedup would have shared
 # with a moved one), which the closed loop measures.
 #
+# NOTE [Plans across sizes]
+# Batch and sequence sizes often change from step to step (variable-length
+# batches). A plan per exact signature would profile every new size (each
+# profile a step under the safe order) and cache without end. So the first
+# PROFILED_SIZES sizes of a structure are profiled and planned each (a shape
+# change re-plans; an old shape reuses its plan), and after that a step whose
+# sizes match no cached plan follows a *resized* view of a cached plan of the
+# same structure: the same number of tensors, and at each position the same
+# rank, dtype and device (``_Rank`` compares equal to any shape of its rank,
+# and with a size budget to none with more elements than the plan's).
+# Which plan: with a percentage budget, the one whose tensor at the first
+# differing position is closest in size (the kept share scales with the
+# sizes); with a size budget (bytes), the closest one that is not smaller
+# there (larger tensors would keep more than the budget), and none if every
+# cached one is smaller: that step goes to the safe order and the next one
+# profiles its size. With a size budget a resized plan is followed only by
+# tensors no larger than the ones it was made for, position by position. A resized plan has no closed loop of its own (its
+# budget was priced for other sizes); its tier per tensor is exact like any
+# plan's. The caches are bounded: at most MAX_PLANS plans (and their
+# profiles), the least recently used dropped first.
+#
 # NOTE [Closed loop]
 # When a step that followed a plan is over (checked when the next step
 # starts, or when ``Offloader.plan`` is read), its measured kept bytes
@@ -58,12 +79,15 @@ follows, and the closed loop that corrects a plan from measurement.
 # a stall above the prediction by more than STALL_TOLERANCE_S and half the
 # prediction re-plans with the copy and disk rates halved. At most
 # MAX_REPLANS re-plans per signature, each from the same profile with a
-# stricter target (never a looser one), so the plan is stable after at most
-# three steps (profile, plan, one correction) and cannot oscillate.
+# stricter target (never a looser one), and only from the first step that
+# followed a plan (a stall that shows up later, machine noise, corrects
+# nothing), so the plan is stable after at most three steps (profile, plan,
+# one correction) and cannot oscillate.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Optional
 
@@ -74,13 +98,59 @@ from .profile import Profile, Recorder
 from .rates import default_device_budget_bytes, measure_rates
 from .solver import make_plan, safe_order
 
-__all__ = ["Planner", "StepPlanning", "MAX_REPLANS", "KEPT_TOLERANCE", "STALL_TOLERANCE_S"]
+__all__ = ["Planner", "StepPlanning", "MAX_REPLANS", "MAX_PLANS", "PROFILED_SIZES",
+           "KEPT_TOLERANCE", "STALL_TOLERANCE_S"]
 
 _log = logging.getLogger("tiermem")
 
 MAX_REPLANS = 1
+#: Plans (with their profiles) kept per Offloader (NOTE [Plans across sizes]).
+MAX_PLANS = 16
+#: Sizes of one structure profiled and planned each before other sizes of it
+#: follow a resized plan (NOTE [Plans across sizes]).
+PROFILED_SIZES = 3
 KEPT_TOLERANCE = 0.05
 STALL_TOLERANCE_S = 0.002
+
+
+class _Rank:
+    """Equal to any shape of ``n`` dimensions with at most ``max_numel``
+    elements (``None``: any size). NOTE [Plans across sizes]."""
+
+    __slots__ = ("n", "max_numel")
+
+    def __init__(self, n: int, max_numel: Optional[int]) -> None:
+        self.n, self.max_numel = n, max_numel
+
+    def __eq__(self, other) -> bool:
+        try:
+            if len(other) != self.n:
+                return False
+        except TypeError:
+            return NotImplemented
+        return self.max_numel is None or _numel(other) <= self.max_numel
+
+    def __ne__(self, other) -> bool:
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        most = "" if self.max_numel is None else f", at most {self.max_numel} elements"
+        return f"<a shape of rank {self.n}{most}>"
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _is_resized(plan: Plan) -> bool:
+    """A resized view of another plan (NOTE [Plans across sizes])."""
+    return getattr(plan, "source", None) is not None
 
 
 class StepPlanning:
@@ -141,6 +211,8 @@ class Planner:
         #: Plans by step signature (the tuple of keys; NOTE [Following a plan]).
         self.plans: dict = {}
         self._profiles: dict = {}
+        #: Resized views of plans, by the keys of the plan they view.
+        self._resized_plans: dict = {}
         self.current: Optional[Plan] = None
         #: Profiled steps so far.
         self.profiles = 0
@@ -177,7 +249,7 @@ class Planner:
                 self._need_profile = True
             return
         if sp.count != len(plan.orders):   # a shorter step: a plan for it, or a profile
-            plan = self.plans.get(plan.keys[:sp.count])
+            plan = None if _is_resized(plan) else self.plans.get(plan.keys[:sp.count])
             if plan is None:
                 self._need_profile = True
                 return
@@ -201,13 +273,72 @@ class Planner:
         return self.current
 
     def switch(self, keys: tuple, index: int, t) -> Optional[Plan]:
-        """A cached plan agreeing with ``keys[:index]`` and with ``t`` at ``index``."""
+        """A cached plan agreeing with ``keys[:index]`` and with ``t`` at
+        ``index``; else a resized one (NOTE [Plans across sizes]); else ``None``."""
         key = (t.shape, t.dtype, t.device)
         for other, plan in self.plans.items():
             if (len(other) > index and other[index] == key
                     and other[:index] == keys[:index]):
+                self._touch(other)
                 return plan
-        return None
+        return self._resized(keys, index, t)
+
+    def _resized(self, keys: tuple, index: int, t) -> Optional[Plan]:
+        share = isinstance(self.cfg.device_budget, BudgetShare)
+        n = t.numel()
+        best, alike = None, 0
+        for other, plan in self.plans.items():
+            if len(other) <= index:
+                continue
+            shape, dtype, device = other[index]
+            if dtype is not t.dtype or device != t.device or len(shape) != t.dim():
+                continue
+            if any(len(a[0]) != len(b[0]) or a[1] is not b[1] or a[2] != b[2]
+                   for a, b in zip(other[:index], keys[:index])):
+                continue
+            alike += 1
+            planned = _numel(shape)
+            if not share and planned < n:
+                continue
+            score = abs(planned - n)
+            if best is None or score < best[0]:
+                best = (score, other, plan)
+        if best is None or alike < PROFILED_SIZES:
+            return None   # profile this size (the next step does)
+        _, other, plan = best
+        self._touch(other)
+        resized = self._resized_plans.get(other)
+        if resized is None or resized.source is not plan:
+            resized = copy.copy(plan)
+            resized.source = plan
+            resized.notes = list(plan.notes) + [
+                "followed by steps of other sizes with this plan's structure (NOTE [Plans "
+                "across sizes]); the figures are those of the profiled sizes"]
+            ranks = tuple(_Rank(len(k[0]), None if share else _numel(k[0])) for k in plan.keys)
+            resized.keys = tuple((r, k[1], k[2]) for r, k in zip(ranks, plan.keys))
+            resized.kept_at = tuple(
+                None if e is None else (e[0], ranks[e[0] if e[0] >= 0 else ~e[0]]) + e[2:]
+                for e in plan.kept_at)
+            self._resized_plans[other] = resized
+        return resized
+
+    def _touch(self, keys: tuple) -> None:
+        """``keys``' plan was just used: last to be dropped (NOTE [Plans across sizes])."""
+        plan = self.plans.pop(keys, None)
+        if plan is not None:
+            self.plans[keys] = plan
+
+    def _remember(self, keys: tuple, plan: Plan) -> None:
+        self.plans.pop(keys, None)
+        self.plans[keys] = plan
+        while len(self.plans) > MAX_PLANS:
+            oldest = next(iter(self.plans))
+            if self.current is not None and oldest == self.current.keys:
+                self._touch(oldest)
+                oldest = next(iter(self.plans))
+            del self.plans[oldest]
+            self._profiles.pop(oldest, None)
+            self._resized_plans.pop(oldest, None)
 
     # -- planning ----------------------------------------------------------------------
     def _budget(self, profile: Profile) -> tuple:
@@ -242,7 +373,7 @@ class Planner:
         for note in plan.notes:
             if note.startswith("budget not reachable"):
                 _log.warning("tiermem: auto: %s (device_budget %s)", note, setting)
-        self.plans[profile.keys] = plan
+        self._remember(profile.keys, plan)
         return plan
 
     def _check(self, plan: Plan, stats) -> None:
@@ -251,8 +382,9 @@ class Planner:
         plan.measured_kept_bytes = kept
         plan.measured_stall_s = stall
         plan.measured_steps += 1
-        if plan.replans >= MAX_REPLANS or self.plans.get(plan.keys) is not plan:
-            return
+        if (plan.replans >= MAX_REPLANS or plan.measured_steps > 1 or _is_resized(plan)
+                or self.plans.get(plan.keys) is not plan):
+            return   # only a plan's first measured step may correct it
         target = getattr(plan, "target_bytes", plan.budget_bytes)
         factor = plan.rate_factor
         why = []
