@@ -37,7 +37,7 @@ __all__ = [
     "cpp_engine_unavailable",
     "run_step", "train_steps", "reference_steps",
     "assert_same_tensors", "compare_records", "assert_same_step", "same_bits", "expect_compact",
-    "until", "mounted", "forbid_host_waits",
+    "until", "mounted", "forbid_host_waits", "SlowFuture",
 ]
 
 
@@ -91,6 +91,23 @@ def land_moves(off) -> None:
 def moved_count(stats) -> int:
     """Saved tensors a step did not keep on their device (cpu, nvme, recompute)."""
     return sum(n for t, n in stats.count_by_tier.items() if t != "keep")
+
+
+class SlowFuture:
+    """An engine's future that is not done before ``ready_at``
+    (``time.monotonic()``): a disk slower than compute, for fault tests."""
+
+    def __init__(self, inner, ready_at: float) -> None:
+        self.inner, self.ready_at = inner, ready_at
+
+    def done(self) -> bool:
+        return time.monotonic() >= self.ready_at and self.inner.done()
+
+    def wait(self) -> None:
+        left = self.ready_at - time.monotonic()
+        if left > 0:
+            time.sleep(left)
+        self.inner.wait()
 
 
 def cpp_engine_unavailable() -> Optional[str]:

@@ -16,26 +16,11 @@ import pytest
 
 import tiermem
 import tiermem.testing
-from helpers import compare_records, land_moves, offloader, reference_steps, train_steps
+from helpers import (SlowFuture, compare_records, land_moves, offloader, reference_steps,
+                     train_steps)
 from models import make_case
 
 READ_DELAY_SECONDS = 0.03
-
-
-class _SlowFuture:
-    """An engine's future that is not done before ``ready_at``."""
-
-    def __init__(self, inner, ready_at: float) -> None:
-        self.inner, self.ready_at = inner, ready_at
-
-    def done(self) -> bool:
-        return time.monotonic() >= self.ready_at and self.inner.done()
-
-    def wait(self) -> None:
-        left = self.ready_at - time.monotonic()
-        if left > 0:
-            time.sleep(left)
-        self.inner.wait()
 
 
 class _SlowReadFile:
@@ -50,7 +35,7 @@ class _SlowReadFile:
 
     def read(self, buf, offset):
         self.reads += 1
-        return _SlowFuture(self._f.read(buf, offset), time.monotonic() + self.delay)
+        return SlowFuture(self._f.read(buf, offset), time.monotonic() + self.delay)
 
 
 class _Landed:

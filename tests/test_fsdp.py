@@ -191,21 +191,26 @@ def _tp_case(tier_case, ref, nvme_dir) -> str:
     return _compare(got, ref)
 
 
+def _fsdp_cases(rank: int, nvme_dir: str, cpp_ok: bool, device: str, results: dict) -> None:
+    """Every FSDP2 variant x tier on ``device``, into ``results``."""
+    for name, variant in VARIANTS.items():
+        ref = _train(_sharded_model(variant, device), rank, contextlib.nullcontext)
+        for tier_case in TIER_CASES:
+            if tier_case == "nvme-cpp" and not cpp_ok:
+                results[f"{name}/{tier_case}"] = "skip"
+                continue
+            try:
+                results[f"{name}/{tier_case}"] = _fsdp_case(rank, variant, tier_case, ref,
+                                                            nvme_dir, device)
+            except Exception:
+                results[f"{name}/{tier_case}"] = traceback.format_exc()
+
+
 def _worker(rank: int, world: int, port: int, nvme_dir: str, cpp_ok: bool) -> dict:
     init_gloo(rank, world, port)
     results = {}
     try:
-        for name, variant in VARIANTS.items():
-            ref = _train(_sharded_model(variant), rank, contextlib.nullcontext)
-            for tier_case in TIER_CASES:
-                if tier_case == "nvme-cpp" and not cpp_ok:
-                    results[f"{name}/{tier_case}"] = "skip"
-                    continue
-                try:
-                    results[f"{name}/{tier_case}"] = _fsdp_case(rank, variant, tier_case, ref,
-                                                                nvme_dir)
-                except Exception:
-                    results[f"{name}/{tier_case}"] = traceback.format_exc()
+        _fsdp_cases(rank, nvme_dir, cpp_ok, "cpu", results)
         ref = _tp_train(contextlib.nullcontext)
         for tier_case in TIER_CASES:
             if tier_case == "nvme-cpp" and not cpp_ok:
@@ -255,17 +260,7 @@ def _gpu_worker(rank: int, world: int, port: int, nvme_dir: str, cpp_ok: bool) -
     init_gloo(rank, world, port, backend="nccl")
     results = {}
     try:
-        for name, variant in VARIANTS.items():
-            ref = _train(_sharded_model(variant, "cuda"), rank, contextlib.nullcontext)
-            for tier_case in TIER_CASES:
-                if tier_case == "nvme-cpp" and not cpp_ok:
-                    results[f"{name}/{tier_case}"] = "skip"
-                    continue
-                try:
-                    results[f"{name}/{tier_case}"] = _fsdp_case(rank, variant, tier_case, ref,
-                                                                nvme_dir, "cuda")
-                except Exception:
-                    results[f"{name}/{tier_case}"] = traceback.format_exc()
+        _fsdp_cases(rank, nvme_dir, cpp_ok, "cuda", results)
     finally:
         shutdown()
     return results

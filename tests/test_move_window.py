@@ -18,27 +18,11 @@ from torch import nn
 
 import tiermem
 import tiermem.testing
-from helpers import offloader
+from helpers import SlowFuture, offloader
 
 COPY_DELAY_SECONDS = 0.02
 ROWS, WIDTH, LAYERS = 64, 256, 12       # each saved tensor: 64 KiB
 SAVED_BYTES = ROWS * WIDTH * 4
-
-
-class _SlowFuture:
-    """An engine's future that is not done before ``ready_at``."""
-
-    def __init__(self, inner, ready_at: float) -> None:
-        self.inner, self.ready_at = inner, ready_at
-
-    def done(self) -> bool:
-        return time.monotonic() >= self.ready_at and self.inner.done()
-
-    def wait(self) -> None:
-        left = self.ready_at - time.monotonic()
-        if left > 0:
-            time.sleep(left)
-        self.inner.wait()
 
 
 class _SlowWriteFile:
@@ -53,7 +37,7 @@ class _SlowWriteFile:
 
     def write(self, buf, offset):
         self._last = max(self._last, time.monotonic()) + self.delay
-        return _SlowFuture(self._f.write(buf, offset), self._last)
+        return SlowFuture(self._f.write(buf, offset), self._last)
 
 
 def _model() -> nn.Sequential:
