@@ -442,3 +442,38 @@ def test_the_plan_cache_is_bounded(nvme_dir, monkeypatch):
     assert planner.profiles >= 4
     assert len(planner.plans) <= 2 and len(planner._profiles) <= 2
     off.close()
+
+
+def test_must_answers_of_wrapped_blocks_are_obeyed_under_auto(nvme_dir, tmp_path):
+    """``wrap_blocks(..., policy=CheckpointPolicy.MUST_SAVE)`` inside an auto
+    Offloader: the block's tensors are kept whatever the plan would choose
+    (a scoped policy is not the planner's to override: they never reach a
+    tier), the rest of the model is planned, and gradients stay exact over
+    profile and planned steps. Without the wrapping the planner does move
+    tensors of that block (so the check means something)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from models import Attention
+
+    def placed_in_attention(case, off):
+        with tiermem.testing.record_placements(off) as seen:
+            records = train_steps(case, lambda: off, steps=4)
+        compare_records(records, reference_steps("block", steps=4), "block")
+        off.close()
+        return ([tier for module, tier in seen if module.startswith("Block.attn")],
+                [tier for module, tier in seen if not module.startswith("Block.attn")])
+
+    inside, _ = placed_in_attention(make_case("block"),
+                                    offloader("auto", device_budget="25%",
+                                              nvme_dir=str(tmp_path / "plain")))
+    assert any(tier != "keep" for tier in inside), inside
+    case = make_case("block")
+    wrapping = tiermem.wrap_blocks(case.model, Attention, checkpoint=False,
+                                   policy=CheckpointPolicy.MUST_SAVE)
+    try:
+        inside, outside = placed_in_attention(
+            case, offloader("auto", device_budget="25%", nvme_dir=nvme_dir))
+    finally:
+        wrapping.unwrap()
+    assert inside == [], inside                                # kept, never placed
+    assert any(tier != "keep" for tier in outside), outside   # the rest is planned
