@@ -627,3 +627,30 @@ def test_stale_build_lock_is_removed_only_where_its_existence_is_the_lock(tmp_pa
         os.utime(lock, (old, old))
         cpp._clear_stale_lock(torch_kind, "tiermem_C")
         assert lock.exists() is kept
+
+
+def test_a_fresh_lock_of_a_killed_build_does_not_hang_the_next_load(tmp_path):
+    """A build killed mid-compile leaves torch's (<= 2.13) lock file, however
+    young; the next load in another process must not wait on it forever
+    (NOTE [Build lock] in tiermem/io/cpp.py)."""
+    from torch.utils import cpp_extension
+
+    reason = cpp_engine_unavailable()   # builds here first, once, if needed
+    if reason:
+        pytest.skip(f"C++ engine unavailable: {reason}")
+    if getattr(cpp_extension, "FileLock", None) is not None:
+        pytest.skip("this torch locks builds with an OS lock (FileLock): no stale lock file")
+    from tiermem.io import cpp
+    lock = os.path.join(cpp_extension._get_build_directory(cpp._NAME, False), "lock")
+    open(lock, "w").close()   # just made: the age rule alone would wait on it
+    try:
+        code = "from tiermem.io import cpp; cpp.load_extension(); print('ok')"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=120)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("the load waited on the killed build's lock file") from None
+    finally:
+        if os.path.exists(lock):
+            os.unlink(lock)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+    assert "NOTE [Build lock]" in out.stderr

@@ -135,11 +135,10 @@ def _build(cpp_extension, cuda: bool, verbose: bool):
         raise TierMemError(f"tiermem: missing source files: {', '.join(missing)}")
     if cuda and cpp_extension.CUDA_HOME is None:
         raise TierMemError("no CUDA toolkit found (set CUDA_HOME, or put nvcc on PATH)")
-    _clear_stale_lock(cpp_extension, name)
     # -std is left to torch: its headers need the standard it passes (C++20
     # for torch 2.13); io_engine.cpp itself is plain C++17.
     cflags = ["-O3"] + (["-DTIERMEM_WITH_CUDA"] if cuda else [])
-    with _arch_list(cuda):
+    with _build_lock(cpp_extension, name), _arch_list(cuda):
         return cpp_extension.load(
             name=name, sources=sources, extra_cflags=cflags, extra_include_paths=[_CSRC],
             with_cuda=cuda, verbose=verbose)
@@ -191,6 +190,47 @@ def _find_ninja() -> None:
 
 #: A build lock older than this was left by a killed build (a build takes ~30 s).
 _STALE_LOCK_SECONDS = 600
+
+
+@contextlib.contextmanager
+def _build_lock(cpp_extension, name: str):
+    """Held around ``cpp_extension.load``.
+
+    # NOTE [Build lock]
+    # torch up to 2.13 locks a build directory with a file whose existence is
+    # the lock (``FileBaton``): a build killed while compiling leaves it, and
+    # every later build waits on it forever. tiermem builds therefore also
+    # hold an OS lock (``flock``, released by the kernel when its process
+    # dies) on ``tiermem-build.flock`` in the same directory for the whole
+    # load. Holding it, a ``lock`` file can only be a dead build's (any live
+    # tiermem build holds the flock), so it is removed whatever its age.
+    # Without the flock (no such file can be made), only a lock older than
+    # _STALE_LOCK_SECONDS is taken for stale. torch >= 2.14 locks with an OS
+    # lock itself (``FileLock``): nothing to do.
+    """
+    if getattr(cpp_extension, "FileLock", None) is not None:
+        yield
+        return
+    try:
+        import fcntl
+        build_dir = cpp_extension._get_build_directory(name, False)  # private API
+        fd = os.open(os.path.join(build_dir, "tiermem-build.flock"), os.O_RDWR | os.O_CREAT,
+                     0o644)
+    except (ImportError, AttributeError, OSError, TypeError):
+        _clear_stale_lock(cpp_extension, name)
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)   # waits while another tiermem process builds here
+        lock = os.path.join(build_dir, "lock")
+        if os.path.exists(lock):
+            _log.warning("tiermem: removing the build lock %s left by a build of the C++ "
+                         "engine that was killed (NOTE [Build lock])", lock)
+            with contextlib.suppress(OSError):
+                os.unlink(lock)
+        yield
+    finally:
+        os.close(fd)   # releases the flock
 
 
 def _clear_stale_lock(cpp_extension, name: str) -> None:
