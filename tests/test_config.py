@@ -222,3 +222,28 @@ def test_log_level_is_set_only_when_asked():
     Config.from_env({"TIERMEM_LOG": "debug"})
     assert logger.level == logging.DEBUG
     logger.setLevel(logging.NOTSET)
+
+
+def test_a_misspelt_variable_warns_once_naming_the_closest_setting(monkeypatch):
+    import tiermem.config as config_mod
+    monkeypatch.setattr(config_mod, "_warned_unknown", set())
+    env = {"TIERMEM_NVME_DRI": "/tmp/x", "TIERMEM_POLICY": "keep"}
+    with pytest.warns(UserWarning, match=r"TIERMEM_NVME_DRI .*did you mean TIERMEM_NVME_DIR\?"):
+        cfg = Config.from_env(env)
+    assert cfg.nvme_dir is None    # ignored, not guessed
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Config.from_env(env)       # once per name per process
+
+
+def test_settings_and_the_projects_own_variables_do_not_warn(monkeypatch):
+    import warnings
+    import tiermem.config as config_mod
+    monkeypatch.setattr(config_mod, "_warned_unknown", set())
+    env = {f.metadata["env"]: "" for f in dataclasses.fields(Config)}
+    env.update({"TIERMEM_BENCH_NVME_DIR": "/x", "TIERMEM_CI_VENV": "/v",
+                "TIERMEM_TEST_TIMEOUT_S": "5", "TIERMEM_SUITE_SECONDS": "9", "OTHER": "1"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Config.from_env(env)

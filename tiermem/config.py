@@ -11,10 +11,12 @@ Precedence: keyword argument > environment variable > default.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import fractions
 import logging
 import os
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Union
 
@@ -262,6 +264,7 @@ class Config:
             elif environ.get(env, "").strip() != "":
                 text = environ[env]
                 values[name] = _check_min(f, f.metadata["parse"](text, env), env, shown=text)
+        _warn_unknown_variables(environ, {f.metadata["env"] for f in known.values()})
         cfg = cls(**values)
         if "log" in values:  # only when asked: never override the user's own logging setup
             _configure_logging(cfg.log)
@@ -276,6 +279,35 @@ class Config:
                 raise ConfigError(f"tiermem: unknown setting {name}; valid: {', '.join(fields)}")
             checked[name] = None if value is None else _from_argument(fields[name], value)
         return dataclasses.replace(self, **checked)
+
+
+# NOTE [Unknown variables]
+# A misspelt variable (``TIERMEM_NVME_DRI``) would otherwise do nothing at all:
+# the user believes tensors go to disk while every one stays on the device.
+# So every ``TIERMEM_*`` name in the environment that is not a setting gets a
+# ``UserWarning`` naming it and the closest setting, once per name per
+# process (an Offloader per step must not repeat it). A warning, not an
+# error: a variable left by another tiermem version must not stop training.
+# Names under the prefixes of the project's own scripts (benchmarks, CI,
+# tests) and the build's are not settings and are not warned about.
+NON_SETTING_PREFIXES = ("TIERMEM_BENCH_", "TIERMEM_CI_", "TIERMEM_TEST_", "TIERMEM_SUITE_",
+                        "TIERMEM_WITH_")
+_warned_unknown: set = set()
+
+
+def _warn_unknown_variables(environ: Mapping[str, str], settings: set) -> None:
+    """Warn once per name about ``TIERMEM_*`` variables that are not settings
+    (NOTE [Unknown variables])."""
+    for name in environ:
+        if (not name.startswith("TIERMEM_") or name in settings or name in _warned_unknown
+                or name.startswith(NON_SETTING_PREFIXES)):
+            continue
+        _warned_unknown.add(name)
+        close = difflib.get_close_matches(name, sorted(settings), n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        warnings.warn(f"tiermem: environment variable {name} is not a tiermem setting and is "
+                      f"ignored{hint} (settings: {', '.join(sorted(settings))})",
+                      UserWarning, stacklevel=3)
 
 
 def _from_argument(f: dataclasses.Field, value: Any) -> Any:
