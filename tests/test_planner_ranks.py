@@ -72,6 +72,52 @@ def _train(rank: int, make_ctx, seqs, observe=None):
     return losses, [p.detach().clone() for p in ddp.parameters()]
 
 
+def _train_fsdp2(rank: int, off=None):
+    """FSDP2 (``fully_shard`` per block and on the root) for STEPS steps,
+    ``off`` attached to the root (its hook runs after FSDP2's pre-forward,
+    whose all-gathers are issued before the exchange); the first plan as
+    seen inside step 1."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    model = TinyLM()
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if off is not None:
+        off.attach(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(100 + rank)
+    losses, tiers = [], None
+    for step in range(STEPS):
+        tokens = torch.randint(0, 64, (4, SEQ + 1), generator=gen)
+        torch.manual_seed(1000 * rank + step)
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        if step == 1 and off is not None:
+            tiers = [p.tier for p in off.plan.tensors]
+        loss.backward()
+        losses.append(loss.detach().clone())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    if off is not None:
+        off.detach()
+    return (losses, [p.detach().to_local().clone() for p in model.parameters()]), tiers
+
+
+def _fsdp2_case(rank, nvme_dir) -> dict:
+    ref, _ = _train_fsdp2(rank)
+    off = tiermem.Offloader(policy="auto", device_budget="40%", min_offload_bytes=0,
+                            nvme_dir=nvme_dir, engine="python")
+    try:
+        got, tiers = _train_fsdp2(rank, off)
+        a = tiermem.testing.planner_of(off).agreement
+    finally:
+        off.close()
+    return {"exact": _exact(got, ref), "tiers": tiers,
+            "agreement": None if a is None else a.as_dict()}
+
+
 def _exact(got, ref) -> str:
     for i, (a, b) in enumerate(zip(got[0] + got[1], ref[0] + ref[1])):
         if not torch.equal(a, b):
@@ -158,6 +204,10 @@ def _worker(rank: int, world: int, port: int, nvme_dir: str) -> dict:
                 results[name] = {"error": traceback.format_exc()}
             finally:
                 os.environ.pop("TIERMEM_AGREE_RANKS", None)
+        try:
+            results["fsdp2_attached"] = _fsdp2_case(rank, nvme_dir)
+        except Exception:
+            results["fsdp2_attached"] = {"error": traceback.format_exc()}
         for name, settings in (("plan_seen_agreed", {}), ("plan_seen_off", {"agree_ranks": False})):
             try:
                 results[name] = _plan_after_first_backward(rank, nvme_dir, **settings)
@@ -238,6 +288,15 @@ def test_agreement_can_be_turned_off(ranks_results, name):
     p0, p1 = r0["first_plan"], r1["first_plan"]
     assert p0["budget_bytes"] > p1["budget_bytes"], "each rank planned from its own budget"
     assert p0["rates"]["disk_write"] == 1.0e9 and p1["rates"]["disk_write"] == 0.25e9
+    assert r0["exact"] == r1["exact"] == ""
+
+
+@pytest.mark.slow
+def test_fsdp2_ranks_with_an_attached_auto_offloader_agree_and_stay_exact(ranks_results):
+    r0, r1 = _case(ranks_results, "fsdp2_attached")
+    assert r0["agreement"] == r1["agreement"] is not None
+    assert r0["agreement"]["timeline_rank"] is not None
+    assert r0["tiers"] == r1["tiers"] and set(r0["tiers"]) - {"keep"}
     assert r0["exact"] == r1["exact"] == ""
 
 
