@@ -410,3 +410,26 @@ def test_agree_ranks_setting(monkeypatch):
 def test_nan_marks_a_missing_figure():
     row = _row(0)
     assert row[agree._RANK] == 0 and math.isnan(row[agree._HASH])
+
+
+def _nccl_worker(rank: int, world: int, port: int) -> dict:
+    """The exchange itself over NCCL (its tensors on the current CUDA device)."""
+    init_gloo(rank, world, port, backend="nccl")
+    try:
+        profile = _profile(device=f"cuda:{rank}")
+        a = agree.exchange(_row(rank, _rates(rank), BudgetShare(0.5), profile=profile),
+                           profile)
+        def json_ready(values):   # NaN (no figure) as None: NaN != NaN
+            return [None if math.isnan(v) else v for v in values]
+        return {"agreement": a.as_dict(), "timeline": json_ready(a.timeline),
+                "sent": json_ready(agree._timeline(profile))}
+    finally:
+        shutdown()
+
+
+@pytest.mark.gpu
+def test_the_exchange_runs_over_nccl_on_the_current_cuda_device():
+    (res,) = run_ranks(_nccl_worker, 1, timeout_s=120)
+    assert res["agreement"]["timeline_rank"] == 0
+    assert res["agreement"]["device_budget"] == "50%"
+    assert res["timeline"] == res["sent"]
