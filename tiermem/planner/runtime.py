@@ -230,7 +230,9 @@ class Planner:
     # -- per step ----------------------------------------------------------------------
     def begin_step(self, unpack) -> StepPlanning:
         """The planning of a step starting now: profile, follow a plan, or
-        (a profile's backward not run yet) the safe order."""
+        (a profile's backward not run yet) the safe order. At the
+        AGREE_AT_STEP-th step, under torch.distributed, first the exchange
+        with the other ranks (NOTE [Ranks agree once] in planner/agree.py)."""
         self.steps_begun += 1
         if self.steps_begun == _agree.AGREE_AT_STEP and _agree.active(self.cfg.agree_ranks):
             self._agree()
