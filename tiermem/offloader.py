@@ -261,8 +261,9 @@ class Offloader:
         """``policy="auto"``: the :class:`~tiermem.planner.Plan` the next step
         follows (``str()`` a per-module table, ``.explain(i)``, ``.reasons``,
         ``.as_dict()``), with the last planned step's measurements written in.
-        ``None`` before the first profiled step's backward has run, and for
-        other policies. Read it after a backward: it settles the planner
+        ``None`` before the first profiled step's backward has run (under
+        torch.distributed, before the second step begins: NOTE [Ranks agree
+        once] in planner/agree.py), and for other policies. Read it after a backward: it settles the planner
         (plans from a finished profile, checks the last step; NOTE [Closed
         loop] in planner/runtime.py)."""
         if self.config.disable or self._placement.planner is None:
