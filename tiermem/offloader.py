@@ -201,17 +201,21 @@ class Offloader:
                     f"tiermem: this Offloader is already active in {where}; nest a "
                     "different Offloader (or no_offload()), and use one Offloader per thread")
             self._active_thread = me
-        # Between steps: the pools may give back idle pinned buffers now
-        # (NOTE [Trimming pinned buffers] in hostpool.py).
-        for store in self._placement.movers:
-            store.trim_idle()
-        ctx = OffloadContext(self)
-        self.stats = ctx.stats
-        self._ctx = ctx
-        self._steps.add(ctx.step)
         try:
+            # Between steps: the pools may give back idle pinned buffers now
+            # (NOTE [Trimming pinned buffers] in hostpool.py).
+            for store in self._placement.movers:
+                store.trim_idle()
+            ctx = OffloadContext(self)
+            self.stats = ctx.stats
+            self._ctx = ctx
+            self._steps.add(ctx.step)
             return ctx.__enter__()
         except BaseException:
+            # Whatever failed (a step that could not be set up: a planner
+            # ConfigError, an exchange between ranks that raised), the
+            # Offloader is not active: the next ``with`` may enter it.
+            self._ctx = None
             self._active_thread = None
             raise
 
