@@ -167,6 +167,7 @@ def test_must_answers_count_against_the_budget_and_a_budget_they_block_is_said(
     plan = off.plan
     note = [n for n in plan.notes if n.startswith("budget not reachable")]
     assert note and "MUST answers of the hints keep" in note[0], plan.notes
+    assert note[0].endswith("(constraints: without them it would be reachable)"), note
     must_kept = sum(p.nbytes for p in plan.tensors if p.must and p.tier != "recompute")
     assert must_kept > plan.budget_bytes
     off.close()

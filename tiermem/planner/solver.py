@@ -287,10 +287,14 @@ def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting:
             notes.append(f"budget not reachable: the tiers here free at most "
                          f"{format_bytes(freed)} of the {format_bytes(need)} asked")
             if must_kept or same_ram:
+                # Would the tiers reach it if the MUST-kept tensors could move?
+                movable = sum(options[r.index][0].freed for r in musts
+                              if options[r.index] and not costs[r.index].freed)
                 notes[-1] += (f"; MUST answers of the hints keep {format_bytes(must_kept)}"
                               + (f" and hold {format_bytes(same_ram)} in the cpu tier "
                                  "counted as kept" if same_ram else "")
-                              + " (constraints: never moved)")
+                              + (" (constraints: without them it would be reachable)"
+                                 if freed + movable >= need else " (constraints)"))
     for r in records:   # hints the loop did not reach, or reached without moving
         if r.hint is None or r.index in hint_end:
             continue
