@@ -342,3 +342,44 @@ def test_a_bad_answer_is_an_error_naming_it(bad):
         with off:
             case.loss()
     off.close()
+
+
+# ---------------------------------------------------------------------------
+# CUDA: the cpu tier frees device memory (not run in CI: no GPU there)
+# ---------------------------------------------------------------------------
+
+def _cuda_case():
+    case = make_case("block")
+    case.model.cuda()
+    case.inputs = tuple(x.cuda() for x in case.inputs)
+    return case
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("deterministic")
+def test_cpu_offload_answers_on_cuda(spy_on):
+    """MUST_CPU_OFFLOAD obeyed and PREFER_CPU_OFFLOAD followed (the budget
+    needs more than they free) on CUDA tensors, every step, gradients exact."""
+    import contextlib
+
+    def answer(info):
+        if info.module == "Block.mlp.1":
+            return CP.MUST_CPU_OFFLOAD
+        return CP.PREFER_CPU_OFFLOAD if info.op == "native_layer_norm" else None
+
+    spy = spy_on(answer)
+    off = offloader("auto", device_budget="50%", hints=spy.hints)
+    records = train_steps(_cuda_case(), lambda: off, steps=STEPS)
+    ref = train_steps(_cuda_case(), contextlib.nullcontext, steps=STEPS)
+    compare_records(records, ref, "block on cuda")
+    plan = off.plan
+    must = [p for p in plan.tensors if p.must]
+    prefer = [p for p in plan.tensors if p.hint == "PREFER_CPU_OFFLOAD"]
+    assert must and all(p.tier == "cpu" and p.order[0] == "cpu" for p in must), must
+    assert prefer and all(p.tier == "cpu" and p.reason.endswith("followed")
+                          for p in prefer), [p.reason for p in prefer]
+    for placed in spy.steps:
+        assert {placed[p.index] for p in must} == {"cpu"}, placed
+    for placed in spy.steps[1:]:
+        assert {placed[p.index] for p in prefer} == {"cpu"}, placed
+    off.close()
