@@ -95,6 +95,7 @@ from typing import Optional
 from ..config import BudgetShare
 from ..policy import Tier
 from . import agree as _agree
+from .hints import Hints
 from .plan import Plan
 from .profile import Profile, Recorder
 from .rates import default_device_budget_bytes, measure_rates
@@ -185,8 +186,12 @@ class StepPlanning:
         self.count = index + 1
         rec = self.recorder
         if rec is not None:
-            rec.record(index, t, nbytes, module,
-                       None if producers is None else producers.op_name(t))
+            op = None if producers is None else producers.op_name(t)
+            hints = self.planner.hints
+            hint = None if hints is None else hints.ask(index, t, nbytes, module, op)
+            rec.record(index, t, nbytes, module, op, hint)
+            if hint is not None and hint[0].must:   # NOTE [Planner hints], rule 2
+                return hints.must_order(hint[0], t.device.type)
             return self.safe[t.device.type]
         plan = self.plan
         if plan is not None:
@@ -198,18 +203,26 @@ class StepPlanning:
             if plan is not None:
                 return plan.orders[index]
             self.off_plan = True
+        hints = self.planner.hints
+        if hints is not None:   # the safe order, MUST answers obeyed (NOTE [Planner hints])
+            hint = hints.ask(index, t, nbytes, module,
+                             None if producers is None else producers.op_name(t))
+            if hint is not None and hint[0].must:
+                return hints.must_order(hint[0], t.device.type)
         return self.safe[t.device.type]
 
 
 class Planner:
     """The planner of one Offloader (``policy="auto"``); see the module docstring."""
 
-    def __init__(self, placement, cfg) -> None:
+    def __init__(self, placement, cfg, hints=None) -> None:
         self._placement = placement
         self.cfg = cfg
         self.has_nvme = Tier.NVME in placement.stores
         self.safe = {"cpu": safe_order("cpu", self.has_nvme),
                      "cuda": safe_order("cuda", self.has_nvme)}
+        #: The ``hints`` callable, asked only off the plan (NOTE [Planner hints]).
+        self.hints = None if hints is None else Hints(hints, self.safe)
         #: Plans by step signature (the tuple of keys; NOTE [Following a plan]).
         self.plans: dict = {}
         self._profiles: dict = {}
