@@ -16,7 +16,11 @@ from ..errors import TierMemError
 from ..policy import Tier
 from ..telemetry import format_bytes
 
-__all__ = ["Plan", "PlannedTensor"]
+__all__ = ["Plan", "PlannedTensor", "PlannedBlock", "CHECKPOINTED"]
+
+#: ``PlannedTensor.tier`` of a tensor saved inside a block the plan
+#: checkpoints (NOTE [Blocks the planner may checkpoint] in planner/runtime.py).
+CHECKPOINTED = "checkpoint"
 
 
 @dataclass
@@ -36,6 +40,30 @@ class PlannedTensor:
     window_s: float
     #: Predicted cost of the chosen tier (regeneration or stall), seconds.
     cost_s: float = 0.0
+
+
+@dataclass
+class PlannedBlock:
+    """One ``wrap_blocks(..., checkpoint="auto")`` block call (``index``: its
+    order among the step's auto blocks) and whether the plan checkpoints it
+    (NOTE [Blocks the planner may checkpoint] in planner/runtime.py). Its
+    saved tensors are pack indexes ``start`` to ``end - 1`` of the profile
+    (positions ``start_pos`` to ``end_pos - 1``)."""
+
+    index: int
+    module: str
+    start: int
+    end: int
+    start_pos: int
+    end_pos: int
+    #: Bytes saved inside it in a plain step.
+    saved_bytes: int
+    #: Bytes a checkpoint of it saves (its tensor arguments; kept).
+    input_bytes: int
+    #: Its forward in the profile: about what a checkpoint adds to backward.
+    forward_s: float
+    checkpoint: bool
+    reason: str
 
 
 @dataclass
@@ -65,12 +93,14 @@ class Plan:
     measured_stall_s: Optional[float] = None
     measured_steps: int = 0
     notes: List[str] = field(default_factory=list)
+    #: The step's ``checkpoint="auto"`` blocks, in call order.
+    blocks: List[PlannedBlock] = field(default_factory=list)
 
     # -- lookups used by the pack hook (runtime.py) ----------------------------------
     def __post_init__(self) -> None:
         self.orders: Tuple[tuple, ...] = tuple(
             tuple(Tier(x) for x in p.order) for p in self.tensors)
-        self.recomputes = any(o[0] is Tier.RECOMPUTE for o in self.orders)
+        self.recomputes = any(p.tier == Tier.RECOMPUTE.value for p in self.tensors)
         self.keys: tuple = ()
         self.kept_at: tuple = ()
 
@@ -107,7 +137,10 @@ class Plan:
                 f"{list(p.shape)} {p.dtype} {format_bytes(p.nbytes)}: {p.reason}")
 
     def bytes_by_tier(self) -> Dict[str, int]:
+        """Bytes per tier (``"checkpoint"`` too when the step has auto blocks)."""
         out = {t.value: 0 for t in Tier}
+        if self.blocks:
+            out[CHECKPOINTED] = 0
         for p in self.tensors:
             out[p.tier] += p.nbytes
         return out
@@ -120,8 +153,13 @@ class Plan:
         d["bytes_by_tier"] = self.bytes_by_tier()
         return d
 
+    def explain_block(self, index: int) -> str:
+        """Why auto block ``index`` (call order) is checkpointed or not."""
+        b = self.blocks[index]
+        return f"block #{b.index} {b.module or '<no module>'}: {b.reason}"
+
     def __str__(self) -> str:
-        tiers = [t.value for t in Tier]
+        tiers = [t.value for t in Tier] + ([CHECKPOINTED] if self.blocks else [])
         rows: Dict[str, Dict[str, int]] = {}
         for p in self.tensors:
             row = rows.setdefault(p.module or "<no module>", {t: 0 for t in tiers})
@@ -148,5 +186,9 @@ class Plan:
                  else f", measured {self.measured_stall_s * 1e3:.2f} ms")
         lines.append(f"stall: predicted {self.predicted_stall_s * 1e3:.2f} ms{stall}; "
                      f"recompute: predicted {self.predicted_recompute_s * 1e3:.2f} ms")
+        if self.blocks:
+            n = sum(b.checkpoint for b in self.blocks)
+            lines.append(f"auto blocks: {n} of {len(self.blocks)} checkpointed")
+            lines.extend("  " + self.explain_block(b.index) for b in self.blocks)
         lines.extend(self.notes)
         return "\n".join(lines)

@@ -22,11 +22,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+import torch
+
 from ..policy import Tier
 from ..tiers.keep import Kept
 from ..tiers.recompute import RecomputeHandle
 
-__all__ = ["TensorRecord", "Profile", "Recorder", "signature_key", "signature_hash"]
+__all__ = ["TensorRecord", "BlockRecord", "Profile", "Recorder", "signature_key",
+           "signature_hash"]
 
 
 def signature_key(t) -> tuple:
@@ -68,6 +71,27 @@ class TensorRecord:
 
 
 @dataclass
+class BlockRecord:
+    """One call of a ``wrap_blocks(..., checkpoint="auto")`` block in the
+    profiled step (outermost ones only; NOTE [Blocks the planner may
+    checkpoint] in planner/runtime.py). It ran plainly: its saved tensors are
+    the records of pack indexes ``start`` to ``end - 1``, at pack positions
+    ``start_pos`` to ``end_pos - 1``."""
+
+    #: Order of the call among the step's auto blocks.
+    index: int
+    module: str
+    start: int
+    end: int
+    start_pos: int
+    end_pos: int
+    #: Host seconds its forward took (under the profile's safe order).
+    forward_s: float
+    #: Bytes of its tensor arguments: what a checkpoint of it saves.
+    input_bytes: int
+
+
+@dataclass
 class Profile:
     """A finished profile: records in pack order and the step's timeline."""
 
@@ -84,6 +108,8 @@ class Profile:
     stats: dict = field(default_factory=dict)
     #: Per pack position: see ``Recorder.positions``.
     positions: tuple = ()
+    #: The auto blocks of the step, in call order.
+    blocks: tuple = ()
 
     @property
     def baseline_bytes(self) -> int:
@@ -119,6 +145,7 @@ class Recorder:
         self.measured_kept_bytes = 0
         self.first_unpack_s: Optional[float] = None
         self.last_unpack_s: Optional[float] = None
+        self.blocks: List[BlockRecord] = []
 
     def start(self, stats) -> None:
         """The step starts now; its stats are ``stats``."""
@@ -164,6 +191,22 @@ class Recorder:
         self.measured_kept_bytes = kept
         self.fixed_kept_bytes = max(0, kept - self._recorded_kept)
 
+    def block(self, index: int, module: str, args: tuple, run, planning):
+        """Run auto block ``index`` plainly (``run()``) and record it; the
+        pack indexes and positions are read from ``planning``."""
+        seen = set()
+        input_bytes = 0
+        for a in args:
+            if isinstance(a, torch.Tensor) and id(a) not in seen:
+                seen.add(id(a))
+                input_bytes += a.nbytes
+        start, start_pos = planning.count, planning.pos
+        t0 = time.perf_counter()
+        out = run()
+        self.blocks.append(BlockRecord(index, module, start, planning.count, start_pos,
+                                       planning.pos, time.perf_counter() - t0, input_bytes))
+        return out
+
     # -- backward ------------------------------------------------------------------
     def unpack(self, handle: Any):
         """The unpack hook of a profiled step: the plain unpack, timed."""
@@ -196,4 +239,4 @@ class Recorder:
         return Profile(self.records, tuple(self.keys), self.fixed_kept_bytes,
                        self.forward_end_s, self.first_unpack_s, self.last_unpack_s,
                        self.measured_kept_bytes, self.stats.as_dict(),
-                       tuple(self.positions))
+                       tuple(self.positions), tuple(self.blocks))

@@ -22,6 +22,13 @@
 #    the budget. A move whose tier is out of room (cpu budget, nvme budget,
 #    counted as if everything moved were held at once) tries the tensor's
 #    next option ("nvme: host budget full").
+#    A ``checkpoint="auto"`` block is one more option, ranked with the
+#    tensors' by the same price: checkpointing it costs its profiled forward
+#    once more in backward and frees the bytes saved inside it less its
+#    input bytes (which the checkpoint saves, kept). Taking it undoes the
+#    choices already made for its tensors (they are no longer saved)
+#    and skips them later (NOTE [Blocks the planner may checkpoint] in
+#    planner/runtime.py). Ties go to the tensors.
 # 3. The chosen moves are then simulated on serial channels, one per
 #    direction (moves queue in pack order out, in first-use order back,
 #    each stall delaying later needs): that gives the predicted stall.
@@ -38,8 +45,8 @@ from typing import List, Optional, Tuple
 
 from ..policy import Tier
 from ..telemetry import format_bytes
-from .plan import Plan, PlannedTensor
-from .profile import Profile, TensorRecord
+from .plan import CHECKPOINTED, Plan, PlannedBlock, PlannedTensor
+from .profile import BlockRecord, Profile, TensorRecord
 from .rates import Rates
 
 __all__ = ["make_plan", "safe_order", "tier_orders"]
@@ -155,6 +162,95 @@ def _why_no_option(r: TensorRecord, has_nvme: bool) -> str:
     return "kept: no tier frees its memory here (" + "; ".join(why) + ")"
 
 
+class _Block:
+    """A block option (NOTE [Blocks the planner may checkpoint] in
+    planner/runtime.py): checkpointing frees ``freed`` bytes for ``cost_s``."""
+
+    __slots__ = ("rec", "saved", "freed", "cost_s", "chosen")
+
+    def __init__(self, rec: BlockRecord, records: List[TensorRecord]) -> None:
+        self.rec = rec
+        self.saved = sum(r.nbytes for r in records[rec.start:rec.end])
+        self.freed = self.saved - rec.input_bytes
+        self.cost_s = rec.forward_s
+        self.chosen = False
+
+
+def _choose(records, options, blocks, need: int, room: dict, choice: dict, costs: dict,
+            reasons: dict, checkpointed: dict) -> Tuple[int, int]:
+    """Step 2 of NOTE [Planner cost model]: take the cheapest options per freed
+    byte, tensors' and blocks', until ``need`` bytes are freed. Fills
+    ``choice``, ``costs``, ``reasons`` and ``checkpointed``; returns (bytes
+    freed, recipe and checkpoint input bytes the choices keep)."""
+    cands = [((options[r.index][0].cost_s / options[r.index][0].freed, 0,
+               -(r._use - r.pack_s), r.index), r) for r in records if options[r.index]]
+    cands += [((b.cost_s / b.freed, 1, 0.0, b.rec.index), b) for b in blocks if b.freed > 0]
+    cands.sort(key=lambda c: c[0])
+    freed = extra_kept = 0
+    for _, c in cands:
+        if freed >= need:
+            break
+        if isinstance(c, _Block):
+            b = c
+            for i in range(b.rec.start, b.rec.end):   # its tensors are no longer saved
+                o = costs.pop(i, None)
+                if o is not None:
+                    freed -= o.freed
+                    if o.tier in room:
+                        room[o.tier] += records[i].nbytes
+                    if o.tier is Tier.RECOMPUTE:
+                        extra_kept -= records[i].input_kept_bytes
+                reasons.pop(i, None)
+                choice[i] = Tier.KEEP
+                checkpointed[i] = b
+            b.chosen = True
+            freed += b.freed
+            extra_kept += b.rec.input_bytes
+            continue
+        r = c
+        if r.index in checkpointed:
+            continue
+        full = []
+        for o in options[r.index]:
+            if o.tier in room and room[o.tier] < r.nbytes:
+                full.append(o.tier)
+                continue
+            if o.tier in room:
+                room[o.tier] -= r.nbytes
+            choice[r.index] = o.tier
+            costs[r.index] = o
+            freed += o.freed
+            if o.tier is Tier.RECOMPUTE:
+                extra_kept += r.input_kept_bytes
+            if full and o.tier is Tier.NVME:
+                reasons[r.index] = "nvme: host budget full"
+            break
+        else:
+            reasons[r.index] = "kept: host and disk budgets full"
+    return freed, extra_kept
+
+
+def _planned_block(b: _Block, need: int, kept_all: int, budget_bytes: int) -> PlannedBlock:
+    """The plan's entry for block ``b``, with the reason of its choice."""
+    rec = b.rec
+    what = (f"{rec.forward_s * 1e3:.2f} ms more forward in backward to free "
+            f"{format_bytes(max(0, b.freed))} (saved {format_bytes(b.saved)} less inputs "
+            f"{format_bytes(rec.input_bytes)})")
+    if b.chosen:
+        reason = f"checkpoint: {what}; {b.cost_s / b.freed * 1e9:.3f} s per GB freed"
+    elif need <= 0:
+        reason = (f"no checkpoint: everything fits in the device budget "
+                  f"({format_bytes(kept_all)} <= {format_bytes(budget_bytes)})")
+    elif b.freed <= 0:
+        reason = (f"no checkpoint: its inputs ({format_bytes(rec.input_bytes)}) are as large "
+                  f"as what it saves ({format_bytes(b.saved)})")
+    else:
+        reason = (f"no checkpoint: the budget is met by cheaper options (a checkpoint: "
+                  f"{what}; {b.cost_s / b.freed * 1e9:.3f} s per GB freed)")
+    return PlannedBlock(rec.index, rec.module, rec.start, rec.end, rec.start_pos, rec.end_pos,
+                        b.saved, rec.input_bytes, rec.forward_s, b.chosen, reason)
+
+
 def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting: str, *,
               has_nvme: bool, cpu_budget_bytes: int, nvme_budget_bytes: Optional[int],
               replans: int = 0, replan_reason: str = "") -> Plan:
@@ -173,37 +269,17 @@ def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting:
     notes = []
     options = {r.index: _options(r, rates, has_nvme, bwd_start, r._use) for r in records}
     extra_kept = 0
+    blocks = [_Block(b, records) for b in profile.blocks]
+    checkpointed: dict = {}   # record index -> its checkpointed _Block
     if need <= 0:
         for r in records:
             reasons[r.index] = (f"kept: everything fits in the device budget "
                                 f"({format_bytes(kept_all)} <= {format_bytes(budget_bytes)})")
     else:
-        ranked = sorted((r for r in records if options[r.index]),
-                        key=lambda r: (options[r.index][0].cost_s / options[r.index][0].freed,
-                                       -(r._use - r.pack_s), r.index))
         room = {Tier.CPU: cpu_budget_bytes,
                 Tier.NVME: nvme_budget_bytes if nvme_budget_bytes is not None else 1 << 62}
-        freed = 0
-        for r in ranked:
-            if freed >= need:
-                break
-            full = []
-            for o in options[r.index]:
-                if o.tier in room and room[o.tier] < r.nbytes:
-                    full.append(o.tier)
-                    continue
-                if o.tier in room:
-                    room[o.tier] -= r.nbytes
-                choice[r.index] = o.tier
-                costs[r.index] = o
-                freed += o.freed
-                if o.tier is Tier.RECOMPUTE:
-                    extra_kept += r.input_kept_bytes
-                if full and o.tier is Tier.NVME:
-                    reasons[r.index] = "nvme: host budget full"
-                break
-            else:
-                reasons[r.index] = "kept: host and disk budgets full"
+        freed, extra_kept = _choose(records, options, blocks, need, room, choice, costs,
+                                    reasons, checkpointed)
         if freed < need:
             notes.append(f"budget not reachable: the tiers here free at most "
                          f"{format_bytes(freed)} of the {format_bytes(need)} asked")
@@ -220,6 +296,14 @@ def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting:
         use_ms = (r._use - bwd_start) * 1e3
         window = r._use - r.pack_s
         cost = 0.0
+        b = checkpointed.get(r.index)
+        if b is not None:   # never saved: its block is checkpointed
+            tensors.append(PlannedTensor(
+                r.index, r.module, r.op, r.shape, r.dtype, r.nbytes, CHECKPOINTED,
+                tuple(t.value for t in order[Tier.RECOMPUTE]),
+                f"checkpointed with its block (#{b.rec.index} {b.rec.module}): saved only "
+                "in backward's recompute", window, 0.0))
+            continue
         if tier is Tier.RECOMPUTE:
             cost = costs[r.index].cost_s
             recompute_total += cost
@@ -246,8 +330,12 @@ def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting:
             r.index, r.module, r.op, r.shape, r.dtype, r.nbytes, tier.value,
             tuple(t.value for t in order[tier]), reason, window, cost))
     kept = profile.fixed_kept_bytes + extra_kept + sum(
-        r.nbytes for r in records if choice[r.index] is Tier.KEEP)
+        r.nbytes for r in records
+        if choice[r.index] is Tier.KEEP and r.index not in checkpointed)
+    planned_blocks = [_planned_block(b, need, kept_all, budget_bytes)
+                      for b in blocks]
+    recompute_total += sum(b.cost_s for b in blocks if b.chosen)
     return Plan(profile.signature, tensors, budget_bytes, budget_setting,
                 profile.baseline_bytes, profile.fixed_kept_bytes, kept, stall_total,
                 recompute_total, ahead, rates.as_dict(), time.perf_counter() - t0,
-                replans, replan_reason, notes=notes)
+                replans, replan_reason, notes=notes, blocks=planned_blocks)
