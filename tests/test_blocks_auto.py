@@ -167,12 +167,21 @@ def test_one_profile_and_the_closed_loop_over_many_steps():
     assert len({tuple(sorted(s.count_by_tier.items())) for s in log[-3:]}) == 1
 
 
+def _force(off, checkpoint):
+    """Make ``off``'s plan checkpoint the blocks where ``checkpoint`` says so
+    (a plan the solver might make at another budget) and return it."""
+    plan = off.plan
+    for b, c in zip(plan.blocks, checkpoint, strict=True):
+        b.checkpoint = c
+    plan.follow(plan.keys, off._placement.planner._profiles[plan.keys].positions)
+    return plan
+
+
 def test_a_plan_checkpointing_some_blocks_is_followed_as_planned():
     off, log, _ = _run("gpt", steps=2, device_budget="100%")
-    plan = off.plan
-    assert not any(b.checkpoint for b in plan.blocks)
+    assert not any(b.checkpoint for b in off.plan.blocks)
+    plan = _force(off, [False, True, False])   # the middle block only
     inner = plan.blocks[1].end - plan.blocks[1].start
-    plan.blocks[1].checkpoint = True   # follow a plan checkpointing the middle block only
     measured = plan.measured_steps
     case = _gpt_case()
     ref = train_steps(_gpt_case(), contextlib.nullcontext, 3)
@@ -186,6 +195,46 @@ def test_a_plan_checkpointing_some_blocks_is_followed_as_planned():
         assert stats.bytes_by_tier["keep"] == (plan.baseline_bytes - plan.blocks[1].saved_bytes
                                                + plan.blocks[1].input_bytes)
     assert off.plan is plan and plan.measured_steps == measured + 3
+
+
+class _ReluBlock(torch.nn.Module):
+    """Ends with ReLU, which saves its output: the next op saves it again
+    (a dedup hit across the block's end in a plain step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x))
+
+
+def _relu_case() -> Case:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_ReluBlock() for _ in range(3)], torch.nn.Linear(16, 4))
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    return Case("relu", model, (x,), lambda out: out.square().mean())
+
+
+def test_a_block_output_saved_again_after_it_keeps_the_step_on_its_plan():
+    case = _relu_case()
+    tiermem.wrap_blocks(case.model, _ReluBlock, checkpoint="auto")
+    off = offloader("auto", device_budget="100%")
+    ref = train_steps(_relu_case(), contextlib.nullcontext, 6)
+    log, forced = [], []
+
+    def ctx():
+        if len(log) == 2:   # from the third step on, checkpoint every block
+            forced.append(_force(off, [True, True, True]))
+        return _Log(off, log)
+    compare_records(train_steps(case, ctx, 6), ref, "relu")
+    plan = forced[0]
+    assert plan.revived_at   # the last block's output, saved again by the head
+    assert off._placement.planner.profiles == 1
+    assert off.plan is plan and len({tuple(s.count_by_tier.items()) for s in log[2:]}) == 1
+    # Per block one input, kept by the checkpoint; the head's input (a new
+    # tensor now, kept); the loss's input.
+    assert log[-1].count_by_tier["keep"] == 3 + 1 + 1 and log[-1].dedup_hits == 0
 
 
 def test_saves_in_backward_leave_the_numbering_alone():
@@ -265,3 +314,74 @@ def test_bad_checkpoint_values(bad):
 def test_auto_takes_no_policy(policy):
     with pytest.raises(tiermem.ConfigError, match="policy="):
         tiermem.wrap_blocks(TinyGPT(CFG), Block, checkpoint="auto", policy=policy)
+
+
+# -- the solver alone, on made-up profiles (deterministic prices) ----------------------
+
+def _profile(blocks, outside=2, recompute_s=None):
+    """Blocks of 4 saved tensors of 1000 bytes each (inputs 1000 bytes) after
+    ``outside`` unmovable tensors; ``blocks`` are their forward seconds;
+    ``recompute_s(i)``: a regeneration time for record ``i`` (None: not
+    recomputable)."""
+    from tiermem.planner.profile import BlockRecord, Profile, TensorRecord
+    records, bl = [], []
+    n = outside + 4 * len(blocks)
+    for i in range(n):
+        s = None if recompute_s is None else recompute_s(i)
+        records.append(TensorRecord(i, f"m{i}", None, (250,), "float32", "cpu", 1000,
+                                    pack_s=i * 1e-3, recomputable=s is not None,
+                                    recompute_s=s, first_use_s=1.0 + (n - i) * 1e-3))
+    for b, fwd in enumerate(blocks):
+        start = outside + 4 * b
+        bl.append(BlockRecord(b, f"blocks.{b}", start, start + 4, start, start + 4, fwd, 1000))
+    keys = tuple((torch.Size([250]), torch.float32, torch.device("cpu")) for _ in records)
+    return Profile(records, keys, 0, 0.5, 1.0, 2.0, 1000 * n, {}, tuple(range(n)), tuple(bl))
+
+
+def _solve(profile, budget):
+    from tiermem.planner.rates import Rates
+    from tiermem.planner.solver import make_plan
+    plan = make_plan(profile, Rates(host_copy=1e9, pointwise=1e9), budget, "test",
+                     has_nvme=False, cpu_budget_bytes=0, nvme_budget_bytes=None)
+    plan.follow(profile.keys, profile.positions)
+    return plan
+
+
+def test_solver_takes_the_cheapest_per_freed_byte_of_blocks_and_tensors():
+    # Block 0 costs 1 ms for 3000 freed bytes; block 1 100 ms. Each tensor
+    # inside a block regenerates in 10 ms (1000 bytes): dearer than block 0
+    # per byte, cheaper than block 1.
+    inside = lambda i: 0.01 if i >= 2 else None   # noqa: E731
+    plan = _solve(_profile([0.001, 0.1], recompute_s=inside), budget=6000)
+    b0, b1 = plan.blocks
+    assert b0.checkpoint and b0.reason.startswith("checkpoint: 1.00 ms")
+    assert not b1.checkpoint and "cheaper options" in b1.reason
+    tiers = [p.tier for p in plan.tensors]
+    assert tiers[2:6] == ["checkpoint"] * 4
+    assert tiers[6:].count("recompute") == 1 and tiers[:2] == ["keep", "keep"]
+    assert plan.predicted_kept_bytes == 10000 - 4000 + 1000 - 1000 <= 6000
+    assert plan.bytes_by_tier()["checkpoint"] == 4000
+    assert plan.recomputes   # producers are tracked for it
+
+
+def test_solver_undoes_the_tiers_of_a_block_it_checkpoints():
+    # Record 2 (in block 0) regenerates almost free and is taken first; then
+    # the budget needs block 0 whole: record 2 is checkpointed with it.
+    cheap = lambda i: 1e-9 if i == 2 else None   # noqa: E731
+    plan = _solve(_profile([0.001], recompute_s=cheap), budget=3000)
+    assert plan.blocks[0].checkpoint
+    assert [p.tier for p in plan.tensors] == ["keep", "keep"] + ["checkpoint"] * 4
+    assert plan.predicted_recompute_s == pytest.approx(0.001)   # the block's forward only
+    assert plan.predicted_kept_bytes == 2000 + 1000
+    assert not any(n.startswith("budget not reachable") for n in plan.notes)
+
+
+def test_solver_never_checkpoints_a_block_that_frees_nothing():
+    profile = _profile([0.001])
+    b = profile.blocks[0]
+    profile.blocks = (type(b)(0, b.module, b.start, b.end, b.start_pos, b.end_pos,
+                              b.forward_s, 4000),)   # inputs as large as its saves
+    plan = _solve(profile, budget=1000)
+    assert not plan.blocks[0].checkpoint
+    assert plan.blocks[0].reason.startswith("no checkpoint: its inputs")
+    assert any(n.startswith("budget not reachable") for n in plan.notes)

@@ -16,7 +16,7 @@ from ..errors import TierMemError
 from ..policy import Tier
 from ..telemetry import format_bytes
 
-__all__ = ["Plan", "PlannedTensor", "PlannedBlock", "CHECKPOINTED"]
+__all__ = ["Plan", "PlannedTensor", "PlannedBlock", "CHECKPOINTED", "revived_positions"]
 
 #: ``PlannedTensor.tier`` of a tensor saved inside a block the plan
 #: checkpoints (NOTE [Blocks the planner may checkpoint] in planner/runtime.py).
@@ -40,6 +40,20 @@ class PlannedTensor:
     window_s: float
     #: Predicted cost of the chosen tier (regeneration or stall), seconds.
     cost_s: float = 0.0
+
+
+def revived_positions(blocks: List["PlannedBlock"], positions: tuple) -> List[int]:
+    """Pack positions outside the checkpointed ones of ``blocks`` that were,
+    in the profile (``positions``: see ``Recorder.positions``), dedup hits of
+    tensors saved inside them (rule 5 of NOTE [Blocks the planner may
+    checkpoint] in planner/runtime.py)."""
+    chosen = [b for b in blocks if b.checkpoint]
+    if not chosen:
+        return []
+    inside = {i for b in chosen for i in range(b.start, b.end)}
+    return [pos for pos, p in enumerate(positions)
+            if p is not None and p < 0 and ~p in inside
+            and not any(b.start_pos <= pos < b.end_pos for b in chosen)]
 
 
 @dataclass
@@ -103,6 +117,9 @@ class Plan:
         self.recomputes = any(p.tier == Tier.RECOMPUTE.value for p in self.tensors)
         self.keys: tuple = ()
         self.kept_at: tuple = ()
+        #: Pack positions that were dedup hits of tensors of checkpointed
+        #: blocks (NOTE [Blocks the planner may checkpoint] in planner/runtime.py).
+        self.revived_at: frozenset = frozenset()
 
     def follow(self, keys: tuple, positions: tuple) -> None:
         """Bind the plan to its step signature ``keys`` ((shape, dtype,
@@ -113,16 +130,17 @@ class Plan:
         where position ``pos`` was the new tensor of index ``i`` and the plan
         keeps it, ``(~i, shape, dtype, device)`` where it was a dedup hit of
         index ``i`` and the plan keeps ``i`` (the key of ``i`` either way),
-        else ``None`` (the general path)."""
+        else ``None`` (the general path; always for ``revived_at``)."""
         if len(keys) != len(self.orders):
             raise TierMemError(f"tiermem: a plan of {len(self.orders)} tensors bound to "
                                  f"{len(keys)} keys; this is a bug")
         self.keys = keys
         kept = tuple(o == (Tier.KEEP,) for o in self.orders)
+        self.revived_at = revived = frozenset(revived_positions(self.blocks, positions))
         self.kept_at = tuple(
-            None if p is None or not kept[p if p >= 0 else ~p]
+            None if p is None or not kept[p if p >= 0 else ~p] or pos in revived
             else (p,) + tuple(keys[p if p >= 0 else ~p])
-            for p in positions)
+            for pos, p in enumerate(positions))
 
     # -- explain --------------------------------------------------------------------
     @property

@@ -85,7 +85,8 @@ class BlockRecord:
     end: int
     start_pos: int
     end_pos: int
-    #: Host seconds its forward took (under the profile's safe order).
+    #: Host seconds its forward took in the profile, less the time the
+    #: profile's placements took in it (producer tracking is still in it).
     forward_s: float
     #: Bytes of its tensor arguments: what a checkpoint of it saves.
     input_bytes: int
@@ -146,6 +147,9 @@ class Recorder:
         self.first_unpack_s: Optional[float] = None
         self.last_unpack_s: Optional[float] = None
         self.blocks: List[BlockRecord] = []
+        #: Seconds spent placing tensors (from ``record`` to ``placed``) so far.
+        self.placing_s = 0.0
+        self._record_t = 0.0
 
     def start(self, stats) -> None:
         """The step starts now; its stats are ``stats``."""
@@ -155,9 +159,11 @@ class Recorder:
     # -- forward -------------------------------------------------------------------
     def record(self, index: int, t, nbytes: int, module: str, op: Optional[str]) -> None:
         """Tensor ``index`` is about to be placed."""
+        now = time.perf_counter()
+        self._record_t = now
         self.records.append(TensorRecord(
             index, module, op, tuple(t.shape), str(t.dtype).replace("torch.", ""),
-            str(t.device), nbytes, time.perf_counter() - self.t0))
+            str(t.device), nbytes, now - self.t0))
         self.keys.append((t.shape, t.dtype, t.device))
         self.positions.append(index)
         by = self.stats.bytes_by_tier
@@ -166,6 +172,7 @@ class Recorder:
 
     def placed(self, index: int, handle: Any) -> None:
         """Tensor ``index`` got ``handle`` (the put just made)."""
+        self.placing_s += time.perf_counter() - self._record_t
         rec = self.records[index]
         kept_delta = self.stats.bytes_by_tier[Tier.KEEP.value] - self._kept_before
         self._recorded_kept += kept_delta
@@ -201,10 +208,14 @@ class Recorder:
                 seen.add(id(a))
                 input_bytes += a.nbytes
         start, start_pos = planning.count, planning.pos
+        placing = self.placing_s
         t0 = time.perf_counter()
         out = run()
+        # Less the time the profile's own placements took in it (recipes,
+        # moves): a checkpoint's recompute pays none of that.
+        forward_s = time.perf_counter() - t0 - (self.placing_s - placing)
         self.blocks.append(BlockRecord(index, module, start, planning.count, start_pos,
-                                       planning.pos, time.perf_counter() - t0, input_bytes))
+                                       planning.pos, max(forward_s, 0.0), input_bytes))
         return out
 
     # -- backward ------------------------------------------------------------------

@@ -113,6 +113,12 @@ follows, and the closed loop that corrects a plan from measurement.
 #    profile, checked against the same keys and fast table, and is
 #    recognised as following the plan: no new profile, the closed loop
 #    measures it (NOTE [Closed loop]).
+# 5. A position after a checkpointed block that was, in the profile, a dedup
+#    hit of a tensor saved inside it (a block whose last op saves its output,
+#    ReLU, tanh, saved again by the next op) is a new tensor in a step that
+#    checkpoints that block: it is kept without taking a pack index
+#    (``Plan.revived_at``, counted in the plan's kept bytes), so the rest of
+#    the step stays numbered as in the profile.
 # Checkpointing preserves the RNG state (torch.utils.checkpoint's default),
 # so dropout inside a checkpointed block draws the same bits: exact.
 """
@@ -194,7 +200,7 @@ class StepPlanning:
     included; ``count`` the indices handed out (``Step.index``)."""
 
     __slots__ = ("planner", "plan", "recorder", "safe", "off_plan", "count", "tracks", "pos",
-                 "kept_at", "step", "blocks_seen", "block_depth", "in_checkpoint")
+                 "kept_at", "step", "blocks_seen", "block_depth", "in_checkpoint", "revived")
 
     def __init__(self, planner: "Planner", plan: Optional[Plan],
                  recorder: Optional[Recorder]) -> None:
@@ -208,6 +214,10 @@ class StepPlanning:
         #: The plan's per-position fast table (``Plan.kept_at``), () when none
         #: applies (profiling, safe order, or the step left its plan).
         self.kept_at = () if plan is None else plan.kept_at
+        #: Positions that are new tensors because the plan checkpoints a
+        #: block (``Plan.revived_at``; rule 5 of NOTE [Blocks the planner may
+        #: checkpoint]); empty once positions no longer line up.
+        self.revived = () if plan is None else plan.revived_at
         #: Producer tracking is needed (profiling, safe order, or a plan that recomputes).
         self.tracks = plan is None or plan.recomputes
         #: The Step (set by the OffloadContext); auto blocks move its index.
@@ -234,7 +244,7 @@ class StepPlanning:
             keys = plan.keys
             if index < len(keys) and keys[index] == (t.shape, t.dtype, t.device):
                 return plan.orders[index]
-            self.kept_at = ()   # positions no longer line up with a plan
+            self.kept_at = self.revived = ()   # positions no longer line up with a plan
             plan = self.plan = None if self.off_plan else self.planner.switch(keys, index, t)
             if plan is not None:
                 return plan.orders[index]
@@ -268,7 +278,7 @@ class StepPlanning:
             self.step.index = self.count = pb.end
             self.pos = pb.end_pos
             if self.plan is plan:
-                self.kept_at = plan.kept_at
+                self.kept_at, self.revived = plan.kept_at, plan.revived_at
             return out
         finally:
             self.block_depth = 0

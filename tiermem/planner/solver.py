@@ -45,7 +45,7 @@ from typing import List, Optional, Tuple
 
 from ..policy import Tier
 from ..telemetry import format_bytes
-from .plan import CHECKPOINTED, Plan, PlannedBlock, PlannedTensor
+from .plan import CHECKPOINTED, Plan, PlannedBlock, PlannedTensor, revived_positions
 from .profile import BlockRecord, Profile, TensorRecord
 from .rates import Rates
 
@@ -334,6 +334,8 @@ def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting:
         if choice[r.index] is Tier.KEEP and r.index not in checkpointed)
     planned_blocks = [_planned_block(b, need, kept_all, budget_bytes)
                       for b in blocks]
+    kept += sum(records[i].nbytes for i in {   # rule 5 of the NOTE
+        ~profile.positions[pos] for pos in revived_positions(planned_blocks, profile.positions)})
     recompute_total += sum(b.cost_s for b in blocks if b.chosen)
     return Plan(profile.signature, tensors, budget_bytes, budget_setting,
                 profile.baseline_bytes, profile.fixed_kept_bytes, kept, stall_total,
