@@ -385,3 +385,27 @@ def test_solver_never_checkpoints_a_block_that_frees_nothing():
     assert not plan.blocks[0].checkpoint
     assert plan.blocks[0].reason.startswith("no checkpoint: its inputs")
     assert any(n.startswith("budget not reachable") for n in plan.notes)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("deterministic")
+@pytest.mark.parametrize("budget", ["100%", "25%"])
+def test_gpu_blocks_auto_exact_and_timed_on_the_gpu(budget):
+    """On CUDA: exact, one profile, block forward times from CUDA events."""
+    def case():
+        c = _gpt_case()
+        c.model.cuda()
+        c.inputs = tuple(t.cuda() for t in c.inputs)
+        return c
+    ref = train_steps(case(), contextlib.nullcontext, STEPS)
+    c = case()
+    _wrap(c)
+    off = offloader("auto", device_budget=budget)
+    compare_records(train_steps(c, lambda: off, STEPS), ref, "gpt cuda")
+    plan = off.plan
+    assert off._placement.planner.profiles == 1
+    assert len(plan.blocks) == CFG.layers and all(b.forward_s > 0 for b in plan.blocks)
+    if budget == "100%":
+        assert not any(b.checkpoint for b in plan.blocks) and moved_count(off.stats) == 0
+    else:
+        assert off.stats.bytes_by_tier["keep"] <= plan.budget_bytes * (1 + KEPT_TOLERANCE)

@@ -17,6 +17,7 @@ calibrated yet: no GPU run has been made).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from dataclasses import dataclass, field
@@ -85,8 +86,9 @@ class BlockRecord:
     end: int
     start_pos: int
     end_pos: int
-    #: Host seconds its forward took in the profile, less the time the
-    #: profile's placements took in it (producer tracking is still in it).
+    #: Seconds its forward took in the profile: on the CPU the host's, less
+    #: the time the profile's placements took in it (producer tracking is
+    #: still in it); for CUDA inputs the GPU's (timing events).
     forward_s: float
     #: Bytes of its tensor arguments: what a checkpoint of it saves.
     input_bytes: int
@@ -150,6 +152,8 @@ class Recorder:
         #: Seconds spent placing tensors (from ``record`` to ``placed``) so far.
         self.placing_s = 0.0
         self._record_t = 0.0
+        #: CUDA blocks: (start, end) timing events by block index.
+        self._block_events: Dict[int, tuple] = {}
 
     def start(self, stats) -> None:
         """The step starts now; its stats are ``stats``."""
@@ -203,17 +207,29 @@ class Recorder:
         pack indexes and positions are read from ``planning``."""
         seen = set()
         input_bytes = 0
+        cuda = False
         for a in args:
             if isinstance(a, torch.Tensor) and id(a) not in seen:
                 seen.add(id(a))
                 input_bytes += a.nbytes
+                cuda = cuda or a.is_cuda
         start, start_pos = planning.count, planning.pos
         placing = self.placing_s
+        events = None
+        if cuda and torch.cuda.is_available():
+            # The GPU's time, read in finish(), after backward: the forward
+            # is never synchronized (the host's time is only the launches').
+            events = (torch.cuda.Event(enable_timing=True),
+                      torch.cuda.Event(enable_timing=True))
+            events[0].record()
         t0 = time.perf_counter()
         out = run()
         # Less the time the profile's own placements took in it (recipes,
         # moves): a checkpoint's recompute pays none of that.
         forward_s = time.perf_counter() - t0 - (self.placing_s - placing)
+        if events is not None:
+            events[1].record()
+            self._block_events[index] = events
         self.blocks.append(BlockRecord(index, module, start, planning.count, start_pos,
                                        planning.pos, max(forward_s, 0.0), input_bytes))
         return out
@@ -247,6 +263,11 @@ class Recorder:
         """The profile, once backward has run (or as far as it has)."""
         if self.forward_end_s is None:
             self.end_forward()
+        for i, (start, end) in self._block_events.items():
+            end.synchronize()   # long done: backward has run
+            self.blocks[i] = dataclasses.replace(
+                self.blocks[i], forward_s=start.elapsed_time(end) / 1e3)
+        self._block_events = {}
         return Profile(self.records, tuple(self.keys), self.fixed_kept_bytes,
                        self.forward_end_s, self.first_unpack_s, self.last_unpack_s,
                        self.measured_kept_bytes, self.stats.as_dict(),
