@@ -38,6 +38,7 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 from .config import Config
 from .errors import ConfigError, TierMemError
 from .policy import Tier, resolve_policy, tier_order
+from .tracker import current_module
 
 __all__ = ["wrap_blocks", "BlockWrapping", "SELECTIVE_SAVE_OPS"]
 
@@ -53,15 +54,21 @@ SELECTIVE_SAVE_OPS = frozenset(
                                 "_scaled_dot_product_flash_attention_for_cpu", "convolution")
     if hasattr(_aten, n))
 
-_CHECKPOINT_MODES = (False, True, "full", "selective")
+_CHECKPOINT_MODES = (False, True, "full", "selective", "auto")
+
+_in_backward = torch._C._current_graph_task_id   # -1 outside autograd's engine
+
 
 class _Scope(threading.local):
-    """Per thread: the tier orders of the wrapped blocks running, innermost last.
-    (An attribute set in ``__init__``, which runs once per thread: reading it
-    costs no failed lookup, and the pack hook reads it for every tensor.)"""
+    """Per thread: the tier orders of the wrapped blocks running, innermost
+    last; and the tiermem contexts entered (``OffloadContext``, innermost
+    last), whose ``planning`` a ``checkpoint="auto"`` block asks. (Attributes
+    set in ``__init__``, which runs once per thread: reading them costs no
+    failed lookup, and the pack hook reads ``stack`` for every tensor.)"""
 
     def __init__(self) -> None:
         self.stack: list = []
+        self.contexts: list = []
 
 
 _scope = _Scope()
@@ -110,18 +117,36 @@ class _BlockForward:
         try:
             if self.mode is None or not torch.is_grad_enabled():
                 return fn(*args, **kwargs)
+            if self.mode == "auto":
+                return self._auto(fn, args, kwargs)
             if self.mode == "selective":
                 return _checkpoint(fn, *args, use_reentrant=False, **kwargs,
                                   context_fn=functools.partial(
                                       create_selective_checkpoint_contexts, _selective_policy))
-            if self.use_reentrant and kwargs:
-                raise TypeError(
-                    "tiermem.wrap_blocks: reentrant checkpointing does not take keyword "
-                    f"arguments ({', '.join(kwargs)}); use use_reentrant=False")
-            return _checkpoint(fn, *args, use_reentrant=self.use_reentrant, **kwargs)
+            return self._full(fn, args, kwargs)
         finally:
             if stack is not None:
                 stack.pop()
+
+    def _full(self, fn, args, kwargs) -> Any:
+        if self.use_reentrant and kwargs:
+            raise TypeError(
+                "tiermem.wrap_blocks: reentrant checkpointing does not take keyword "
+                f"arguments ({', '.join(kwargs)}); use use_reentrant=False")
+        return _checkpoint(fn, *args, use_reentrant=self.use_reentrant, **kwargs)
+
+    def _auto(self, fn, args, kwargs) -> Any:
+        """``checkpoint="auto"``: the innermost tiermem context's planner
+        decides (NOTE [Blocks the planner may checkpoint] in
+        planner/runtime.py); with none, or outside an auto Offloader, or in
+        backward (a checkpoint regenerating an enclosing region), the block
+        runs plainly."""
+        contexts = _scope.contexts
+        planning = contexts[-1].planning if contexts else None
+        if planning is None or _in_backward() != -1:
+            return fn(*args, **kwargs)
+        return planning.block(current_module(), args, lambda: fn(*args, **kwargs),
+                              lambda: self._full(fn, args, kwargs))
 
 
 class BlockWrapping:
@@ -167,7 +192,15 @@ def wrap_blocks(model: nn.Module, blocks: Selector, *, checkpoint: Union[bool, s
       policy. ``"selective"``: selective checkpointing that saves the outputs of
       :data:`SELECTIVE_SAVE_OPS` and recomputes the rest (those saved outputs
       are held by PyTorch's checkpoint, not by tiermem: they stay on the
-      device). ``False``: no checkpointing.
+      device). ``False``: no checkpointing. ``"auto"``: inside an
+      ``Offloader(policy="auto")`` the planner chooses per block, from the
+      profiled step, between checkpointing the whole block and per-tensor
+      tiers inside it (NOTE [Blocks the planner may checkpoint] in
+      planner/runtime.py; each block's choice and reason in ``off.plan``);
+      anywhere else (no Offloader, a fixed or callable policy, or a budget
+      that fits) the block runs plainly, as unwrapped: without a budget
+      there is nothing that checkpointing's extra forward would buy. Takes no
+      ``policy`` (the planner places the block's tensors).
     - ``policy``: a tier name or preference list (``"cpu"``, ``"recompute,cpu"``)
       for the tensors saved while a block runs, overriding the Offloader's own
       policy there (the rest of the model keeps the Offloader's policy).
@@ -186,8 +219,12 @@ def wrap_blocks(model: nn.Module, blocks: Selector, *, checkpoint: Union[bool, s
     """
     if checkpoint not in _CHECKPOINT_MODES:
         raise ConfigError(f"tiermem.wrap_blocks: checkpoint={checkpoint!r} is not valid; "
-                          "use True/'full', 'selective' or False")
-    mode = None if checkpoint is False else ("selective" if checkpoint == "selective" else "full")
+                          "use True/'full', 'selective', 'auto' or False")
+    mode = (None if checkpoint is False else checkpoint if checkpoint in ("selective", "auto")
+            else "full")
+    if mode == "auto" and policy is not None:
+        raise ConfigError(f"tiermem.wrap_blocks: checkpoint='auto' takes no policy "
+                          f"(policy={policy!r}): the auto planner places the block's tensors")
     if mode == "selective" and use_reentrant:
         raise ConfigError("tiermem.wrap_blocks: checkpoint='selective' needs use_reentrant=False")
     order = None

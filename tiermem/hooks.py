@@ -69,6 +69,7 @@ from .tracker import current_module
 __all__ = ["Packer", "unpack", "keep_pack", "opaque"]
 
 _KEEP = Tier.KEEP.value
+_KEEP_ORDER = (Tier.KEEP,)
 _in_backward = torch._C._current_graph_task_id   # -1 outside autograd's engine
 _Parameter = torch.nn.Parameter
 _strided = torch.strided
@@ -267,6 +268,13 @@ class Packer:
                 planning.recorder.hit(handle)
             return handle
         module = current_module()
+        revived = planning.revived
+        if revived and planning.pos - 1 in revived and not planning.in_checkpoint:
+            # A dedup hit of a tensor whose block the plan checkpoints: new
+            # here, kept, no index (NOTE [Blocks the planner may checkpoint]).
+            handle = self.placement.put(_KEEP_ORDER, t, step, module, nbytes)
+            step.remember(t, key, handle)
+            return handle
         index = step.index
         step.index += 1
         order = planning.order(index, t, nbytes, module, step.producers)

@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .attach import Attachment, attach_module, detach_modules
+from .blocks import _scope as _block_scope
 from .blocks import blocks_need_producers
 from .config import Config
 from .errors import ConfigError, TierMemError
@@ -83,6 +84,7 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         unpack_hook = _hidden("unpack", unpack)
         if self.planning is not None:
             self.step.planning = self.planning
+            self.planning.step = self.step
             recorder = self.planning.recorder
             if recorder is not None:   # a profiled step: unpacks timed
                 recorder.start(self.stats)
@@ -104,6 +106,7 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
             except BaseException:
                 super().__exit__(None, None, None)
                 raise
+            _block_scope.contexts.append(self)   # what checkpoint="auto" blocks ask
         except BaseException:
             self._modules.__exit__(None, None, None)
             raise
@@ -120,6 +123,11 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
             self._exit_hooks(exc_type, exc, tb)
 
     def _exit_hooks(self, exc_type, exc, tb) -> None:
+        contexts = _block_scope.contexts
+        for i in range(len(contexts) - 1, -1, -1):
+            if contexts[i] is self:
+                del contexts[i]
+                break
         try:
             super().__exit__(exc_type, exc, tb)
         finally:

@@ -4,12 +4,13 @@ budgets, follow the plan, correct it from measurement, explain it.
 - :mod:`.profile`: what the profiled step saved and when backward needed it;
 - :mod:`.rates`: copy, disk and pointwise rates measured on this machine;
 - :mod:`.solver`: the cost model and the choice (NOTE [Planner cost model]);
-- :mod:`.plan`: the :class:`Plan` (orders, predictions, measurements, reasons);
+- :mod:`.plan`: the :class:`Plan` (orders, predictions, measurements, reasons;
+  the ``checkpoint="auto"`` blocks' choices, :class:`PlannedBlock`);
 - :mod:`.runtime`: the :class:`Planner` an Offloader holds, and the closed loop.
 """
 
-from .plan import Plan, PlannedTensor
+from .plan import Plan, PlannedBlock, PlannedTensor
 from .rates import Rates, measure_rates
 from .runtime import Planner
 
-__all__ = ["Plan", "PlannedTensor", "Planner", "Rates", "measure_rates"]
+__all__ = ["Plan", "PlannedBlock", "PlannedTensor", "Planner", "Rates", "measure_rates"]

@@ -16,7 +16,11 @@ from ..errors import TierMemError
 from ..policy import Tier, TierOrder
 from ..telemetry import format_bytes
 
-__all__ = ["Plan", "PlannedTensor"]
+__all__ = ["Plan", "PlannedTensor", "PlannedBlock", "CHECKPOINTED", "revived_positions"]
+
+#: ``PlannedTensor.tier`` of a tensor saved inside a block the plan
+#: checkpoints (NOTE [Blocks the planner may checkpoint] in planner/runtime.py).
+CHECKPOINTED = "checkpoint"
 
 
 @dataclass
@@ -41,6 +45,44 @@ class PlannedTensor:
     hint: Optional[str] = None
     #: The answer was a MUST_*: ``order`` obeys it, and follows it in every step.
     must: bool = False
+
+
+def revived_positions(blocks: List["PlannedBlock"], positions: tuple) -> List[int]:
+    """Pack positions outside the checkpointed ones of ``blocks`` that were,
+    in the profile (``positions``: see ``Recorder.positions``), dedup hits of
+    tensors saved inside them (rule 5 of NOTE [Blocks the planner may
+    checkpoint] in planner/runtime.py)."""
+    chosen = [b for b in blocks if b.checkpoint]
+    if not chosen:
+        return []
+    inside = {i for b in chosen for i in range(b.start, b.end)}
+    return [pos for pos, p in enumerate(positions)
+            if p is not None and p < 0 and ~p in inside
+            and not any(b.start_pos <= pos < b.end_pos for b in chosen)]
+
+
+@dataclass
+class PlannedBlock:
+    """One ``wrap_blocks(..., checkpoint="auto")`` block call (``index``: its
+    order among the step's auto blocks) and whether the plan checkpoints it
+    (NOTE [Blocks the planner may checkpoint] in planner/runtime.py). Its
+    saved tensors are pack indexes ``start`` to ``end - 1`` of the profile
+    (positions ``start_pos`` to ``end_pos - 1``)."""
+
+    index: int
+    module: str
+    start: int
+    end: int
+    start_pos: int
+    end_pos: int
+    #: Bytes saved inside it in a plain step.
+    saved_bytes: int
+    #: Bytes a checkpoint of it saves (its tensor arguments; kept).
+    input_bytes: int
+    #: Its forward in the profile: about what a checkpoint adds to backward.
+    forward_s: float
+    checkpoint: bool
+    reason: str
 
 
 @dataclass
@@ -70,6 +112,8 @@ class Plan:
     measured_stall_s: Optional[float] = None
     measured_steps: int = 0
     notes: List[str] = field(default_factory=list)
+    #: The step's ``checkpoint="auto"`` blocks, in call order.
+    blocks: List[PlannedBlock] = field(default_factory=list)
 
     # -- lookups used by the pack hook (runtime.py) ----------------------------------
     def __post_init__(self) -> None:
@@ -78,9 +122,12 @@ class Plan:
         self.orders: Tuple[tuple, ...] = tuple(
             TierOrder([Tier(x) for x in p.order], must=True) if p.must
             else tuple(Tier(x) for x in p.order) for p in self.tensors)
-        self.recomputes = any(o[0] is Tier.RECOMPUTE for o in self.orders)
+        self.recomputes = any(p.tier == Tier.RECOMPUTE.value for p in self.tensors)
         self.keys: tuple = ()
         self.kept_at: tuple = ()
+        #: Pack positions that were dedup hits of tensors of checkpointed
+        #: blocks (NOTE [Blocks the planner may checkpoint] in planner/runtime.py).
+        self.revived_at: frozenset = frozenset()
 
     def follow(self, keys: tuple, positions: tuple) -> None:
         """Bind the plan to its step signature ``keys`` ((shape, dtype,
@@ -91,16 +138,17 @@ class Plan:
         where position ``pos`` was the new tensor of index ``i`` and the plan
         keeps it, ``(~i, shape, dtype, device)`` where it was a dedup hit of
         index ``i`` and the plan keeps ``i`` (the key of ``i`` either way),
-        else ``None`` (the general path)."""
+        else ``None`` (the general path; always for ``revived_at``)."""
         if len(keys) != len(self.orders):
             raise TierMemError(f"tiermem: a plan of {len(self.orders)} tensors bound to "
                                  f"{len(keys)} keys; this is a bug")
         self.keys = keys
         kept = tuple(o == (Tier.KEEP,) for o in self.orders)
+        self.revived_at = revived = frozenset(revived_positions(self.blocks, positions))
         self.kept_at = tuple(
-            None if p is None or not kept[p if p >= 0 else ~p]
+            None if p is None or not kept[p if p >= 0 else ~p] or pos in revived
             else (p,) + tuple(keys[p if p >= 0 else ~p])
-            for p in positions)
+            for pos, p in enumerate(positions))
 
     # -- explain --------------------------------------------------------------------
     @property
@@ -115,7 +163,10 @@ class Plan:
                 f"{list(p.shape)} {p.dtype} {format_bytes(p.nbytes)}: {p.reason}")
 
     def bytes_by_tier(self) -> Dict[str, int]:
+        """Bytes per tier (``"checkpoint"`` too when the step has auto blocks)."""
         out = {t.value: 0 for t in Tier}
+        if self.blocks:
+            out[CHECKPOINTED] = 0
         for p in self.tensors:
             out[p.tier] += p.nbytes
         return out
@@ -128,8 +179,13 @@ class Plan:
         d["bytes_by_tier"] = self.bytes_by_tier()
         return d
 
+    def explain_block(self, index: int) -> str:
+        """Why auto block ``index`` (call order) is checkpointed or not."""
+        b = self.blocks[index]
+        return f"block #{b.index} {b.module or '<no module>'}: {b.reason}"
+
     def __str__(self) -> str:
-        tiers = [t.value for t in Tier]
+        tiers = [t.value for t in Tier] + ([CHECKPOINTED] if self.blocks else [])
         rows: Dict[str, Dict[str, int]] = {}
         for p in self.tensors:
             row = rows.setdefault(p.module or "<no module>", {t: 0 for t in tiers})
@@ -163,5 +219,9 @@ class Plan:
             lines.append(f"hints: {len(hinted)} tensors answered, {musts} MUST (obeyed), "
                          f"{len(hinted) - musts} hints ({followed} followed; "
                          "plan.explain(i) says why)")
+        if self.blocks:
+            n = sum(b.checkpoint for b in self.blocks)
+            lines.append(f"auto blocks: {n} of {len(self.blocks)} checkpointed")
+            lines.extend("  " + self.explain_block(b.index) for b in self.blocks)
         lines.extend(self.notes)
         return "\n".join(lines)

@@ -17,16 +17,20 @@ calibrated yet: no GPU run has been made).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+import torch
+
 from ..policy import Tier
 from ..tiers.keep import Kept
 from ..tiers.recompute import RecomputeHandle
 
-__all__ = ["TensorRecord", "Profile", "Recorder", "signature_key", "signature_hash"]
+__all__ = ["TensorRecord", "BlockRecord", "Profile", "Recorder", "signature_key",
+           "signature_hash"]
 
 
 def signature_key(t) -> tuple:
@@ -71,6 +75,29 @@ class TensorRecord:
 
 
 @dataclass
+class BlockRecord:
+    """One call of a ``wrap_blocks(..., checkpoint="auto")`` block in the
+    profiled step (outermost ones only; NOTE [Blocks the planner may
+    checkpoint] in planner/runtime.py). It ran plainly: its saved tensors are
+    the records of pack indexes ``start`` to ``end - 1``, at pack positions
+    ``start_pos`` to ``end_pos - 1``."""
+
+    #: Order of the call among the step's auto blocks.
+    index: int
+    module: str
+    start: int
+    end: int
+    start_pos: int
+    end_pos: int
+    #: Seconds its forward took in the profile: on the CPU the host's, less
+    #: the time the profile's placements took in it (producer tracking is
+    #: still in it); for CUDA inputs the GPU's (timing events).
+    forward_s: float
+    #: Bytes of its tensor arguments: what a checkpoint of it saves.
+    input_bytes: int
+
+
+@dataclass
 class Profile:
     """A finished profile: records in pack order and the step's timeline."""
 
@@ -87,6 +114,8 @@ class Profile:
     stats: dict = field(default_factory=dict)
     #: Per pack position: see ``Recorder.positions``.
     positions: tuple = ()
+    #: The auto blocks of the step, in call order.
+    blocks: tuple = ()
 
     @property
     def baseline_bytes(self) -> int:
@@ -122,6 +151,12 @@ class Recorder:
         self.measured_kept_bytes = 0
         self.first_unpack_s: Optional[float] = None
         self.last_unpack_s: Optional[float] = None
+        self.blocks: List[BlockRecord] = []
+        #: Seconds spent placing tensors (from ``record`` to ``placed``) so far.
+        self.placing_s = 0.0
+        self._record_t = 0.0
+        #: CUDA blocks: (start, end) timing events by block index.
+        self._block_events: Dict[int, tuple] = {}
 
     def start(self, stats) -> None:
         """The step starts now; its stats are ``stats``."""
@@ -132,9 +167,11 @@ class Recorder:
     def record(self, index: int, t, nbytes: int, module: str, op: Optional[str],
                hint: Optional[tuple] = None) -> None:
         """Tensor ``index`` is about to be placed (``hint``: see TensorRecord)."""
+        now = time.perf_counter()
+        self._record_t = now
         self.records.append(TensorRecord(
             index, module, op, tuple(t.shape), str(t.dtype).replace("torch.", ""),
-            str(t.device), nbytes, time.perf_counter() - self.t0, hint=hint))
+            str(t.device), nbytes, now - self.t0, hint=hint))
         self.keys.append((t.shape, t.dtype, t.device))
         self.positions.append(index)
         by = self.stats.bytes_by_tier
@@ -143,6 +180,7 @@ class Recorder:
 
     def placed(self, index: int, handle: Any) -> None:
         """Tensor ``index`` got ``handle`` (the put just made)."""
+        self.placing_s += time.perf_counter() - self._record_t
         rec = self.records[index]
         kept_delta = self.stats.bytes_by_tier[Tier.KEEP.value] - self._kept_before
         self._recorded_kept += kept_delta
@@ -167,6 +205,38 @@ class Recorder:
         kept = self.stats.bytes_by_tier[Tier.KEEP.value]
         self.measured_kept_bytes = kept
         self.fixed_kept_bytes = max(0, kept - self._recorded_kept)
+
+    def block(self, index: int, module: str, args: tuple, run, planning):
+        """Run auto block ``index`` plainly (``run()``) and record it; the
+        pack indexes and positions are read from ``planning``."""
+        seen = set()
+        input_bytes = 0
+        cuda = False
+        for a in args:
+            if isinstance(a, torch.Tensor) and id(a) not in seen:
+                seen.add(id(a))
+                input_bytes += a.nbytes
+                cuda = cuda or a.is_cuda
+        start, start_pos = planning.count, planning.pos
+        placing = self.placing_s
+        events = None
+        if cuda and torch.cuda.is_available():
+            # The GPU's time, read in finish(), after backward: the forward
+            # is never synchronized (the host's time is only the launches').
+            events = (torch.cuda.Event(enable_timing=True),
+                      torch.cuda.Event(enable_timing=True))
+            events[0].record()
+        t0 = time.perf_counter()
+        out = run()
+        # Less the time the profile's own placements took in it (recipes,
+        # moves): a checkpoint's recompute pays none of that.
+        forward_s = time.perf_counter() - t0 - (self.placing_s - placing)
+        if events is not None:
+            events[1].record()
+            self._block_events[index] = events
+        self.blocks.append(BlockRecord(index, module, start, planning.count, start_pos,
+                                       planning.pos, max(forward_s, 0.0), input_bytes))
+        return out
 
     # -- backward ------------------------------------------------------------------
     def unpack(self, handle: Any):
@@ -197,7 +267,12 @@ class Recorder:
         """The profile, once backward has run (or as far as it has)."""
         if self.forward_end_s is None:
             self.end_forward()
+        for i, (start, end) in self._block_events.items():
+            end.synchronize()   # long done: backward has run
+            self.blocks[i] = dataclasses.replace(
+                self.blocks[i], forward_s=start.elapsed_time(end) / 1e3)
+        self._block_events = {}
         return Profile(self.records, tuple(self.keys), self.fixed_kept_bytes,
                        self.forward_end_s, self.first_unpack_s, self.last_unpack_s,
                        self.measured_kept_bytes, self.stats.as_dict(),
-                       tuple(self.positions))
+                       tuple(self.positions), tuple(self.blocks))

@@ -83,6 +83,44 @@ follows, and the closed loop that corrects a plan from measurement.
 # followed a plan (a stall that shows up later, machine noise, corrects
 # nothing), so the plan is stable after at most three steps (profile, plan,
 # one correction) and cannot oscillate.
+#
+# NOTE [Blocks the planner may checkpoint]
+# ``wrap_blocks(model, Block, checkpoint="auto")`` gives the planner one more
+# option per block call: checkpoint the whole block. The rules:
+# 1. Only outermost auto blocks are options, counted in call order within
+#    the step's forward (``StepPlanning.blocks_seen``); an auto block inside
+#    one, or run in backward (an enclosing checkpoint regenerating), runs as
+#    its enclosing region decides: plainly.
+# 2. The profiled step runs every auto block plainly and records, per block
+#    (``BlockRecord``), the pack indexes and positions its saved tensors took,
+#    its forward time and the bytes of its tensor arguments (what a
+#    checkpoint of it saves instead).
+# 3. The solver prices the block like a tensor option (NOTE [Planner cost
+#    model] in solver.py): it frees the block's saved bytes less its input
+#    bytes and costs one more forward of the block in backward.
+# 4. A step that follows a plan checkpointing block b packs something else
+#    there: the checkpoint's inputs instead of the block's tensors (the
+#    block's own saves happen only in the recompute, in backward, under
+#    PyTorch's checkpoint hooks or inside autograd's engine, where tiermem
+#    keeps them without an index: NOTE [Pack order of checks] in hooks.py).
+#    So at the block's entry the step must stand where the profile stood
+#    (same block name, pack index ``start`` and position ``start_pos``;
+#    else the block runs plainly and the plan's keys decide as for any
+#    tensor); inside it the checkpoint's inputs are kept without a key
+#    check (they stay on the device: the plan counts them as kept), and on
+#    its exit the step's pack index and position jump to the profile's
+#    ``end`` and ``end_pos``. The rest of the step is thus numbered as in the
+#    profile, checked against the same keys and fast table, and is
+#    recognised as following the plan: no new profile, the closed loop
+#    measures it (NOTE [Closed loop]).
+# 5. A position after a checkpointed block that was, in the profile, a dedup
+#    hit of a tensor saved inside it (a block whose last op saves its output,
+#    ReLU, tanh, saved again by the next op) is a new tensor in a step that
+#    checkpoints that block: it is kept without taking a pack index
+#    (``Plan.revived_at``, counted in the plan's kept bytes), so the rest of
+#    the step stays numbered as in the profile.
+# Checkpointing preserves the RNG state (torch.utils.checkpoint's default),
+# so dropout inside a checkpointed block draws the same bits: exact.
 """
 
 from __future__ import annotations
@@ -114,6 +152,7 @@ MAX_PLANS = 16
 PROFILED_SIZES = 3
 KEPT_TOLERANCE = 0.05
 STALL_TOLERANCE_S = 0.002
+_KEEP_ORDER = (Tier.KEEP,)
 
 
 class _Rank:
@@ -164,7 +203,7 @@ class StepPlanning:
     included; ``count`` the indices handed out (``Step.index``)."""
 
     __slots__ = ("planner", "plan", "recorder", "safe", "off_plan", "count", "tracks", "pos",
-                 "kept_at")
+                 "kept_at", "step", "blocks_seen", "block_depth", "in_checkpoint", "revived")
 
     def __init__(self, planner: "Planner", plan: Optional[Plan],
                  recorder: Optional[Recorder]) -> None:
@@ -178,12 +217,26 @@ class StepPlanning:
         #: The plan's per-position fast table (``Plan.kept_at``), () when none
         #: applies (profiling, safe order, or the step left its plan).
         self.kept_at = () if plan is None else plan.kept_at
+        #: Positions that are new tensors because the plan checkpoints a
+        #: block (``Plan.revived_at``; rule 5 of NOTE [Blocks the planner may
+        #: checkpoint]); empty once positions no longer line up.
+        self.revived = () if plan is None else plan.revived_at
         #: Producer tracking is needed (profiling, safe order, or a plan that recomputes).
         self.tracks = plan is None or plan.recomputes
+        #: The Step (set by the OffloadContext); auto blocks move its index.
+        self.step = None
+        #: NOTE [Blocks the planner may checkpoint]: outermost auto blocks
+        #: entered so far, auto blocks running now, and whether a planned
+        #: checkpoint is saving its inputs now.
+        self.blocks_seen = 0
+        self.block_depth = 0
+        self.in_checkpoint = False
 
     def order(self, index: int, t, nbytes: int, module: str, producers) -> tuple:
         """The tier order of tensor ``index`` (NOTE [Following a plan])."""
         self.count = index + 1
+        if self.in_checkpoint:   # NOTE [Blocks the planner may checkpoint], rule 4
+            return _KEEP_ORDER
         rec = self.recorder
         if rec is not None:
             op = None if producers is None else producers.op_name(t)
@@ -198,7 +251,7 @@ class StepPlanning:
             keys = plan.keys
             if index < len(keys) and keys[index] == (t.shape, t.dtype, t.device):
                 return plan.orders[index]
-            self.kept_at = ()   # positions no longer line up with a plan
+            self.kept_at = self.revived = ()   # positions no longer line up with a plan
             plan = self.plan = None if self.off_plan else self.planner.switch(keys, index, t)
             if plan is not None:
                 return plan.orders[index]
@@ -210,6 +263,38 @@ class StepPlanning:
             if hint is not None and hint[0].must:
                 return hints.must_order(hint[0], t.device.type)
         return self.safe[t.device.type]
+
+
+    def block(self, module: str, args: tuple, plain, checkpointed):
+        """Run an auto block: ``plain()`` or ``checkpointed()``, as the profile
+        or the plan says (NOTE [Blocks the planner may checkpoint])."""
+        if self.block_depth:   # rule 1: inside an auto block
+            return plain()
+        b = self.blocks_seen
+        self.blocks_seen = b + 1
+        self.block_depth = 1
+        try:
+            if self.recorder is not None:
+                return self.recorder.block(b, module, args, plain, self)
+            plan = self.plan
+            pb = None if plan is None or b >= len(plan.blocks) else plan.blocks[b]
+            if (pb is None or not pb.checkpoint or pb.module != module
+                    or self.count != pb.start or self.pos != pb.start_pos):
+                return plain()
+            self.kept_at = ()
+            self.in_checkpoint = True
+            try:
+                out = checkpointed()
+            finally:
+                self.in_checkpoint = False
+            # Rule 4: the rest of the step is numbered as in the profile.
+            self.step.index = self.count = pb.end
+            self.pos = pb.end_pos
+            if self.plan is plan:
+                self.kept_at, self.revived = plan.kept_at, plan.revived_at
+            return out
+        finally:
+            self.block_depth = 0
 
 
 class Planner:

@@ -22,6 +22,13 @@
 #    the budget. A move whose tier is out of room (cpu budget, nvme budget,
 #    counted as if everything moved were held at once) tries the tensor's
 #    next option ("nvme: host budget full").
+#    A ``checkpoint="auto"`` block is one more option, ranked with the
+#    tensors' by the same price: checkpointing it costs its profiled forward
+#    once more in backward and frees the bytes saved inside it less its
+#    input bytes (which the checkpoint saves, kept). Taking it undoes the
+#    choices already made for its tensors (they are no longer saved)
+#    and skips them later (NOTE [Blocks the planner may checkpoint] in
+#    planner/runtime.py). Ties go to the tensors.
 # 3. The chosen moves are then simulated on serial channels, one per
 #    direction (moves queue in pack order out, in first-use order back,
 #    each stall delaying later needs): that gives the predicted stall.
@@ -39,8 +46,8 @@ from typing import List, Optional, Tuple
 from ..policy import Tier
 from ..telemetry import format_bytes
 from .hints import is_move_hint
-from .plan import Plan, PlannedTensor
-from .profile import Profile, TensorRecord
+from .plan import CHECKPOINTED, Plan, PlannedBlock, PlannedTensor, revived_positions
+from .profile import BlockRecord, Profile, TensorRecord
 from .rates import Rates
 
 __all__ = ["make_plan", "safe_order", "tier_orders"]
@@ -190,6 +197,128 @@ def _hinted_first(r: TensorRecord, opts: List[_Option]) -> List[_Option]:
     return sorted(opts, key=lambda o: order.index(o.tier) if o.tier in order else len(order))
 
 
+class _Block:
+    """A block option (NOTE [Blocks the planner may checkpoint] in
+    planner/runtime.py): checkpointing frees ``freed`` bytes for ``cost_s``."""
+
+    __slots__ = ("rec", "saved", "freed", "cost_s", "chosen", "has_must")
+
+    def __init__(self, rec: BlockRecord, records: List[TensorRecord], must_ids: set) -> None:
+        self.rec = rec
+        self.has_must = any(i in must_ids for i in range(rec.start, rec.end))
+        self.saved = sum(r.nbytes for r in records[rec.start:rec.end])
+        self.freed = self.saved - rec.input_bytes
+        self.cost_s = rec.forward_s
+        self.chosen = False
+
+
+def _hint_group(r: TensorRecord) -> int:
+    """Where a tensor's hint puts it in the price ranking (NOTE [Planner
+    hints]): hinted moves first (0), unhinted tensors and blocks (1), keep
+    hints last (2)."""
+    return 1 if r.hint is None else 0 if is_move_hint(r.hint[0]) else 2
+
+
+def _choose(records, options, blocks, need: int, freed: int, room: dict, choice: dict,
+            costs: dict, reasons: dict, checkpointed: dict, hint_end: dict, must_ids: set,
+            has_nvme: bool) -> Tuple[int, int]:
+    """Step 2 of NOTE [Planner cost model]: take the cheapest options per freed
+    byte, tensors' and blocks', until ``need`` bytes are freed (``freed``:
+    already freed by the MUST answers, which are never revisited). Fills
+    ``choice``, ``costs``, ``reasons``, ``checkpointed`` and ``hint_end``;
+    returns (bytes freed, recipe and checkpoint input bytes the choices keep
+    beyond those of the MUST answers)."""
+    cands = [((_hint_group(r), options[r.index][0].cost_s / options[r.index][0].freed, 0,
+               -(r._use - r.pack_s), r.index), r)
+             for r in records if options[r.index] and r.index not in must_ids]
+    cands += [((1, b.cost_s / b.freed, 1, 0.0, b.rec.index), b) for b in blocks
+              if b.freed > 0 and not b.has_must]
+    cands.sort(key=lambda c: c[0])
+    extra_kept = 0
+    for _, c in cands:
+        if freed >= need:
+            break
+        if isinstance(c, _Block):
+            b = c
+            for i in range(b.rec.start, b.rec.end):   # its tensors are no longer saved
+                o = costs.pop(i, None)
+                if o is not None:
+                    freed -= o.freed
+                    if o.tier in room:
+                        room[o.tier] += records[i].nbytes
+                    if o.tier is Tier.RECOMPUTE:
+                        extra_kept -= records[i].input_kept_bytes
+                reasons.pop(i, None)
+                choice[i] = Tier.KEEP
+                checkpointed[i] = b
+                if records[i].hint is not None:
+                    hint_end[i] = (f"; hint {records[i].hint[1]} overridden: its block is "
+                                   "checkpointed")
+            b.chosen = True
+            freed += b.freed
+            extra_kept += b.rec.input_bytes
+            continue
+        r = c
+        if r.index in checkpointed:
+            continue
+        full = []
+        short = need - freed
+        for o in options[r.index]:
+            if o.tier in room and room[o.tier] < r.nbytes:
+                full.append(o.tier)
+                continue
+            if o.tier in room:
+                room[o.tier] -= r.nbytes
+            choice[r.index] = o.tier
+            costs[r.index] = o
+            freed += o.freed
+            if o.tier is Tier.RECOMPUTE:
+                extra_kept += r.input_kept_bytes
+            if full and o.tier is Tier.NVME:
+                reasons[r.index] = "nvme: host budget full"
+            break
+        else:
+            reasons[r.index] = "kept: host and disk budgets full"
+        group = _hint_group(r)
+        if r.hint is not None and group == 2 and choice[r.index] is not Tier.KEEP:
+            hint_end[r.index] = (f"; hint {r.hint[1]} overridden: the budget was still "
+                                 f"{format_bytes(short)} short after moving every "
+                                 "tensor without a keep hint")
+        elif r.hint is not None and group == 0:
+            want = r.hint[0][0]
+            if choice[r.index] is want:
+                hint_end[r.index] = f"; hint {r.hint[1]} followed"
+            else:
+                why = (f"the {want.value} budget is full" if want in full
+                       else _unavailable(r, want, has_nvme))
+                hint_end[r.index] = f"; hint {r.hint[1]} overridden: {why}"
+    return freed, extra_kept
+
+
+def _planned_block(b: _Block, need: int, kept_all: int, budget_bytes: int) -> PlannedBlock:
+    """The plan's entry for block ``b``, with the reason of its choice."""
+    rec = b.rec
+    what = (f"{rec.forward_s * 1e3:.2f} ms more forward in backward to free "
+            f"{format_bytes(max(0, b.freed))} (saved {format_bytes(b.saved)} less inputs "
+            f"{format_bytes(rec.input_bytes)})")
+    if b.chosen:
+        reason = f"checkpoint: {what}; {b.cost_s / b.freed * 1e9:.3f} s per GB freed"
+    elif need <= 0:
+        reason = (f"no checkpoint: everything fits in the device budget "
+                  f"({format_bytes(kept_all)} <= {format_bytes(budget_bytes)})")
+    elif b.has_must:
+        reason = ("no checkpoint: it saves tensors with MUST answers (hints), which "
+                  "checkpointing would not obey")
+    elif b.freed <= 0:
+        reason = (f"no checkpoint: its inputs ({format_bytes(rec.input_bytes)}) are as large "
+                  f"as what it saves ({format_bytes(b.saved)})")
+    else:
+        reason = (f"no checkpoint: the budget is met by cheaper options (a checkpoint: "
+                  f"{what}; {b.cost_s / b.freed * 1e9:.3f} s per GB freed)")
+    return PlannedBlock(rec.index, rec.module, rec.start, rec.end, rec.start_pos, rec.end_pos,
+                        b.saved, rec.input_bytes, rec.forward_s, b.chosen, reason)
+
+
 def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting: str, *,
               has_nvme: bool, cpu_budget_bytes: int, nvme_budget_bytes: Optional[int],
               replans: int = 0, replan_reason: str = "") -> Plan:
@@ -235,6 +364,8 @@ def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting:
         if r.hint is not None and not r.hint[0].must and is_move_hint(r.hint[0]):
             options[r.index] = _hinted_first(r, options[r.index])
     must_ids = {r.index for r in musts}
+    blocks = [_Block(b, records, must_ids) for b in profile.blocks]
+    checkpointed: dict = {}   # record index -> its checkpointed _Block
     if need <= freed:
         for r in records:
             if r.index in must_ids:
@@ -243,46 +374,9 @@ def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting:
                                 f"({format_bytes(kept_all)} <= {format_bytes(budget_bytes)})"
                                 if need <= 0 else "kept: the budget is met without moving it")
     else:
-        def group(r):
-            return 1 if r.hint is None else 0 if is_move_hint(r.hint[0]) else 2
-
-        ranked = sorted((r for r in records if options[r.index] and r.index not in must_ids),
-                        key=lambda r: (group(r),
-                                       options[r.index][0].cost_s / options[r.index][0].freed,
-                                       -(r._use - r.pack_s), r.index))
-        for r in ranked:
-            if freed >= need:
-                break
-            full = []
-            short = need - freed
-            for o in options[r.index]:
-                if o.tier in room and room[o.tier] < r.nbytes:
-                    full.append(o.tier)
-                    continue
-                if o.tier in room:
-                    room[o.tier] -= r.nbytes
-                choice[r.index] = o.tier
-                costs[r.index] = o
-                freed += o.freed
-                if o.tier is Tier.RECOMPUTE:
-                    extra_kept += r.input_kept_bytes
-                if full and o.tier is Tier.NVME:
-                    reasons[r.index] = "nvme: host budget full"
-                break
-            else:
-                reasons[r.index] = "kept: host and disk budgets full"
-            if r.hint is not None and group(r) == 2 and choice[r.index] is not Tier.KEEP:
-                hint_end[r.index] = (f"; hint {r.hint[1]} overridden: the budget was still "
-                                     f"{format_bytes(short)} short after moving every "
-                                     "tensor without a keep hint")
-            elif r.hint is not None and group(r) == 0:
-                want = r.hint[0][0]
-                if choice[r.index] is want:
-                    hint_end[r.index] = f"; hint {r.hint[1]} followed"
-                else:
-                    why = (f"the {want.value} budget is full" if want in full
-                           else _unavailable(r, want, has_nvme))
-                    hint_end[r.index] = f"; hint {r.hint[1]} overridden: {why}"
+        freed, more_kept = _choose(records, options, blocks, need, freed, room, choice, costs,
+                                   reasons, checkpointed, hint_end, must_ids, has_nvme)
+        extra_kept += more_kept
         if freed < need:
             notes.append(f"budget not reachable: the tiers here free at most "
                          f"{format_bytes(freed)} of the {format_bytes(need)} asked")
@@ -325,6 +419,15 @@ def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting:
         use_ms = (r._use - bwd_start) * 1e3
         window = r._use - r.pack_s
         cost = 0.0
+        b = checkpointed.get(r.index)
+        if b is not None:   # never saved: its block is checkpointed
+            tensors.append(PlannedTensor(
+                r.index, r.module, r.op, r.shape, r.dtype, r.nbytes, CHECKPOINTED,
+                tuple(t.value for t in order[Tier.RECOMPUTE]),
+                f"checkpointed with its block (#{b.rec.index} {b.rec.module}): saved only "
+                "in backward's recompute" + hint_end.get(r.index, ""), window, 0.0,
+                None if r.hint is None else r.hint[1]))
+            continue
         if tier is Tier.RECOMPUTE:
             cost = costs[r.index].cost_s
             recompute_total += cost
@@ -352,8 +455,14 @@ def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting:
             tuple(t.value for t in tiers), reason + hint_end.get(r.index, ""), window, cost,
             None if r.hint is None else r.hint[1], must))
     kept = profile.fixed_kept_bytes + extra_kept + same_ram + sum(
-        r.nbytes for r in records if choice[r.index] is Tier.KEEP)
+        r.nbytes for r in records
+        if choice[r.index] is Tier.KEEP and r.index not in checkpointed)
+    planned_blocks = [_planned_block(b, need, kept_all, budget_bytes)
+                      for b in blocks]
+    kept += sum(records[i].nbytes for i in {   # rule 5 of the NOTE
+        ~profile.positions[pos] for pos in revived_positions(planned_blocks, profile.positions)})
+    recompute_total += sum(b.cost_s for b in blocks if b.chosen)
     return Plan(profile.signature, tensors, budget_bytes, budget_setting,
                 profile.baseline_bytes, profile.fixed_kept_bytes, kept, stall_total,
                 recompute_total, ahead, rates.as_dict(), time.perf_counter() - t0,
-                replans, replan_reason, notes=notes)
+                replans, replan_reason, notes=notes, blocks=planned_blocks)

@@ -1,0 +1,411 @@
+"""wrap_blocks(..., checkpoint="auto"): under policy="auto" the planner
+chooses per block between checkpointing it and per-tensor tiers inside it
+(NOTE [Blocks the planner may checkpoint] in tiermem/planner/runtime.py).
+
+Covered: budgets met at 50% and 25% (with an nvme_dir) on a 3-block TinyGPT
+and on the single transformer Block of tests/models.py, both with dropout;
+at 100% no block is checkpointed and nothing moves; without an nvme_dir a
+25% budget only checkpointing reaches is reached by it; every block has a
+reason (table, JSON, explain_block); one profile over many steps, the
+closed loop measuring them; a plan checkpointing only some blocks is
+followed as planned; tensors saved in backward (the checkpoint's recompute,
+a backward run inside the context) leave the step's numbering alone;
+reentrant checkpointing; outside an auto Offloader blocks run plainly; bad
+values are a ConfigError. Gradients and parameters are compared with
+torch.equal against a run without tiermem in every test that trains.
+Runtime: about 1 minute on 2 shared cores (2026-12-01, varies with load).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import pytest
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
+
+import tiermem
+from helpers import compare_records, moved_count, offloader, train_steps
+import models
+from models import Case, make_case
+from tiermem.models import Block, GPTConfig, TinyGPT
+from tiermem.planner.runtime import KEPT_TOLERANCE
+
+CFG = GPTConfig(vocab=64, seq_len=32, width=32, heads=2, layers=3, dropout=0.1)
+STEPS = 4
+
+
+def _gpt_case(batch: int = 4) -> Case:
+    torch.manual_seed(0)
+    model = TinyGPT(CFG)
+    model.train()
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, CFG.vocab, (batch, CFG.seq_len), generator=g)
+    return Case("gpt", model, (idx, idx), lambda loss: loss)
+
+
+def _case(name: str) -> Case:
+    return _gpt_case() if name == "gpt" else make_case(name)
+
+
+def _wrap(case: Case, **kw) -> tiermem.BlockWrapping:
+    cls = Block if case.name == "gpt" else models.Block
+    return tiermem.wrap_blocks(case.model, cls, checkpoint="auto", **kw)
+
+
+def _reference(name: str, steps: int = STEPS):
+    return train_steps(_case(name), contextlib.nullcontext, steps)
+
+
+class _Log:
+    """Enters ``off`` for one step and logs that step's stats."""
+
+    def __init__(self, off, log) -> None:
+        self.off, self.log = off, log
+
+    def __enter__(self):
+        return self.off.__enter__()
+
+    def __exit__(self, *exc):
+        out = self.off.__exit__(*exc)
+        self.log.append(self.off.stats)
+        return out
+
+
+def _run(name: str, steps: int = STEPS, wrap=True, **settings):
+    case = _case(name)
+    if wrap:
+        _wrap(case)
+    off = offloader("auto", **settings)
+    log = []
+    records = train_steps(case, lambda: _Log(off, log), steps)
+    return off, log, records
+
+
+def _packed(stats) -> int:
+    return sum(stats.count_by_tier.values())
+
+
+@pytest.mark.parametrize("budget", ["50%", "25%"])
+@pytest.mark.parametrize("name", ["gpt", "block"])
+def test_budget_is_met_and_gradients_exact(name, budget, nvme_dir):
+    off, log, records = _run(name, device_budget=budget, nvme_dir=nvme_dir)
+    compare_records(records, _reference(name), name)
+    plan = off.plan
+    assert plan.budget_bytes == int(float(budget[:-1]) / 100 * plan.baseline_bytes)
+    for i, stats in enumerate(log[1:], 1):   # every planned step
+        kept = stats.bytes_by_tier["keep"]
+        assert kept <= plan.budget_bytes * (1 + KEPT_TOLERANCE), (i, kept, plan.budget_bytes)
+    assert off._placement.planner.profiles == 1
+    assert len(plan.blocks) == (CFG.layers if name == "gpt" else 1)
+
+
+@pytest.mark.parametrize("name", ["gpt", "block"])
+def test_full_budget_checkpoints_no_block_and_moves_nothing(name):
+    off, log, records = _run(name, device_budget="100%")
+    compare_records(records, _reference(name), name)
+    plan = off.plan
+    assert plan.blocks and not any(b.checkpoint for b in plan.blocks)
+    assert all(b.reason.startswith("no checkpoint: everything fits") for b in plan.blocks)
+    _, plain_log, _ = _run(name, wrap=False, device_budget="100%")
+    for stats, plain in zip(log[1:], plain_log[1:]):
+        assert moved_count(stats) == 0, stats
+        assert _packed(stats) == _packed(plain)   # the blocks ran plainly
+    assert plan.measured_kept_bytes == plan.predicted_kept_bytes == plan.baseline_bytes
+
+
+def test_only_checkpointing_reaches_a_tight_budget():
+    # No nvme_dir: on the CPU only recompute frees RAM, not enough for 25%.
+    unwrapped, _, _ = _run("gpt", wrap=False, device_budget="25%")
+    assert any(n.startswith("budget not reachable") for n in unwrapped.plan.notes)
+    assert not unwrapped.plan.blocks
+    off, log, records = _run("gpt", device_budget="25%")
+    compare_records(records, _reference("gpt"), "gpt")
+    plan = off.plan
+    assert not any(n.startswith("budget not reachable") for n in plan.notes), plan.notes
+    chosen = [b for b in plan.blocks if b.checkpoint]
+    assert chosen and all(b.reason.startswith("checkpoint: ") for b in chosen)
+    for b in chosen:   # its tensors are not saved in the forward any more
+        inside = [p for p in plan.tensors if b.start <= p.index < b.end]
+        assert inside and all(p.tier == "checkpoint" for p in inside)
+        assert b.saved_bytes == sum(p.nbytes for p in inside) > b.input_bytes
+    for stats in log[1:]:
+        assert stats.bytes_by_tier["keep"] <= plan.budget_bytes * (1 + KEPT_TOLERANCE)
+        assert _packed(stats) < _packed(log[0])
+    assert plan.bytes_by_tier()["checkpoint"] == sum(b.saved_bytes for b in chosen)
+
+
+def test_every_block_has_a_reason_and_the_plan_is_json(nvme_dir):
+    off, _, _ = _run("gpt", device_budget="50%", nvme_dir=nvme_dir)
+    plan = off.plan
+    names = [f"TinyGPT.blocks.{i}" for i in range(CFG.layers)]
+    assert [b.module for b in plan.blocks] == names
+    assert [b.index for b in plan.blocks] == list(range(CFG.layers))
+    for b in plan.blocks:
+        assert b.reason.startswith("checkpoint: " if b.checkpoint else "no checkpoint: ")
+        assert plan.explain_block(b.index).endswith(b.reason)
+        assert b.forward_s > 0 and b.end > b.start
+    d = plan.as_dict()
+    assert json.loads(json.dumps(d)) == d
+    assert [b["reason"] for b in d["blocks"]] == [b.reason for b in plan.blocks]
+    assert "checkpoint" in d["bytes_by_tier"]
+    table = str(plan)
+    assert "auto blocks: " in table and all(n in table for n in names)
+
+
+def test_one_profile_and_the_closed_loop_over_many_steps():
+    off, log, records = _run("gpt", steps=7, device_budget="25%")
+    compare_records(records, _reference("gpt", steps=7), "gpt")
+    planner = off._placement.planner
+    assert planner.profiles == 1
+    plan = off.plan
+    assert plan.measured_kept_bytes == log[-1].bytes_by_tier["keep"]
+    assert plan.measured_steps >= 1
+    # From the first planned step on, every step packs the same.
+    assert len({tuple(sorted(s.count_by_tier.items())) for s in log[1:]}) <= 2   # one re-plan
+    assert len({tuple(sorted(s.count_by_tier.items())) for s in log[-3:]}) == 1
+
+
+def _force(off, checkpoint):
+    """Make ``off``'s plan checkpoint the blocks where ``checkpoint`` says so
+    (a plan the solver might make at another budget) and return it."""
+    plan = off.plan
+    for b, c in zip(plan.blocks, checkpoint, strict=True):
+        b.checkpoint = c
+    plan.follow(plan.keys, off._placement.planner._profiles[plan.keys].positions)
+    return plan
+
+
+def test_a_plan_checkpointing_some_blocks_is_followed_as_planned():
+    off, log, _ = _run("gpt", steps=2, device_budget="100%")
+    assert not any(b.checkpoint for b in off.plan.blocks)
+    plan = _force(off, [False, True, False])   # the middle block only
+    inner = plan.blocks[1].end - plan.blocks[1].start
+    measured = plan.measured_steps
+    case = _gpt_case()
+    ref = train_steps(_gpt_case(), contextlib.nullcontext, 3)
+    _wrap(case)
+    more = []
+    compare_records(train_steps(case, lambda: _Log(off, more), 3), ref, "gpt")
+    assert off._placement.planner.profiles == 1
+    for stats in more:
+        # The block's tensors replaced by the checkpoint's one input; rest as planned.
+        assert _packed(stats) == _packed(log[1]) - inner + 1
+        assert stats.bytes_by_tier["keep"] == (plan.baseline_bytes - plan.blocks[1].saved_bytes
+                                               + plan.blocks[1].input_bytes)
+    assert off.plan is plan and plan.measured_steps == measured + 3
+
+
+class _ReluBlock(torch.nn.Module):
+    """Ends with ReLU, which saves its output: the next op saves it again
+    (a dedup hit across the block's end in a plain step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x))
+
+
+def _relu_case() -> Case:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_ReluBlock() for _ in range(3)], torch.nn.Linear(16, 4))
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    return Case("relu", model, (x,), lambda out: out.square().mean())
+
+
+def test_a_block_output_saved_again_after_it_keeps_the_step_on_its_plan():
+    case = _relu_case()
+    tiermem.wrap_blocks(case.model, _ReluBlock, checkpoint="auto")
+    off = offloader("auto", device_budget="100%")
+    ref = train_steps(_relu_case(), contextlib.nullcontext, 6)
+    log, forced = [], []
+
+    def ctx():
+        if len(log) == 2:   # from the third step on, checkpoint every block
+            forced.append(_force(off, [True, True, True]))
+        return _Log(off, log)
+    compare_records(train_steps(case, ctx, 6), ref, "relu")
+    plan = forced[0]
+    assert plan.revived_at   # the last block's output, saved again by the head
+    assert off._placement.planner.profiles == 1
+    assert off.plan is plan and len({tuple(s.count_by_tier.items()) for s in log[2:]}) == 1
+    # Per block one input, kept by the checkpoint; the head's input (a new
+    # tensor now, kept); the loss's input.
+    assert log[-1].count_by_tier["keep"] == 3 + 1 + 1 and log[-1].dedup_hits == 0
+
+
+def test_saves_in_backward_leave_the_numbering_alone():
+    case = _gpt_case()
+    _wrap(case)
+    ref = train_steps(_gpt_case(), contextlib.nullcontext, 4)
+    off = offloader("auto", device_budget="25%")
+    got = []
+    opt = torch.optim.AdamW(case.model.parameters(), lr=1e-2)
+    for i in range(4):
+        case.model.zero_grad(set_to_none=True)
+        torch.manual_seed(10 + i)
+        with off:   # backward inside the context: the recompute saves in it
+            loss = case.loss()
+            after_forward = dict(off.stats.count_by_tier), off.stats.dedup_hits
+            loss.backward()
+            assert (dict(off.stats.count_by_tier), off.stats.dedup_hits) == after_forward
+        grads = {n: p.grad.clone() for n, p in case.model.named_parameters()}
+        opt.step()
+        got.append((loss.detach(), grads,
+                    {n: p.detach().clone() for n, p in case.model.named_parameters()}))
+    compare_records(got, ref, "gpt")
+    assert off._placement.planner.profiles == 1
+    assert any(b.checkpoint for b in off.plan.blocks)
+
+
+def test_reentrant_checkpointing():
+    case = _gpt_case()
+    _wrap(case, use_reentrant=True)
+    off = offloader("auto", device_budget="25%")
+    compare_records(train_steps(case, lambda: off, STEPS), _reference("gpt"), "gpt")
+    assert off._placement.planner.profiles == 1
+    assert any(b.checkpoint for b in off.plan.blocks)
+
+
+@pytest.mark.parametrize("policy", [None, "keep", "cpu", "recompute", "callable"])
+def test_outside_an_auto_offloader_blocks_run_plainly(policy):
+    """No planner, no budget: nothing for checkpointing's extra forward to buy."""
+    def fixed():
+        if policy is None:
+            return contextlib.nullcontext()
+        return offloader((lambda info: "cpu") if policy == "callable" else policy)
+
+    case = _gpt_case()
+    _wrap(case)
+    ctx = fixed()
+    compare_records(train_steps(case, lambda: ctx, 2), _reference("gpt", 2), "gpt")
+    if policy is not None:
+        plain = fixed()
+        train_steps(_gpt_case(), lambda: plain, 1)
+        assert _packed(ctx.stats) == _packed(plain.stats) > 3 * CFG.layers
+
+
+def test_inner_context_of_another_policy_runs_blocks_plainly():
+    case = _gpt_case()
+    _wrap(case)
+    outer, inner = offloader("auto", device_budget="25%"), offloader("cpu")
+
+    @contextlib.contextmanager
+    def nested():
+        with outer, inner:
+            yield
+    compare_records(train_steps(case, nested, 2), _reference("gpt", 2), "gpt")
+    assert _packed(outer.stats) == 0   # the inner context saw every tensor
+    plain = offloader("cpu")
+    train_steps(_gpt_case(), lambda: plain, 1)
+    assert _packed(inner.stats) == _packed(plain.stats) > 3 * CFG.layers
+
+
+@pytest.mark.parametrize("bad", ["AUTO", "yes", 2, None])
+def test_bad_checkpoint_values(bad):
+    with pytest.raises(tiermem.ConfigError, match="checkpoint="):
+        tiermem.wrap_blocks(TinyGPT(CFG), Block, checkpoint=bad)
+
+
+@pytest.mark.parametrize("policy", ["cpu", CheckpointPolicy.MUST_SAVE])
+def test_auto_takes_no_policy(policy):
+    with pytest.raises(tiermem.ConfigError, match="policy="):
+        tiermem.wrap_blocks(TinyGPT(CFG), Block, checkpoint="auto", policy=policy)
+
+
+# -- the solver alone, on made-up profiles (deterministic prices) ----------------------
+
+def _profile(blocks, outside=2, recompute_s=None):
+    """Blocks of 4 saved tensors of 1000 bytes each (inputs 1000 bytes) after
+    ``outside`` unmovable tensors; ``blocks`` are their forward seconds;
+    ``recompute_s(i)``: a regeneration time for record ``i`` (None: not
+    recomputable)."""
+    from tiermem.planner.profile import BlockRecord, Profile, TensorRecord
+    records, bl = [], []
+    n = outside + 4 * len(blocks)
+    for i in range(n):
+        s = None if recompute_s is None else recompute_s(i)
+        records.append(TensorRecord(i, f"m{i}", None, (250,), "float32", "cpu", 1000,
+                                    pack_s=i * 1e-3, recomputable=s is not None,
+                                    recompute_s=s, first_use_s=1.0 + (n - i) * 1e-3))
+    for b, fwd in enumerate(blocks):
+        start = outside + 4 * b
+        bl.append(BlockRecord(b, f"blocks.{b}", start, start + 4, start, start + 4, fwd, 1000))
+    keys = tuple((torch.Size([250]), torch.float32, torch.device("cpu")) for _ in records)
+    return Profile(records, keys, 0, 0.5, 1.0, 2.0, 1000 * n, {}, tuple(range(n)), tuple(bl))
+
+
+def _solve(profile, budget):
+    from tiermem.planner.rates import Rates
+    from tiermem.planner.solver import make_plan
+    plan = make_plan(profile, Rates(host_copy=1e9, pointwise=1e9), budget, "test",
+                     has_nvme=False, cpu_budget_bytes=0, nvme_budget_bytes=None)
+    plan.follow(profile.keys, profile.positions)
+    return plan
+
+
+def test_solver_takes_the_cheapest_per_freed_byte_of_blocks_and_tensors():
+    # Block 0 costs 1 ms for 3000 freed bytes; block 1 100 ms. Each tensor
+    # inside a block regenerates in 10 ms (1000 bytes): dearer than block 0
+    # per byte, cheaper than block 1.
+    inside = lambda i: 0.01 if i >= 2 else None   # noqa: E731
+    plan = _solve(_profile([0.001, 0.1], recompute_s=inside), budget=6000)
+    b0, b1 = plan.blocks
+    assert b0.checkpoint and b0.reason.startswith("checkpoint: 1.00 ms")
+    assert not b1.checkpoint and "cheaper options" in b1.reason
+    tiers = [p.tier for p in plan.tensors]
+    assert tiers[2:6] == ["checkpoint"] * 4
+    assert tiers[6:].count("recompute") == 1 and tiers[:2] == ["keep", "keep"]
+    assert plan.predicted_kept_bytes == 10000 - 4000 + 1000 - 1000 <= 6000
+    assert plan.bytes_by_tier()["checkpoint"] == 4000
+    assert plan.recomputes   # producers are tracked for it
+
+
+def test_solver_undoes_the_tiers_of_a_block_it_checkpoints():
+    # Record 2 (in block 0) regenerates almost free and is taken first; then
+    # the budget needs block 0 whole: record 2 is checkpointed with it.
+    cheap = lambda i: 1e-9 if i == 2 else None   # noqa: E731
+    plan = _solve(_profile([0.001], recompute_s=cheap), budget=3000)
+    assert plan.blocks[0].checkpoint
+    assert [p.tier for p in plan.tensors] == ["keep", "keep"] + ["checkpoint"] * 4
+    assert plan.predicted_recompute_s == pytest.approx(0.001)   # the block's forward only
+    assert plan.predicted_kept_bytes == 2000 + 1000
+    assert not any(n.startswith("budget not reachable") for n in plan.notes)
+
+
+def test_solver_never_checkpoints_a_block_that_frees_nothing():
+    profile = _profile([0.001])
+    b = profile.blocks[0]
+    profile.blocks = (type(b)(0, b.module, b.start, b.end, b.start_pos, b.end_pos,
+                              b.forward_s, 4000),)   # inputs as large as its saves
+    plan = _solve(profile, budget=1000)
+    assert not plan.blocks[0].checkpoint
+    assert plan.blocks[0].reason.startswith("no checkpoint: its inputs")
+    assert any(n.startswith("budget not reachable") for n in plan.notes)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("deterministic")
+@pytest.mark.parametrize("budget", ["100%", "25%"])
+def test_gpu_blocks_auto_exact_and_timed_on_the_gpu(budget):
+    """On CUDA: exact, one profile, block forward times from CUDA events."""
+    def case():
+        c = _gpt_case()
+        c.model.cuda()
+        c.inputs = tuple(t.cuda() for t in c.inputs)
+        return c
+    ref = train_steps(case(), contextlib.nullcontext, STEPS)
+    c = case()
+    _wrap(c)
+    off = offloader("auto", device_budget=budget)
+    compare_records(train_steps(c, lambda: off, STEPS), ref, "gpt cuda")
+    plan = off.plan
+    assert off._placement.planner.profiles == 1
+    assert len(plan.blocks) == CFG.layers and all(b.forward_s > 0 for b in plan.blocks)
+    if budget == "100%":
+        assert not any(b.checkpoint for b in plan.blocks) and moved_count(off.stats) == 0
+    else:
+        assert off.stats.bytes_by_tier["keep"] <= plan.budget_bytes * (1 + KEPT_TOLERANCE)
