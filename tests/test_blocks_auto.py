@@ -387,6 +387,26 @@ def test_solver_never_checkpoints_a_block_that_frees_nothing():
     assert any(n.startswith("budget not reachable") for n in plan.notes)
 
 
+def test_solver_never_checkpoints_a_block_holding_a_must_answer_and_says_so():
+    # hints (NOTE [Planner hints]): a MUST_SAVE tensor inside block 0 would
+    # not be saved at all if the block were checkpointed, so block 0 is not
+    # a candidate; block 1 (no MUST) is, and a PREFER_SAVE hint inside it is
+    # overridden by its checkpoint, said in the tensor's reason.
+    from tiermem.policy import Tier, TierOrder
+    profile = _profile([0.001, 0.001])
+    recs = profile.records
+    recs[3].hint = (TierOrder([Tier.KEEP], must=True, hint=CheckpointPolicy.MUST_SAVE),
+                    "MUST_SAVE")
+    recs[7].hint = (TierOrder([Tier.KEEP], hint=CheckpointPolicy.PREFER_SAVE), "PREFER_SAVE")
+    plan = _solve(profile, budget=7000)
+    b0, b1 = plan.blocks
+    assert not b0.checkpoint and "MUST answers" in b0.reason
+    assert b1.checkpoint
+    assert plan.tensors[3].tier == "keep" and plan.tensors[3].must
+    assert plan.tensors[7].tier == "checkpoint"
+    assert plan.tensors[7].reason.endswith("overridden: its block is checkpointed")
+
+
 @pytest.mark.gpu
 @pytest.mark.usefixtures("deterministic")
 @pytest.mark.parametrize("budget", ["100%", "25%"])
