@@ -322,7 +322,8 @@ _CACHE_SIZE = 8
 # forgotten in the child by at-fork hooks (copier.py, io/__init__.py), so that
 # a new Offloader made there starts its own; an Offloader made before the fork
 # refuses to be entered in the child (its pools, files and threads are the
-# parent's), and offload()'s cache starts empty there. A child that never uses
+# parent's), and offload()'s cache starts empty there. A C++ engine object kept
+# across the fork anyway is inert there (NOTE [Engine after fork], csrc/io_engine.h). A child that never uses
 # tiermem is not affected: the hooks only drop references.
 
 
