@@ -235,3 +235,21 @@ def test_no_wait_when_a_ready_buffer_fits():
     pool.start_step()
     assert pool.acquire(100 * KiB, pinned=False).data_ptr() == b.data_ptr()
     assert late.waits == 0 and pool.earlier_waits == 0
+
+
+def test_clear_waits_for_idle_buffers_copies_then_frees_them_and_the_pinned_cache(fake_pinned):
+    """What Offloader.close() does with pinned memory: idle buffers whose last
+    copy still runs are waited for and dropped too (a buffer kept would stay
+    pinned in torch's cache after the Offloader), then the cache is emptied."""
+    pool = HostPool(1 << 20)
+    a = pool.acquire(64 * KiB, pinned=True)
+    b = pool.acquire(64 * KiB, pinned=True)
+    running = _Job(False)
+    pool.release(a, running, pinned=True)
+    refs = [StorageWeakRef(a.untyped_storage())]
+    del a
+    pool.clear()
+    assert running.waits == 1 and pool.free_bytes == 0 and pool.idle_buffers() == []
+    assert all(r.expired() for r in refs) and fake_pinned == [1]
+    assert pool.in_use_bytes == 64 * KiB   # b, still in use, is unaffected
+    pool.release(b, pinned=True)

@@ -271,10 +271,25 @@ class HostPool:
         self._returned.append((buf, job, pinned))
 
     def clear(self) -> None:
-        """Drop every idle buffer (in-use ones are unaffected)."""
+        """Drop every idle buffer, once the copy that last used it is done (in-use
+        ones are unaffected), then hand torch's cached pinned blocks back to the
+        OS: what ``Offloader.close()`` does, so that pinned memory does not
+        outlive the Offloader in torch's cache (a benchmark matrix runs one
+        configuration after another in one process). Waits on the host for
+        those copies."""
+        with self._lock:
+            self._drain()
+            running = [job for entries in self._free.values() for _, job in entries
+                       if job is not None and not job.done()]
+        for job in running:   # outside the lock
+            try:
+                job.wait_host()
+            except Exception:   # a failed copy: its buffer is free all the same
+                pass
         with self._lock:
             self._drain()
             self._trim(self._free_bytes)
+            self._earlier.clear()
         # Also what torch's cache kept of pinned buffers dropped before
         # (transient staging outside the pool).
         _return_pinned_cache()

@@ -299,8 +299,10 @@ class Offloader:
         return {} if self.config.disable else self._placement.store_stats()
 
     def close(self) -> None:
-        """Wait for moves in flight, free the pooled buffers and remove the NVMe
-        directory. Call it after the last backward: tensors still saved on NVMe
+        """Wait for moves in flight, free the pooled buffers (idle ones once
+        their last copy is done) and hand torch's cached pinned blocks back to
+        the OS (so that the next Offloader in this process starts from a clean
+        pinned pool), and remove the NVMe directory. Call it after the last backward: tensors still saved on NVMe
         cannot be restored afterwards (their backward raises TierMemError)."""
         self.closed = True
         if self.config.disable:
