@@ -167,7 +167,22 @@ struct Pool {
   std::deque<Chunk> queue;
   std::size_t workers = 1;
   bool stopping = false;
+  pid_t owner_pid = ::getpid();  // NOTE [Engine after fork]
+  bool forked() const { return ::getpid() != owner_pid; }
 };
+
+namespace {
+
+// What a forked child gets from an engine or file of its parent (NOTE [Engine after fork]).
+[[noreturn]] void throw_forked(const char* op, const std::string& path, std::uint64_t nbytes,
+                               std::uint64_t offset, pid_t owner) {
+  std::ostringstream d;
+  d << "the I/O engine was made by process " << owner << " and this is a forked child ("
+    << ::getpid() << ") in which its threads do not exist; make a new engine here";
+  throw IOError(EBADF, op, path, nbytes, offset, d.str());
+}
+
+}  // namespace
 
 // ---------------------------------------------------------------- chunks
 
@@ -386,6 +401,7 @@ Future File::submit(bool is_write, void* buf, std::size_t nbytes, std::uint64_t 
   const std::size_t n_chunks = (nbytes + chunk - 1) / chunk;
   fut->chunks_left = n_chunks;
 
+  if (pool_->forked()) throw_forked(op, state_->path, nbytes, offset, pool_->owner_pid);
   {
     std::lock_guard<std::mutex> lk(state_->mu);
     if (state_->closed) {
@@ -452,6 +468,9 @@ std::uint64_t File::size() const {
 }
 
 void File::close() {
+  // In a forked child no worker will finish the parent's requests (and a lock
+  // may have been held at the fork): the fd is closed by ~FileState instead.
+  if (pool_->forked()) return;
   std::unique_lock<std::mutex> lk(state_->mu);
   state_->closed = true;  // no new requests from here on
   state_->cv.wait(lk, [&] { return state_->inflight == 0; });
@@ -471,6 +490,13 @@ Engine::Engine(int threads) : threads_(threads), pool_(std::make_shared<Pool>())
 }
 
 Engine::~Engine() {
+  if (pool_->forked()) {
+    // NOTE [Engine after fork]: the threads are the parent's; a lock may have
+    // been held at the fork. Leak the handles and the pool rather than touch them.
+    new std::vector<std::thread>(std::move(workers_));
+    new std::shared_ptr<Pool>(std::move(pool_));
+    return;
+  }
   // Not joined here: the destructor may run with the Python GIL held, and a
   // caller's keepalive may need that lock when a worker lets go of it (the
   // bindings' keepalives do not, see tensor_release.h, but this core does not
@@ -486,6 +512,7 @@ Engine::~Engine() {
 }
 
 void Engine::close() {
+  if (pool_->forked()) return;  // nothing of it runs here: NOTE [Engine after fork]
   {
     std::lock_guard<std::mutex> lk(pool_->mu);
     pool_->stopping = true;
@@ -497,11 +524,13 @@ void Engine::close() {
 }
 
 bool Engine::closed() const {
+  if (pool_->forked()) return true;  // NOTE [Engine after fork]
   std::lock_guard<std::mutex> lk(pool_->mu);
   return pool_->stopping;
 }
 
 std::shared_ptr<File> Engine::open(const std::string& path, std::uint64_t size_bytes) {
+  if (pool_->forked()) throw_forked("open", path, 0, 0, pool_->owner_pid);
   if (closed()) throw IOError(EBADF, "open", path, 0, 0, "the I/O engine is closed");
   const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
   if (fd < 0) throw IOError(errno, "open", path, 0, 0);

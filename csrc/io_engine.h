@@ -59,6 +59,18 @@
 //   goes through the bounce buffer. A write whose length is not a multiple of
 //   kAlignBytes writes the rest of its last block as zeros, on direct and
 //   buffered files alike, so callers reserve extents rounded up to kAlignBytes.
+//
+// NOTE [Engine after fork]
+//   fork() copies an engine's memory into the child but none of its threads:
+//   joining them there crashed (SIGSEGV), and a request queued there never
+//   ran (a wait hung). An engine remembers the process that made it; in any
+//   other process (a forked child) open() and every File's write(), read()
+//   throw IOError(EBADF) saying so, closed() is true, close() and
+//   File::close() do nothing (the fds are closed when the last owner goes),
+//   and ~Engine leaks the thread handles and the pool instead of touching
+//   them (a lock may have been held by a worker at the fork). Python drops
+//   its engines in a child (NOTE [Fork] in tiermem/offloader.py); this guards
+//   an engine used there anyway.
 #pragma once
 
 #include <sys/types.h>
@@ -185,6 +197,7 @@ class Engine {
   // write of zeros), and sizes it to size_bytes. On failure nothing is left.
   std::shared_ptr<File> open(const std::string& path, std::uint64_t size_bytes);
   // Runs the queued requests, then stops and joins the workers. Idempotent.
+  // In a forked child: nothing (NOTE [Engine after fork]).
   void close();
   int threads() const noexcept { return threads_; }
   bool closed() const;

@@ -14,9 +14,14 @@ KiB = 1024
 class _Job:
     def __init__(self, done):
         self._done = done
+        self.waits = 0
 
     def done(self):
         return self._done
+
+    def wait_host(self):
+        self.waits += 1
+        self._done = True
 
 
 def test_a_released_buffer_is_reused_once_its_job_is_done():
@@ -182,3 +187,69 @@ def test_pinned_buffers_are_never_trimmed_mid_step_and_the_budget_holds(fake_pin
 @pytest.mark.parametrize("pinned", [False, True])
 def test_class_sizes(pinned):
     assert HostPool.class_bytes(5000, pinned) == (8192 if pinned else 5000)
+
+
+# Buffers of earlier steps: see NOTE [Buffers of earlier steps] in tiermem/hostpool.py.
+def test_a_buffer_of_an_earlier_step_is_waited_for_rather_than_allocating_anew():
+    """A copy of the last step still running at this step's start (backward
+    took the original before it landed): acquire waits for it and reuses its
+    buffer, so the pool does not grow with the load."""
+    pool = HostPool(1 << 20)
+    a = pool.acquire(100 * KiB, pinned=False)
+    late = _Job(False)
+    pool.release(a, late)
+    pool.start_step()
+    b = pool.acquire(100 * KiB, pinned=False)
+    assert b.data_ptr() == a.data_ptr() and pool.allocations == 1
+    assert late.waits == 1 and pool.earlier_waits == 1
+
+
+def test_a_buffer_given_back_in_this_step_is_not_waited_for():
+    pool = HostPool(1 << 20)
+    pool.start_step()
+    a = pool.acquire(100 * KiB, pinned=False)
+    running = _Job(False)
+    pool.release(a, running)
+    b = pool.acquire(100 * KiB, pinned=False)
+    assert b.data_ptr() != a.data_ptr() and pool.allocations == 2 and running.waits == 0
+
+
+def test_a_full_pinned_pool_waits_for_an_earlier_step_rather_than_refuse(fake_pinned):
+    pool = HostPool(128 * KiB)
+    a = pool.acquire(128 * KiB, pinned=True)
+    late = _Job(False)
+    pool.release(a, late, pinned=True)
+    pool.start_step()
+    got = pool.acquire(64 * KiB, pinned=True)          # the next class up, once its copy is done
+    assert got is not None and got.data_ptr() == a.data_ptr() and late.waits == 1
+    assert pool.allocations == 1 and fake_pinned == []
+
+
+def test_no_wait_when_a_ready_buffer_fits():
+    pool = HostPool(1 << 20)
+    a = pool.acquire(100 * KiB, pinned=False)
+    b = pool.acquire(100 * KiB, pinned=False)
+    late = _Job(False)
+    pool.release(a, late)
+    pool.release(b, None)
+    pool.start_step()
+    assert pool.acquire(100 * KiB, pinned=False).data_ptr() == b.data_ptr()
+    assert late.waits == 0 and pool.earlier_waits == 0
+
+
+def test_clear_waits_for_idle_buffers_copies_then_frees_them_and_the_pinned_cache(fake_pinned):
+    """What Offloader.close() does with pinned memory: idle buffers whose last
+    copy still runs are waited for and dropped too (a buffer kept would stay
+    pinned in torch's cache after the Offloader), then the cache is emptied."""
+    pool = HostPool(1 << 20)
+    a = pool.acquire(64 * KiB, pinned=True)
+    b = pool.acquire(64 * KiB, pinned=True)
+    running = _Job(False)
+    pool.release(a, running, pinned=True)
+    refs = [StorageWeakRef(a.untyped_storage())]
+    del a
+    pool.clear()
+    assert running.waits == 1 and pool.free_bytes == 0 and pool.idle_buffers() == []
+    assert all(r.expired() for r in refs) and fake_pinned == [1]
+    assert pool.in_use_bytes == 64 * KiB   # b, still in use, is unaffected
+    pool.release(b, pinned=True)

@@ -422,6 +422,14 @@ def test_exception_mid_forward_frees_everything_and_offloader_is_reusable():
     assert [i.module for i in infos] == ["MLP.0", "MLP.1", "MLP.2", "MLP.3", ""]
 
 
+def _copies_done() -> None:
+    """Wait until the CPU copy threads have run every copy queued so far."""
+    from tiermem.copier import ThreadCopier
+    copier = ThreadCopier()
+    for worker in (copier._out, copier._in):
+        worker.submit(lambda: None).wait_host()
+
+
 @pytest.mark.slow
 def test_host_buffers_freed_with_graph_when_copies_land_late():
     """Once a step's graph is freed and its copies have landed, the host buffers
@@ -443,13 +451,11 @@ def test_host_buffers_freed_with_graph_when_copies_land_late():
         out.backward()
         assert torch.equal(sink[0], t)
         del out, sink
-        deadline = time.monotonic() + 1.0    # far longer than a 32 MiB copy
-        while time.monotonic() < deadline:
-            gc.collect()
-            state = (off.host_bytes_in_use, not storage.expired())
-            if state == (0, False):
-                break
-            time.sleep(0.02)
+        # The copy has landed once the copy thread ran a job queued after it
+        # (FIFO): no wall-clock deadline, which heavy load can outlast.
+        _copies_done()
+        gc.collect()
+        state = (off.host_bytes_in_use, not storage.expired())
         assert state == (0, False), (
             f"attempt {attempt}: after the graph was freed and the copy landed, "
             f"(host bytes in use, saved tensor's storage alive) = {state}")
@@ -831,6 +837,25 @@ def test_pooled_host_buffers_are_reused_across_steps():
         allocations.append(_host_pool(off).allocations)
     assert allocations[0] > 0
     assert allocations[1:] == [allocations[0]] * 4, allocations
+
+
+def test_pooled_host_buffers_are_reused_when_copies_land_after_backward():
+    """The deterministic form of the test above under load: every copy lands
+    late, after backward took the originals, so the last step's copies still
+    run when the next step starts. That step waits for them and reuses their
+    buffers (NOTE [Buffers of earlier steps] in hostpool.py); it allocated new
+    ones before, and the pool grew with the load."""
+    case = make_case("mlp")
+    off = offloader("cpu")
+    allocations = []
+    with tiermem.testing.slow_copies(0.05):
+        for step in range(4):
+            run_step(case.model, case.inputs, off, seed=step, loss_fn=case.loss_fn)
+            allocations.append(_host_pool(off).allocations)
+    assert allocations[0] > 0
+    assert allocations[1:] == [allocations[0]] * 3, allocations
+    assert _host_pool(off).earlier_waits > 0   # the copies did land late
+    off.close()
 
 
 def test_tensor_info_module_names_and_index():

@@ -12,6 +12,7 @@ buffer's elements on the device and copy in after the pad):
 - :class:`ThreadCopier`: for CPU tensors (and CPU-only machines), two worker
   threads (out, in) run ``dst.copy_(src)`` in FIFO order; torch releases the
   GIL inside the copy. ``Job.order_before_use()`` blocks until the copy is done.
+  At exit they finish their queue first (NOTE [Copy threads at exit]).
   This runs the same wait/free ordering as CUDA in CI.
 
 # NOTE [Stream lifetime]
@@ -59,6 +60,8 @@ buffer's elements on the device and copy in after the pad):
 
 from __future__ import annotations
 
+import atexit
+import logging
 import os
 import queue
 import threading
@@ -70,30 +73,55 @@ from .jobs import CudaJob, Job, ThreadJob
 
 __all__ = ["ThreadCopier", "CudaCopier", "copier_for"]
 
+_log = logging.getLogger("tiermem")
+
 
 class _Worker:
-    """One daemon thread running copy jobs in FIFO order."""
+    """One daemon thread running copy jobs in FIFO order. See NOTE [Copy
+    threads at exit]."""
 
     def __init__(self, name: str) -> None:
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, fn: Callable[[], None]) -> ThreadJob:
         job = ThreadJob()
-        self._queue.put((fn, job))
+        with self._lock:
+            if not self._stopped:
+                self._queue.put((fn, job))
+                return job
+        _run_job(fn, job)   # stopped (the interpreter is exiting): here, at once
         return job
+
+    def stop(self, timeout_s: float) -> bool:
+        """Run what is queued, then end the thread; later submits run on the
+        caller. True if the thread ended within ``timeout_s``."""
+        with self._lock:
+            if not self._stopped:
+                self._stopped = True
+                self._queue.put(None)
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
     def _run(self) -> None:
         while True:
-            fn, job = self._queue.get()
-            error = None
-            try:
-                fn()
-            except BaseException as e:  # handed to the waiter, never lost
-                error = e
-            job.finish(error)
-            del fn, job, error
+            item = self._queue.get()
+            if item is None:
+                return
+            _run_job(*item)
+            del item
+
+
+def _run_job(fn: Callable[[], None], job: ThreadJob) -> None:
+    error = None
+    try:
+        fn()
+    except BaseException as e:  # handed to the waiter, never lost
+        error = e
+    job.finish(error)
 
 
 class ThreadCopier:
@@ -161,6 +189,33 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+#: How long the exit hook waits for the copy threads' queued copies.
+_EXIT_JOIN_SECONDS = 60.0
+
+
+# NOTE [Copy threads at exit]
+# ThreadCopier's workers are daemon threads, and a copy runs inside torch with
+# the GIL released. When the interpreter finalizes (after atexit), a daemon
+# thread that takes the GIL back is ended by CPython with pthread_exit, whose
+# forced unwinding through pybind11's noexcept ``~gil_scoped_release`` calls
+# std::terminate: the process dies with SIGABRT and "terminate called without
+# an active exception". A copy is in flight at exit whenever a program ends
+# with a forward's copies queued (no backward, no close) or with a prefetched
+# restore nobody consumed (close does not wait for those). So an atexit hook
+# (it runs before finalization) stops the workers: they run what is queued and
+# end; copies submitted after it (an atexit hook that ran later) run on the
+# submitting thread. tests/test_exit.py runs such programs in subprocesses.
+@atexit.register
+def _stop_workers_at_exit() -> None:
+    with ThreadCopier._lock:
+        workers = ThreadCopier._workers or ()
+    for w in workers:
+        if not w.stop(_EXIT_JOIN_SECONDS):   # pragma: no cover - a copy that never ends
+            _log.warning("tiermem: a copy thread (%s) still runs %.0f s after exit began; "
+                         "the interpreter may abort when it finalizes",
+                         w._thread.name, _EXIT_JOIN_SECONDS)
 
 
 def copier_for(device: torch.device, cache: dict):

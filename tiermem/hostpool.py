@@ -47,6 +47,21 @@ NOTE [Idle pageable buffers]
   power-of-two classes, so they are reused across shapes; trimming them stays
   as NOTE [Trimming pinned buffers] says.
 
+NOTE [Buffers of earlier steps]
+  A buffer comes back while its last copy may still run: backward consumed a
+  tensor whose copy out had not landed yet (it takes the original), and the
+  copy goes on. Under load such copies can still run when the next step
+  starts, and that step found its buffers busy: it pinned or allocated new ones
+  (``allocations`` grew, idle memory beyond one step's worth) or, with the
+  budget full, sent tensors to the next tier, so where a tensor went depended
+  on timing. :meth:`HostPool.start_step` (the Offloader's entry, between steps)
+  marks the idle buffers whose job is not done yet; when ``acquire`` finds no
+  ready buffer of the class, it waits for the job of such a marked buffer of
+  the class (a copy of an earlier step, which nobody needs any more) and takes
+  that buffer, before it allocates or refuses. Buffers given back during the
+  current step are never waited for. The wait is on the host (CUDA: that copy's
+  event), only when the pool would otherwise grow or refuse.
+
 NOTE [Releases from finalizers]
   ``release`` runs from handles' finalizers, which the cyclic garbage collector
   may run at any allocation, on a thread that may be inside this pool's lock
@@ -110,6 +125,11 @@ class HostPool:
         # Most pinned bytes a refused request lacked since the last trim.
         self._pinned_shortfall_bytes = 0
         self._warned_alloc = False
+        # ids of idle buffers whose job ran past the step they were given back
+        # in: NOTE [Buffers of earlier steps].
+        self._earlier: set = set()
+        #: Times acquire() waited for a copy of an earlier step to reuse its buffer.
+        self.earlier_waits = 0
 
     def _drain(self) -> None:
         """File the buffers given back since (caller holds the lock)."""
@@ -186,21 +206,40 @@ class HostPool:
     def class_bytes(nbytes: int, pinned: bool) -> int:
         return _pinned_class(nbytes) if pinned else nbytes
 
+    def start_step(self) -> None:
+        """Between steps: mark the idle buffers whose last job still runs, so
+        that ``acquire`` may wait for them (NOTE [Buffers of earlier steps])."""
+        with self._lock:
+            self._drain()
+            self._earlier = {id(buf) for entries in self._free.values()
+                             for buf, job in entries if job is not None and not job.done()}
+
     def acquire(self, nbytes: int, pinned: bool) -> Optional[torch.Tensor]:
         """A buffer of at least ``nbytes`` (its length is its class size: the
         request's class or, pinned, twice it when such an idle buffer is ready;
         callers slice it), or ``None`` when the budget has no room.
-        See NOTE [Trimming pinned buffers]."""
+        See NOTE [Trimming pinned buffers] and NOTE [Buffers of earlier steps]."""
         cls = self.class_bytes(nbytes, pinned)
+        while True:
+            with self._lock:
+                self._drain()
+                buf = self._take_ready(pinned, cls)
+                if buf is not None:
+                    self._free_bytes -= buf.numel()
+                    if not pinned:
+                        self._pageable_idle_bytes -= buf.numel()
+                    self._in_use(buf.numel(), pinned)
+                    return buf
+                job = self._earlier_job(pinned, cls)
+                if job is None:
+                    break
+            self.earlier_waits += 1
+            try:
+                job.wait_host()   # outside the lock
+            except Exception:     # a failed copy: its buffer is free all the same
+                pass
         with self._lock:
             self._drain()
-            buf = self._take_ready(pinned, cls)
-            if buf is not None:
-                self._free_bytes -= buf.numel()
-                if not pinned:
-                    self._pageable_idle_bytes -= buf.numel()
-                self._in_use(buf.numel(), pinned)
-                return buf
             over = self._in_use_bytes + self._free_bytes + cls - self.budget_bytes
             if over > 0:
                 if pinned:   # never mid-step: NOTE [Trimming pinned buffers]
@@ -232,10 +271,25 @@ class HostPool:
         self._returned.append((buf, job, pinned))
 
     def clear(self) -> None:
-        """Drop every idle buffer (in-use ones are unaffected)."""
+        """Drop every idle buffer, once the copy that last used it is done (in-use
+        ones are unaffected), then hand torch's cached pinned blocks back to the
+        OS: what ``Offloader.close()`` does, so that pinned memory does not
+        outlive the Offloader in torch's cache (a benchmark matrix runs one
+        configuration after another in one process). Waits on the host for
+        those copies."""
+        with self._lock:
+            self._drain()
+            running = [job for entries in self._free.values() for _, job in entries
+                       if job is not None and not job.done()]
+        for job in running:   # outside the lock
+            try:
+                job.wait_host()
+            except Exception:   # a failed copy: its buffer is free all the same
+                pass
         with self._lock:
             self._drain()
             self._trim(self._free_bytes)
+            self._earlier.clear()
         # Also what torch's cache kept of pinned buffers dropped before
         # (transient staging outside the pool).
         _return_pinned_cache()
@@ -255,6 +309,20 @@ class HostPool:
                     if not entries:
                         del self._free[key]
                     return buf
+        return None
+
+    def _earlier_job(self, pinned: bool, cls: int):
+        """The running job of a marked idle buffer of the classes ``acquire``
+        may take (NOTE [Buffers of earlier steps]), unmarked; or ``None``."""
+        if not self._earlier:
+            return None
+        keys = [(pinned, cls), (pinned, 2 * cls)] if pinned else [(pinned, cls)]
+        for key in keys:
+            for buf, job in self._free.get(key, ()):
+                if id(buf) in self._earlier:
+                    self._earlier.discard(id(buf))
+                    if job is not None and not job.done():
+                        return job
         return None
 
     def _ready_idle_bytes(self, pinned: bool) -> int:

@@ -322,8 +322,10 @@ class Offloader:
         return {} if self.config.disable else self._placement.store_stats()
 
     def close(self) -> None:
-        """Wait for moves in flight, free the pooled buffers and remove the NVMe
-        directory. Call it after the last backward: tensors still saved on NVMe
+        """Wait for moves in flight, free the pooled buffers (idle ones once
+        their last copy is done) and hand torch's cached pinned blocks back to
+        the OS (so that the next Offloader in this process starts from a clean
+        pinned pool), and remove the NVMe directory. Call it after the last backward: tensors still saved on NVMe
         cannot be restored afterwards (their backward raises TierMemError)."""
         self.closed = True
         if self.config.disable:
@@ -360,7 +362,8 @@ _CACHE_SIZE = 8
 # forgotten in the child by at-fork hooks (copier.py, io/__init__.py), so that
 # a new Offloader made there starts its own; an Offloader made before the fork
 # refuses to be entered in the child (its pools, files and threads are the
-# parent's), and offload()'s cache starts empty there. A child that never uses
+# parent's), and offload()'s cache starts empty there. A C++ engine object kept
+# across the fork anyway is inert there (NOTE [Engine after fork], csrc/io_engine.h). A child that never uses
 # tiermem is not affected: the hooks only drop references.
 
 

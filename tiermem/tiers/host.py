@@ -75,6 +75,7 @@ class HostStore(MovingStore):
 
     def trim_idle(self) -> None:
         self.pool.trim_when_idle()
+        self.pool.start_step()
 
     def close(self) -> None:
         self.drain()

@@ -205,7 +205,10 @@ class MovingStore(TierStore):
     def trim_idle(self) -> None:
         """Between steps (no copy of this store queued by the step to come):
         give back idle pinned buffers that refused requests need room from
-        (NOTE [Trimming pinned buffers] in hostpool.py). Default: nothing."""
+        (NOTE [Trimming pinned buffers] in hostpool.py), and mark what earlier
+        steps gave back while its I/O still ran, for the step to come to wait
+        for rather than grow or refuse (NOTE [Buffers of earlier steps] in
+        hostpool.py). Default: nothing."""
 
     def sources_in_flight(self) -> tuple:
         """``(count, bytes)`` of the sources held for launched moves not seen

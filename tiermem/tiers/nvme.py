@@ -146,6 +146,10 @@ class NvmeStore(MovingStore):
         self._deferred: list = []   # (job, offset, nbytes): extents freed after their I/O
         self._released: collections.deque = collections.deque()   # from finalizers, unfiled
         self._deferred_lock = threading.Lock()
+        # I/O of extents given back before this step began (trim_idle).
+        self._earlier_io: list = []
+        #: Times a full arena waited for such I/O rather than refuse a tensor.
+        self.earlier_waits = 0
         self.closed = False
 
     # -- accounting -------------------------------------------------------------
@@ -161,6 +165,31 @@ class NvmeStore(MovingStore):
 
     def trim_idle(self) -> None:
         self.staging.trim_when_idle()
+        self.staging.start_step()
+        # Extents given back with their I/O still running (NOTE [Buffers of
+        # earlier steps] in hostpool.py, applied to the arena): a step that
+        # finds the arena full waits for those before it refuses a tensor.
+        self._free_finished()
+        with self._deferred_lock:
+            self._earlier_io = [job for job, _, _ in self._deferred if job is not None]
+
+    def _alloc_after_earlier_io(self, nbytes: int) -> Optional[int]:
+        """An extent for ``nbytes`` once the arena, full now, has taken back
+        the extents of earlier steps whose I/O was still running at this
+        step's start (waited for one by one, oldest first); ``None`` if
+        still full."""
+        self._free_finished()
+        offset = self.arena.alloc(nbytes)
+        while offset is None and self._earlier_io:
+            job = self._earlier_io.pop(0)
+            self.earlier_waits += 1
+            try:
+                job.wait_host()
+            except Exception:
+                pass   # a failed write/read: the extent is free all the same
+            self._free_finished()
+            offset = self.arena.alloc(nbytes)
+        return offset
 
     # -- move out -----------------------------------------------------------------
     def _reserve(self, layout: Layout, t: torch.Tensor):
@@ -175,6 +204,8 @@ class NvmeStore(MovingStore):
             if staging is None:
                 return None
         offset = self.arena.alloc(nbytes)
+        if offset is None and self._earlier_io:
+            offset = self._alloc_after_earlier_io(nbytes)
         if offset is None:
             if staging is not None:
                 self.staging.release(staging, None, t.is_cuda)
