@@ -38,6 +38,7 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 from .config import Config
 from .errors import ConfigError, TierMemError
 from .policy import Tier, resolve_policy, tier_order
+from .tracker import track_block, untrack_block
 
 __all__ = ["wrap_blocks", "BlockWrapping", "SELECTIVE_SAVE_OPS"]
 
@@ -67,7 +68,8 @@ class _Scope(threading.local):
 _scope = _Scope()
 
 #: Wrapped blocks whose policy may recompute: while any exists, Offloaders
-#: track producers even if their own policy would not need it.
+#: track producers while such a block runs (NOTE [Scoped tracking] in
+#: tracker.py) even if their own policy would not need it.
 _recomputing_blocks: "weakref.WeakSet[_BlockForward]" = weakref.WeakSet()
 
 
@@ -104,9 +106,12 @@ class _BlockForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         fn = functools.partial(type(self.module).forward, self.module)
         stack = None
+        tracked = ()
         if self.order is not None:
             stack = _scope.stack
             stack.append(self.order)
+            if Tier.RECOMPUTE in self.order:   # NOTE [Scoped tracking] in tracker.py
+                tracked = track_block()
         try:
             if self.mode is None or not torch.is_grad_enabled():
                 return fn(*args, **kwargs)
@@ -122,6 +127,8 @@ class _BlockForward:
         finally:
             if stack is not None:
                 stack.pop()
+                if tracked:
+                    untrack_block(tracked)
 
 
 class BlockWrapping:
@@ -177,8 +184,11 @@ def wrap_blocks(model: nn.Module, blocks: Selector, *, checkpoint: Union[bool, s
       NOTE [CheckpointPolicy answers] in policy.py: MUST_RECOMPUTE raises
       ``TierMemError`` in the forward for a tensor of the block that cannot be
       recomputed.
-      With ``recompute`` in it, every Offloader tracks producers while such a
-      wrapped block exists (the cost of tracking is paid for the whole forward).
+      With ``recompute`` in it, an Offloader tracks producers while such a
+      block runs (only then, unless its own policy needs tracking; NOTE
+      [Scoped tracking] in tracker.py): a tensor the block saves whose
+      producer ran before the block (its inputs) has no recipe and goes to
+      the next tier of the block's policy.
 
     Returns a :class:`BlockWrapping`; raises ``ConfigError`` when nothing
     matches or a setting is invalid, and when a block is already wrapped.

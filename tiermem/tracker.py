@@ -98,7 +98,13 @@ def _pre_hook(module: torch.nn.Module, args) -> None:
         for entry_depth, listener in listeners:
             if depth == entry_depth:
                 listener(module)
-    stack.append((module, _name_of(module, stack)))
+    name = _name_of(module, stack)
+    stack.append((module, name))
+    scopes = _tls.__dict__.get("scopes")
+    if scopes:   # NOTE [Scoped tracking]
+        for s in scopes:
+            if s.depth is None and name in s.names:
+                s.enter(len(stack) - 1)
 
 
 def _post_hook(module: torch.nn.Module, args, output) -> None:
@@ -109,7 +115,14 @@ def _post_hook(module: torch.nn.Module, args, output) -> None:
     for i in range(len(stack) - 1, -1, -1):
         if stack[i][0] is module:
             del stack[i:]
-            return
+            break
+    else:
+        return
+    scopes = _tls.__dict__.get("scopes")
+    if scopes:   # NOTE [Scoped tracking]
+        for s in scopes:
+            if s.depth is not None and s.depth >= i:
+                s.leave()
 
 
 def current_module() -> str:
@@ -118,16 +131,100 @@ def current_module() -> str:
     return stack[-1][1] if stack else ""
 
 
+# NOTE [Scoped tracking]
+# Producer tracking (a dispatch mode: a Python call per op, most of it the
+# price of any mode) is needed only where a recipe's ops run. When that set of
+# modules is known, the mode is entered only while they run: a
+# :class:`TrackingScope` enters it at the pre-hook of the outermost module
+# whose qualified name is in ``names`` (modules nested in it run inside) and
+# leaves it at that module's post-hook (called also when it raises); a wrapped
+# block whose policy recomputes enters the scopes that follow blocks for its
+# own run (:func:`track_block`). Who knows the set: a plan (the modules that
+# ran the recipe ops of the tensors it recomputes, recorded by its profile:
+# ``Record.module``, ``RecomputeHandle.modules``), and a wrapped block (its own
+# run). A fixed policy with recompute, a callable policy, a profiled step and
+# the safe order track the whole forward (any module may recompute).
+# Exactness does not rest on the scope: an op that ran outside it has no
+# record, so a recipe that reaches its output stores that tensor as an input
+# (NOTE [What a recipe holds], case 4: the tensor itself, as it was at the
+# op) or, if it is gone, declines (the next tier). What the scope can change
+# is only which inputs a recipe stores (bytes: the closed loop measures them)
+# and what the mode sees of the forward's writes: writes outside the scope to
+# a dropped tensor (through an alias, the tensor itself freed) are not seen
+# (its recompute returns its values at save, where autograd would raise), and
+# a parameter that a recipe holds as it is, written outside the scope, is
+# caught at recompute by the parameter check (NOTE [Parameters changed before
+# backward] in paramcheck.py) rather than copied before the write.
+
+
+class TrackingScope:
+    """Enters ``mode`` (a dispatch mode) only while a module named in ``names``
+    runs on this thread, or (``blocks``) a wrapped block whose policy
+    recomputes. See NOTE [Scoped tracking]. Registered by :class:`ModuleStack`."""
+
+    __slots__ = ("mode", "names", "blocks", "depth", "entries")
+
+    def __init__(self, mode, names=frozenset(), blocks: bool = False) -> None:
+        self.mode = mode
+        self.names = frozenset(names)
+        self.blocks = blocks
+        #: Stack depth of the module that entered the mode; ``None``: not active.
+        self.depth: Optional[int] = None
+        #: Times the mode was entered (tests, benchmarks).
+        self.entries = 0
+
+    def enter(self, depth: int) -> None:
+        self.mode.__enter__()
+        self.depth = depth
+        self.entries += 1
+
+    def leave(self) -> None:
+        """Leave the mode if it is active and the innermost mode (a mode entered
+        inside the scope and not left there stays above it: then it is left
+        later, at the next module end or at the context's exit)."""
+        if self.depth is None:
+            return
+        if torch._C._len_torch_dispatch_stack() and \
+                torch._C._get_dispatch_stack_at(torch._C._len_torch_dispatch_stack() - 1) \
+                is not self.mode:
+            return
+        self.depth = None
+        self.mode.__exit__(None, None, None)
+
+
+def track_block():
+    """A wrapped block whose policy recomputes starts: enter the scopes of this
+    thread that follow blocks and are not active. Returns what to pass to
+    :func:`untrack_block` when the block ends."""
+    scopes = _tls.__dict__.get("scopes")
+    if not scopes:
+        return ()
+    entered = []
+    for s in scopes:
+        if s.blocks and s.depth is None:
+            s.enter(max(len(_stack()) - 1, 0))
+            entered.append(s)
+    return entered
+
+
+def untrack_block(entered) -> None:
+    for s in entered:
+        s.leave()
+
+
 class ModuleStack:
     """Handle of one user (a context) of the tracker on this thread.
 
     ``on_root(module)`` is called when a module starts at the depth the stack had
     when the context was entered, i.e. for each outermost module run inside the
     context (used to learn the parameters and buffers of the model).
+    ``scope``: a :class:`TrackingScope` followed while the context is active
+    (left, if active, when it exits).
     """
 
-    def __init__(self, on_root=None) -> None:
+    def __init__(self, on_root=None, scope: Optional[TrackingScope] = None) -> None:
         self._on_root = on_root
+        self._scope = scope
         self._depth = 0
 
     def __enter__(self) -> "ModuleStack":
@@ -140,10 +237,24 @@ class ModuleStack:
         self._depth = len(_stack())
         if self._on_root is not None:
             _root_listeners().append((self._depth, self._on_root))
+        if self._scope is not None:
+            scopes = _tls.__dict__.get("scopes")
+            if scopes is None:
+                scopes = _tls.scopes = []
+            scopes.append(self._scope)
         return self
 
     def __exit__(self, *exc) -> None:
         global _users
+        if self._scope is not None:
+            scopes = _tls.__dict__.get("scopes") or []
+            for i in range(len(scopes) - 1, -1, -1):
+                if scopes[i] is self._scope:
+                    del scopes[i]
+                    break
+            if self._scope.depth is not None:   # still active (a module left unfinished)
+                self._scope.depth = None
+                self._scope.mode.__exit__(None, None, None)
         del _stack()[self._depth:]
         if self._on_root is not None:
             listeners = _root_listeners()

@@ -98,7 +98,7 @@ from .profile import Profile, Recorder
 from .rates import default_device_budget_bytes, measure_rates
 from .solver import make_plan, safe_order
 
-__all__ = ["Planner", "StepPlanning", "MAX_REPLANS", "MAX_PLANS", "PROFILED_SIZES",
+__all__ = ["Planner", "StepPlanning", "tracking_scope", "MAX_REPLANS", "MAX_PLANS", "PROFILED_SIZES",
            "KEPT_TOLERANCE", "STALL_TOLERANCE_S"]
 
 _log = logging.getLogger("tiermem")
@@ -161,7 +161,7 @@ class StepPlanning:
     included; ``count`` the indices handed out (``Step.index``)."""
 
     __slots__ = ("planner", "plan", "recorder", "safe", "off_plan", "count", "tracks", "pos",
-                 "kept_at")
+                 "kept_at", "scope")
 
     def __init__(self, planner: "Planner", plan: Optional[Plan],
                  recorder: Optional[Recorder]) -> None:
@@ -177,6 +177,9 @@ class StepPlanning:
         self.kept_at = () if plan is None else plan.kept_at
         #: Producer tracking is needed (profiling, safe order, or a plan that recomputes).
         self.tracks = plan is None or plan.recomputes
+        #: The modules to track in (NOTE [Scoped tracking] in tracker.py), or
+        #: ``None``: the whole forward (when ``tracks``).
+        self.scope = None if plan is None else getattr(plan, "tracking_scope", None)
 
     def order(self, index: int, t, nbytes: int, module: str, producers) -> tuple:
         """The tier order of tensor ``index`` (NOTE [Following a plan])."""
@@ -364,6 +367,7 @@ class Planner:
                          nvme_budget_bytes=None if nvme is None else nvme.arena.budget_bytes,
                          replans=replans, replan_reason=reason)
         plan.budget_bytes = budget
+        plan.tracking_scope = tracking_scope(plan, profile)
         plan.follow(profile.keys, profile.positions)
         plan.rate_factor = rate_factor
         plan.target_bytes = budget if target is None else target
@@ -402,3 +406,19 @@ class Planner:
         new = self._plan(profile, target, factor, plan.replans + 1, "; ".join(why))
         if self.current is plan:
             self.current = new
+
+
+def tracking_scope(plan: Plan, profile: Profile) -> Optional[frozenset]:
+    """The modules a step following ``plan`` tracks producers in: those that ran
+    the recipe ops of the tensors it recomputes, as its profile recorded them
+    (empty: it recomputes nothing); ``None`` (the whole forward) when one ran
+    outside any module or was not recorded. NOTE [Scoped tracking] in tracker.py."""
+    names: set = set()
+    for record, order in zip(profile.records, plan.orders):
+        if order[0] is not Tier.RECOMPUTE:
+            continue
+        modules = record.recipe_modules
+        if not modules or "" in modules:
+            return None
+        names.update(modules)
+    return frozenset(names)
