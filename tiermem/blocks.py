@@ -73,9 +73,21 @@ _scope = _Scope()
 _recomputing_blocks: "weakref.WeakSet[_BlockForward]" = weakref.WeakSet()
 
 
+#: Those among them whose policy is ``MUST_RECOMPUTE``: while any exists,
+#: Offloaders track the whole forward, so that whether such a block's tensor
+#: can be recomputed (else ``TierMemError``) does not depend on where its
+#: producer ran (NOTE [Scoped tracking] in tracker.py).
+_must_recompute_blocks: "weakref.WeakSet[_BlockForward]" = weakref.WeakSet()
+
+
 def blocks_need_producers() -> bool:
     """Whether a live wrapped block has a policy that may recompute."""
     return len(_recomputing_blocks) > 0
+
+
+def blocks_need_full_tracking() -> bool:
+    """Whether a live wrapped block's policy is ``MUST_RECOMPUTE``."""
+    return len(_must_recompute_blocks) > 0
 
 
 def _selective_policy(ctx, op, *args, **kwargs):
@@ -98,6 +110,8 @@ class _BlockForward:
     def _register(self) -> None:
         if self.order is not None and Tier.RECOMPUTE in self.order:
             _recomputing_blocks.add(self)
+            if getattr(self.order, "must", False) and self.order[0] is Tier.RECOMPUTE:
+                _must_recompute_blocks.add(self)
 
     def __setstate__(self, state: dict) -> None:   # copies made by deepcopy / pickle
         self.__dict__.update(state)
@@ -145,6 +159,7 @@ class BlockWrapping:
             fwd = m.__dict__.get("forward")
             if isinstance(fwd, _BlockForward):
                 _recomputing_blocks.discard(fwd)
+                _must_recompute_blocks.discard(fwd)
                 del m.forward
         self._modules = []
 
@@ -188,7 +203,9 @@ def wrap_blocks(model: nn.Module, blocks: Selector, *, checkpoint: Union[bool, s
       block runs (only then, unless its own policy needs tracking; NOTE
       [Scoped tracking] in tracker.py): a tensor the block saves whose
       producer ran before the block (its inputs) has no recipe and goes to
-      the next tier of the block's policy.
+      the next tier of the block's policy. With ``MUST_RECOMPUTE``, every
+      Offloader tracks the whole forward while such a block exists (whether
+      a tensor can be recomputed must not depend on where its producer ran).
 
     Returns a :class:`BlockWrapping`; raises ``ConfigError`` when nothing
     matches or a setting is invalid, and when a block is already wrapped.

@@ -33,7 +33,7 @@ from typing import Any, Optional
 import torch
 
 from .attach import Attachment, attach_module, detach_modules
-from .blocks import blocks_need_producers
+from .blocks import blocks_need_full_tracking, blocks_need_producers
 from .config import Config
 from .errors import TierMemError
 from .hooks import Packer, keep_pack, opaque, unpack
@@ -77,8 +77,8 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         #: tracker.py); ``None``: the whole forward, or not at all.
         self.tracking: Optional[TrackingScope] = None
         names = None if planning is None else planning.scope
-        if placement.tracks_producers if planning is None else (
-                planning.tracks and names is None):
+        if (placement.tracks_producers if planning is None else (
+                planning.tracks and names is None)) or blocks_need_full_tracking():
             self.producers = ProducerMode(
                 module_names=planning is not None and planning.recorder is not None)
         else:
