@@ -103,8 +103,7 @@ def _pre_hook(module: torch.nn.Module, args) -> None:
     scopes = _tls.__dict__.get("scopes")
     if scopes:   # NOTE [Scoped tracking]
         for s in scopes:
-            if s.depth is None and name in s.names:
-                s.enter(len(stack) - 1)
+            s.update(name)
 
 
 def _post_hook(module: torch.nn.Module, args, output) -> None:
@@ -120,9 +119,9 @@ def _post_hook(module: torch.nn.Module, args, output) -> None:
         return
     scopes = _tls.__dict__.get("scopes")
     if scopes:   # NOTE [Scoped tracking]
+        name = stack[-1][1] if stack else ""
         for s in scopes:
-            if s.depth is not None and s.depth >= i:
-                s.leave()
+            s.update(name)
 
 
 def current_module() -> str:
@@ -133,17 +132,21 @@ def current_module() -> str:
 
 # NOTE [Scoped tracking]
 # Producer tracking (a dispatch mode: a Python call per op, most of it the
-# price of any mode) is needed only where a recipe's ops run. When that set of
-# modules is known, the mode is entered only while they run: a
-# :class:`TrackingScope` enters it at the pre-hook of the outermost module
-# whose qualified name is in ``names`` (modules nested in it run inside) and
-# leaves it at that module's post-hook (called also when it raises); a wrapped
-# block whose policy recomputes enters the scopes that follow blocks for its
-# own run (:func:`track_block`). Who knows the set: a plan (the modules that
-# ran the recipe ops of the tensors it recomputes, recorded by its profile:
-# ``Record.module``, ``RecomputeHandle.modules``), and a wrapped block (its own
-# run). A fixed policy with recompute, a callable policy, a profiled step and
-# the safe order track the whole forward (any module may recompute).
+# price of any mode) is needed only where a recipe's ops run. When that set is
+# known, a :class:`TrackingScope` keeps the mode entered only while the
+# innermost running module (``current_module()``, what ``Record.module``
+# records) is named in ``names``: at each module's pre- and post-hook
+# (called also when it raises) it enters or leaves the mode. ``""`` (or, for
+# a context entered inside a module, that module's name) stands for the ops
+# run outside every module of the context, such as a loss computed after the
+# model. A wrapped block whose policy recomputes keeps the scopes that follow
+# blocks entered for its whole run, nested modules included
+# (:func:`track_block`). Who knows the set: a plan (the modules that ran the
+# recipe ops of the tensors it recomputes, recorded by its profile:
+# ``Record.module``, ``RecomputeHandle.modules``, ``Plan.tracking_scope``),
+# and a wrapped block (its own run). A fixed policy with recompute, a
+# callable policy, a block with MUST_RECOMPUTE, a profiled step and the safe
+# order track the whole forward (any module may recompute).
 # Exactness does not rest on the scope: an op that ran outside it has no
 # record, so a recipe that reaches its output stores that tensor as an input
 # (NOTE [What a recipe holds], case 4: the tensor itself, as it was at the
@@ -158,58 +161,67 @@ def current_module() -> str:
 
 
 class TrackingScope:
-    """Enters ``mode`` (a dispatch mode) only while a module named in ``names``
-    runs on this thread, or (``blocks``) a wrapped block whose policy
-    recomputes. See NOTE [Scoped tracking]. Registered by :class:`ModuleStack`."""
+    """Enters ``mode`` (a dispatch mode) on this thread only while the innermost
+    running module is named in ``names``, or (``blocks``) while a wrapped
+    block whose policy recomputes runs. See NOTE [Scoped tracking].
+    Registered by :class:`ModuleStack`."""
 
-    __slots__ = ("mode", "names", "blocks", "depth", "entries")
+    __slots__ = ("mode", "names", "blocks", "active", "entries", "in_blocks")
 
     def __init__(self, mode, names=frozenset(), blocks: bool = False) -> None:
         self.mode = mode
         self.names = frozenset(names)
         self.blocks = blocks
-        #: Stack depth of the module that entered the mode; ``None``: not active.
-        self.depth: Optional[int] = None
+        self.active = False
         #: Times the mode was entered (tests, benchmarks).
         self.entries = 0
+        #: Wrapped blocks that recompute running now (nested ones count each).
+        self.in_blocks = 0
 
-    def enter(self, depth: int) -> None:
-        self.mode.__enter__()
-        self.depth = depth
-        self.entries += 1
+    def update(self, innermost: str) -> None:
+        """The innermost running module is now ``innermost`` (``""``: none)."""
+        want = self.in_blocks > 0 or innermost in self.names
+        if want is self.active:
+            return
+        if want:
+            self.mode.__enter__()
+            self.active = True
+            self.entries += 1
+        else:
+            self.leave()
 
     def leave(self) -> None:
-        """Leave the mode if it is active and the innermost mode (a mode entered
-        inside the scope and not left there stays above it: then it is left
-        later, at the next module end or at the context's exit)."""
-        if self.depth is None:
+        """Leave the mode if it is active and the innermost dispatch mode (one
+        entered inside the scope and not left there stays above it: ours is
+        then left at the next module boundary, or at the context's exit)."""
+        if not self.active:
             return
-        if torch._C._len_torch_dispatch_stack() and \
-                torch._C._get_dispatch_stack_at(torch._C._len_torch_dispatch_stack() - 1) \
-                is not self.mode:
+        n = torch._C._len_torch_dispatch_stack()
+        if n and torch._C._get_dispatch_stack_at(n - 1) is not self.mode:
             return
-        self.depth = None
+        self.active = False
         self.mode.__exit__(None, None, None)
 
 
 def track_block():
-    """A wrapped block whose policy recomputes starts: enter the scopes of this
-    thread that follow blocks and are not active. Returns what to pass to
-    :func:`untrack_block` when the block ends."""
+    """A wrapped block whose policy recomputes starts: the scopes of this
+    thread that follow blocks track until :func:`untrack_block` (given what
+    this returns) is called at its end."""
     scopes = _tls.__dict__.get("scopes")
     if not scopes:
         return ()
-    entered = []
-    for s in scopes:
-        if s.blocks and s.depth is None:
-            s.enter(max(len(_stack()) - 1, 0))
-            entered.append(s)
+    entered = [s for s in scopes if s.blocks]
+    for s in entered:
+        s.in_blocks += 1
+        s.update("")
     return entered
 
 
 def untrack_block(entered) -> None:
+    name = current_module()
     for s in entered:
-        s.leave()
+        s.in_blocks -= 1
+        s.update(name)
 
 
 class ModuleStack:
@@ -237,11 +249,13 @@ class ModuleStack:
         self._depth = len(_stack())
         if self._on_root is not None:
             _root_listeners().append((self._depth, self._on_root))
-        if self._scope is not None:
+        scope = self._scope
+        if scope is not None:
             scopes = _tls.__dict__.get("scopes")
             if scopes is None:
                 scopes = _tls.scopes = []
-            scopes.append(self._scope)
+            scopes.append(scope)
+            scope.update(current_module())
         return self
 
     def __exit__(self, *exc) -> None:
@@ -252,8 +266,8 @@ class ModuleStack:
                 if scopes[i] is self._scope:
                     del scopes[i]
                     break
-            if self._scope.depth is not None:   # still active (a module left unfinished)
-                self._scope.depth = None
+            if self._scope.active:   # still active (the ops after the model, a module unfinished)
+                self._scope.active = False
                 self._scope.mode.__exit__(None, None, None)
         del _stack()[self._depth:]
         if self._on_root is not None:

@@ -411,14 +411,15 @@ class Planner:
 def tracking_scope(plan: Plan, profile: Profile) -> Optional[frozenset]:
     """The modules a step following ``plan`` tracks producers in: those that ran
     the recipe ops of the tensors it recomputes, as its profile recorded them
-    (empty: it recomputes nothing); ``None`` (the whole forward) when one ran
-    outside any module or was not recorded. NOTE [Scoped tracking] in tracker.py."""
+    (``""``: outside every module; empty: it recomputes nothing); ``None``
+    (the whole forward) when one was not recorded. NOTE [Scoped tracking] in
+    tracker.py."""
     names: set = set()
     for record, order in zip(profile.records, plan.orders):
         if order[0] is not Tier.RECOMPUTE:
             continue
         modules = record.recipe_modules
-        if not modules or "" in modules:
+        if not modules:
             return None
         names.update(modules)
     return frozenset(names)
