@@ -22,12 +22,18 @@ discarded, medians:
   ``Offloader(policy="auto")`` following that plan, with its scope, and with
   whole-forward tracking forced (each round also runs the backward, untimed).
 
+``--clock cpu --threads 1``: the forward's CPU time in the one thread that
+runs every op (``time.thread_time``), for a machine shared with other jobs,
+where wall-clock times mostly measure the other jobs (wall times are
+recorded too).
+
 ``--grad-fn``: for each tensor the recompute tier could drop (a recorded
 recomputable producer), whether its recipe can be read from the autograd
 graph at pack time instead (``t.grad_fn`` and its ``_saved_*`` attributes:
 every argument of the producer op present, no RNG state needed). JSON out.
 
-    python benchmarks/bench_tracking.py --out benchmarks/results/<date>-cpu-tracking-scoped.json
+    python benchmarks/bench_tracking.py --clock cpu --threads 1 --grad-fn \
+        --out benchmarks/results/<date>-cpu-tracking-scoped.json
 """
 
 from __future__ import annotations
@@ -178,9 +184,18 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--no-auto", action="store_true", help="skip the auto_* rows")
     p.add_argument("--grad-fn", action="store_true", help="add the autograd-graph experiment")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads (0: leave as is); with --clock cpu use 1")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="cpu: the main thread's CPU time (time.thread_time), for a machine "
+                        "shared with other jobs; with --threads 1 every op runs in it")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     dev = pick_device(a.device)
+    if a.clock == "cpu" and dev.type != "cpu":
+        sys.exit("bench_tracking: --clock cpu measures host CPU time: use it on the CPU")
     torch.manual_seed(0)
     cfg = GPTConfig(layers=a.layers, width=a.width, heads=4, seq_len=a.seq_len, vocab=2048)
     model = TinyGPT(cfg).to(dev)
@@ -212,17 +227,19 @@ def main(argv=None) -> int:
         runners["auto_scoped"] = _auto_forward(off, False)
         runners["auto_whole_forward"] = _auto_forward(off_full, True)
     times = {k: [] for k in runners}
+    walls = {k: [] for k in runners}
     for r in range(a.warmup + a.rounds):
         for name, run in runners.items():
             sync(dev)
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             loss = run(model, x)
             sync(dev)
-            dt = time.perf_counter() - t0
+            dc, dt = time.thread_time() - c0, time.perf_counter() - t0
             if name.startswith("auto_"):
                 loss.backward()
             if r >= a.warmup:
-                times[name].append(dt)
+                times[name].append(dc if a.clock == "cpu" else dt)
+                walls[name].append(dt)
             del loss
     res = {"benchmark": "producer tracking cost in forward: whole-forward and scoped",
            "machine": machine(),
@@ -235,7 +252,9 @@ def main(argv=None) -> int:
            "scopes": {k: {"modules": sorted(v),
                           "ops_tracked": sum(counter.by_module[m] for m in v)}
                       for k, v in scopes.items()},
-           "forward_seconds": {k: summarize(v) for k, v in times.items()}}
+           "torch_threads": torch.get_num_threads(), "clock": a.clock,
+           "forward_seconds": {k: summarize(v) for k, v in times.items()},
+           "forward_wall_seconds": {k: summarize(v) for k, v in walls.items()}}
     med = {k: v["median"] for k, v in res["forward_seconds"].items()}
     base = med["none"]
     res["overhead_vs_none"] = {k: med[k] / base - 1 for k in med if k != "none"}

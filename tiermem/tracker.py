@@ -147,6 +147,9 @@ def current_module() -> str:
 # and a wrapped block (its own run). A fixed policy with recompute, a
 # callable policy, a block with MUST_RECOMPUTE, a profiled step and the safe
 # order track the whole forward (any module may recompute).
+# The scope is fixed when the step starts: a step that switches to another
+# cached plan midway (NOTE [Following a plan] in planner/runtime.py) keeps
+# the first plan's scope.
 # Exactness does not rest on the scope: an op that ran outside it has no
 # record, so a recipe that reaches its output stores that tensor as an input
 # (NOTE [What a recipe holds], case 4: the tensor itself, as it was at the
