@@ -42,6 +42,7 @@ import argparse
 import collections
 import contextlib
 import os
+import statistics
 import sys
 import time
 
@@ -172,6 +173,40 @@ def grad_fn_feasibility(model, x) -> dict:
             "by_op": by_op}
 
 
+def per_op_cost(n: int = 4000, repeats: int = 7) -> dict:
+    """Microseconds per op added by each mode, on ops whose kernel is tiny (a
+    small ``add``: the cost is the mode's), and per enter+leave of a scope's
+    mode (one module boundary each way); min of ``repeats``."""
+    a = torch.ones(4)
+
+    def ops():
+        for _ in range(n):
+            torch.add(a, a)
+
+    def timed(ctx_factory) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            with ctx_factory():
+                c0 = time.thread_time()
+                ops()
+                best = min(best, time.thread_time() - c0)
+        return best
+
+    plain = timed(contextlib.nullcontext)
+    out = {"noop_mode": (timed(NoopMode) - plain) / n * 1e6,
+           "producer_mode": (timed(ProducerMode) - plain) / n * 1e6}
+    mode = ProducerMode()
+    best = float("inf")
+    for _ in range(repeats):
+        c0 = time.thread_time()
+        for _ in range(n):
+            mode.__enter__()
+            mode.__exit__(None, None, None)
+        best = min(best, time.thread_time() - c0)
+    out["mode_enter_leave"] = best / n * 1e6
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=4)
@@ -255,6 +290,19 @@ def main(argv=None) -> int:
            "torch_threads": torch.get_num_threads(), "clock": a.clock,
            "forward_seconds": {k: summarize(v) for k, v in times.items()},
            "forward_wall_seconds": {k: summarize(v) for k, v in walls.items()}}
+    # Paired per round (adjacent in time, so a shared machine's slow drift
+    # cancels): median over rounds of each configuration's time / none's.
+    res["paired_ratio_vs_none"] = {
+        k: statistics.median(t / b for t, b in zip(times[k], times["none"]))
+        for k in times if k != "none"}
+    res["paired_ratio_vs_module_hooks"] = {
+        k: statistics.median(t / b for t, b in zip(times[k], times["module_hooks"]))
+        for k in ("full_tracking", "scoped_plan", "scoped_all_blocks", "scoped_1_block")}
+    if not a.no_auto:
+        res["paired_ratio_auto_scoped_vs_whole_forward"] = statistics.median(
+            t / b for t, b in zip(times["auto_scoped"], times["auto_whole_forward"]))
+    res["samples"] = times
+    res["per_op_us"] = per_op_cost()
     med = {k: v["median"] for k, v in res["forward_seconds"].items()}
     base = med["none"]
     res["overhead_vs_none"] = {k: med[k] / base - 1 for k in med if k != "none"}
