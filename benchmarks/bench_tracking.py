@@ -2,8 +2,8 @@
 whole-forward and scoped (NOTE [Scoped tracking] in tiermem/tracker.py), and a
 feasibility measurement of recipes read from the autograd graph.
 
-Times the forward pass of TinyGPT (loss included) under, round-robin, warm-up
-discarded, medians:
+Times the forward pass of TinyGPT (loss included) under, round-robin (the
+order rotated each round), warm-up discarded, medians:
 
 - ``none``: no mode, no hooks; ``module_hooks``: tiermem's module tracker
   alone (every Offloader step installs it);
@@ -263,8 +263,12 @@ def main(argv=None) -> int:
         runners["auto_whole_forward"] = _auto_forward(off_full, True)
     times = {k: [] for k in runners}
     walls = {k: [] for k in runners}
+    names = list(runners)
     for r in range(a.warmup + a.rounds):
-        for name, run in runners.items():
+        # Rotated each round: no configuration always runs after the same one
+        # (the auto rows' backward leaves caches cold for the next).
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            run = runners[name]
             sync(dev)
             c0, t0 = time.thread_time(), time.perf_counter()
             loss = run(model, x)
