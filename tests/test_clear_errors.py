@@ -88,3 +88,30 @@ def test_demo_nvme_without_a_dir_is_a_clear_error(tmp_path):
     out = subprocess.run([sys.executable, "-m", "tiermem", "demo", "--policy", "nvme", "--steps", "1"],
                          capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 2 and "TIERMEM_NVME_DIR" in out.stderr
+
+
+def test_a_step_that_fails_to_start_leaves_the_offloader_usable(monkeypatch):
+    """A failure while a step is set up (before the forward runs) must not
+    leave the Offloader marked active: the next ``with`` enters it."""
+    import torch
+    import tiermem.offloader as offloader_mod
+    off = tiermem.Offloader(policy="keep")
+    real = offloader_mod.OffloadContext
+    calls = []
+
+    def failing(o):
+        calls.append(o)
+        if len(calls) == 1:
+            raise tiermem.ConfigError("tiermem: made up setup failure")
+        return real(o)
+
+    monkeypatch.setattr(offloader_mod, "OffloadContext", failing)
+    with pytest.raises(tiermem.ConfigError, match="made up"):
+        with off:
+            pass
+    x = torch.randn(4, 4, requires_grad=True)
+    with off:
+        y = (x * x).sum()
+    y.backward()
+    assert torch.equal(x.grad, 2 * x.detach())
+    off.close()

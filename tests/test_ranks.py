@@ -198,3 +198,14 @@ def test_doctor_names_the_rank_and_its_share(ranks, capsys):
     doctor._print(report)
     out = capsys.readouterr().out
     assert "distributed: rank 1, 2 rank(s) on this node" in out
+
+
+def test_doctor_says_whether_the_ranks_plan_from_agreed_numbers(ranks, capsys, monkeypatch):
+    from tiermem import doctor
+    ranks(1, 2)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    doctor._print(doctor.diagnose())
+    assert "slowest rates of 4 ranks, agreed once" in capsys.readouterr().out
+    monkeypatch.setenv("TIERMEM_AGREE_RANKS", "0")
+    doctor._print(doctor.diagnose())
+    assert "each rank plans from its own budgets and rates" in capsys.readouterr().out

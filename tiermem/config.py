@@ -213,6 +213,14 @@ class Config:
         "Unset: the device's free memory less a tenth of its total (on the CPU: available "
         "RAM), measured when the plan is made; if everything fits, nothing moves.",
         default_doc="auto", minimum=0)
+    agree_ranks: bool = _setting(
+        "TIERMEM_AGREE_RANKS", _bool,
+        "policy=auto under torch.distributed (default group of 2+ ranks): every rank plans "
+        "from the same numbers: the smallest device, cpu and nvme budgets and the slowest "
+        "measured rates of all ranks (and, when the ranks' first profiled steps have the same "
+        "structure, one rank's timeline), agreed by one all_gather at each auto Offloader's "
+        "second step. Must be the same on every rank. 0: each rank plans alone.",
+        default=True, default_doc="1")
     prefetch_bytes: Optional[int] = _setting(
         "TIERMEM_PREFETCH_BYTES", _size,
         "Most bytes brought back ahead of need in backward (restored but not yet "

@@ -124,7 +124,9 @@ def diagnose(nvme_dir=None, mib: int = 256) -> dict:
     }
     report["rank"] = {"label": rank_label(), "rank": os.environ.get("RANK"),
                       "local_rank": os.environ.get("LOCAL_RANK"),
-                      "local_world_size": os.environ.get("LOCAL_WORLD_SIZE")}
+                      "local_world_size": os.environ.get("LOCAL_WORLD_SIZE"),
+                      "world_size": os.environ.get("WORLD_SIZE"),
+                      "agree_ranks": cfg.agree_ranks}
     try:
         report["rank"]["ranks_on_node"] = local_world_size()
         report["default_cpu_budget_bytes"] = default_cpu_budget_bytes()
@@ -162,6 +164,13 @@ def _print(r: dict) -> None:
         print(f"distributed: {rk['label']}, {rk['ranks_on_node']} rank(s) on this node "
               "(LOCAL_WORLD_SIZE): default budgets below are this rank's share, explicit "
               "ones are per rank")
+        world = rk.get("world_size") or "all"
+        print("  policy auto: " + (
+            f"every rank plans from the smallest budgets and slowest rates of {world} ranks, "
+            "agreed once at each auto Offloader's second step (TIERMEM_AGREE_RANKS=1; the "
+            "agreed numbers: the log line 'auto: planned from numbers agreed by N ranks' and "
+            "off.plan's notes)" if rk.get("agree_ranks")
+            else "each rank plans from its own budgets and rates (TIERMEM_AGREE_RANKS=0)"))
     else:
         print("distributed: no rank set (RANK/LOCAL_RANK): budgets below are this process's")
     set_ = {k: v for k, v in r["settings"].items() if v is not None}

@@ -28,14 +28,14 @@ import logging
 import os
 import threading
 import weakref
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from .attach import Attachment, attach_module, detach_modules
 from .blocks import blocks_need_full_tracking, blocks_need_producers
 from .config import Config
-from .errors import TierMemError
+from .errors import ConfigError, TierMemError
 from .hooks import Packer, keep_pack, opaque, unpack
 from .placement import Placement, default_cpu_budget_bytes, default_nvme_budget_bytes
 from .producers import ProducerMode
@@ -167,13 +167,23 @@ class Offloader:
     step's :class:`~tiermem.StepStats`. One Offloader is active in one thread at
     a time; use one per thread. ``close()`` frees its pools.
 
+    ``hints`` (``policy="auto"`` only): a callable with a callable policy's
+    signature whose answers the planner obeys (``CheckpointPolicy.MUST_*``) or
+    weighs (``PREFER_*``, tier names); ``None`` from it is no opinion. It is
+    asked only in profiled and safe-order steps, never while a step follows a
+    plan (NOTE [Planner hints] in planner/hints.py).
+
     Raises :class:`ConfigError` for bad settings and :class:`TierMemError` at
     unpack when a saved tensor was modified in place (as autograd would).
     """
 
-    def __init__(self, policy: Any = None, **settings: Any) -> None:
+    def __init__(self, policy: Any = None, *, hints: Optional[Callable] = None,
+                 **settings: Any) -> None:
         self.config = Config.from_env(policy=policy, **settings)
         cfg = self.config
+        _check_hints(hints, cfg)
+        #: The planner's ``hints`` callable (``None``: none).
+        self.hints = hints
         self.stats = StepStats()
         self._lock = threading.Lock()
         self._active_thread: Optional[int] = None
@@ -184,7 +194,7 @@ class Offloader:
         self._attachments: list = []   # attach(): NOTE [Attaching] in attach.py
         if cfg.disable:
             return
-        self._placement = Placement(cfg)
+        self._placement = Placement(cfg, hints)
         self.cpu_budget_bytes = self._placement.cpu_budget_bytes
         # Steps whose saved tensors may still be unpacked (a handle, or the
         # context, holds each): see ``in_use``.
@@ -213,17 +223,21 @@ class Offloader:
                     f"tiermem: this Offloader is already active in {where}; nest a "
                     "different Offloader (or no_offload()), and use one Offloader per thread")
             self._active_thread = me
-        # Between steps: the pools may give back idle pinned buffers now
-        # (NOTE [Trimming pinned buffers] in hostpool.py).
-        for store in self._placement.movers:
-            store.trim_idle()
-        ctx = OffloadContext(self)
-        self.stats = ctx.stats
-        self._ctx = ctx
-        self._steps.add(ctx.step)
         try:
+            # Between steps: the pools may give back idle pinned buffers now
+            # (NOTE [Trimming pinned buffers] in hostpool.py).
+            for store in self._placement.movers:
+                store.trim_idle()
+            ctx = OffloadContext(self)
+            self.stats = ctx.stats
+            self._ctx = ctx
+            self._steps.add(ctx.step)
             return ctx.__enter__()
         except BaseException:
+            # Whatever failed (a step that could not be set up: a planner
+            # ConfigError, an exchange between ranks that raised), the
+            # Offloader is not active: the next ``with`` may enter it.
+            self._ctx = None
             self._active_thread = None
             raise
 
@@ -273,8 +287,9 @@ class Offloader:
         """``policy="auto"``: the :class:`~tiermem.planner.Plan` the next step
         follows (``str()`` a per-module table, ``.explain(i)``, ``.reasons``,
         ``.as_dict()``), with the last planned step's measurements written in.
-        ``None`` before the first profiled step's backward has run, and for
-        other policies. Read it after a backward: it settles the planner
+        ``None`` before the first profiled step's backward has run (under
+        torch.distributed, before the second step begins: NOTE [Ranks agree
+        once] in planner/agree.py), and for other policies. Read it after a backward: it settles the planner
         (plans from a finished profile, checks the last step; NOTE [Closed
         loop] in planner/runtime.py)."""
         if self.config.disable or self._placement.planner is None:
@@ -324,6 +339,21 @@ class Offloader:
         return f"Offloader(policy={policy!r}, disabled={self.config.disable})"
 
 
+def _check_hints(hints: Any, cfg: Config) -> None:
+    """``ConfigError`` for a ``hints`` setting the Offloader cannot use."""
+    if hints is None:
+        return
+    if not callable(hints):
+        raise ConfigError(
+            f"tiermem: hints={hints!r} is not callable; pass a function (TensorInfo) -> "
+            "a CheckpointPolicy value, a tier name or list, or None (no opinion)")
+    if cfg.policy != "auto":
+        raise ConfigError(
+            f"tiermem: hints= is advice to the auto planner, but policy={cfg.policy!r} "
+            "(from the argument or TIERMEM_POLICY); use policy='auto', or answer with "
+            "CheckpointPolicy values from a callable policy (policy=fn)")
+
+
 _tls = threading.local()
 _CACHE_SIZE = 8
 
@@ -346,21 +376,25 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def offload(policy: Any = None, **settings: Any) -> Offloader:
+def offload(policy: Any = None, *, hints: Optional[Callable] = None,
+            **settings: Any) -> Offloader:
     """One-shot form: ``with tiermem.offload(policy="cpu"): loss = model(x)``.
 
-    Returns an Offloader cached per thread and per resulting :class:`Config`, so
-    repeated calls with the same settings reuse the same pools.
+    Returns an Offloader cached per thread and per resulting :class:`Config`
+    (and ``hints`` callable), so repeated calls with the same settings reuse
+    the same pools.
     """
     cfg = Config.from_env(policy=policy, **settings)
+    _check_hints(hints, cfg)
+    key = cfg if hints is None else (cfg, hints)
     cache = getattr(_tls, "cache", None)
     if cache is None:
         cache = _tls.cache = {}
         _tls.retired = []
     _close_retired()
-    off = cache.get(cfg)
+    off = cache.get(key)
     if off is not None and off.closed:   # closed by its user: make a fresh one
-        del cache[cfg]
+        del cache[key]
         off = None
     if off is None:
         if len(cache) >= _CACHE_SIZE:
@@ -368,7 +402,8 @@ def offload(policy: Any = None, **settings: Any) -> Offloader:
             # closing earlier would lose saved tensors (NVMe files, buffers).
             _tls.retired.append(cache.pop(next(iter(cache))))
             _close_retired()
-        off = cache[cfg] = Offloader(**{f: getattr(cfg, f) for f in cfg.__dataclass_fields__})
+        off = cache[key] = Offloader(hints=hints,
+                                     **{f: getattr(cfg, f) for f in cfg.__dataclass_fields__})
     return off
 
 

@@ -95,7 +95,7 @@ class Placement:
     refuses.
     """
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, hints=None) -> None:
         self.fixed_order, self.policy_fn = resolve_policy(cfg.policy, nvme_dir=cfg.nvme_dir)
         auto = self.policy_fn is AUTO
         if auto:   # the planner answers (Step.planning), never a policy function
@@ -133,7 +133,7 @@ class Placement:
         self.planner = None
         if auto:
             from .planner import Planner
-            self.planner = Planner(self, cfg)
+            self.planner = Planner(self, cfg, hints)
 
     # -- choosing -----------------------------------------------------------------
     def order_for(self, info: TensorInfo) -> Tuple[Tier, ...]:

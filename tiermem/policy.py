@@ -38,10 +38,11 @@ into a :class:`TierOrder`, the tiers to try in turn.
 #    MUST_CPU_OFFLOAD is a matter of capacity and, like every full tier,
 #    passes the tensor on with one warning.
 # 4. Without the planner MUST_* and PREFER_* differ only as in the table. The
-#    planner (``policy="auto"``) reads :attr:`TierOrder.must`, or
-#    :func:`is_constraint` on a policy's raw answer: a MUST_* answer is a
+#    planner (``policy="auto"``) takes the same answers from its ``hints``
+#    callable and reads :attr:`TierOrder.must`: a MUST_* answer is a
 #    constraint it obeys; a PREFER_* answer (:attr:`TierOrder.hint`) and a
-#    plain tier name are hints it may override.
+#    plain tier name are hints it may override (NOTE [Planner hints] in
+#    planner/hints.py).
 # 5. Tensors kept before any policy is asked (NOTE [Pack order of checks] in
 #    hooks.py: parameters, small or unmovable tensors, saves during backward)
 #    stay kept whatever the answer, MUST_RECOMPUTE included.

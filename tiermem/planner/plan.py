@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from ..errors import TierMemError
-from ..policy import Tier
+from ..policy import Tier, TierOrder
 from ..telemetry import format_bytes
 
 __all__ = ["Plan", "PlannedTensor"]
@@ -36,6 +36,11 @@ class PlannedTensor:
     window_s: float
     #: Predicted cost of the chosen tier (regeneration or stall), seconds.
     cost_s: float = 0.0
+    #: The ``hints`` callable's answer for it (``"PREFER_RECOMPUTE"``,
+    #: ``"'cpu'"``), ``None`` without one (NOTE [Planner hints] in planner/hints.py).
+    hint: Optional[str] = None
+    #: The answer was a MUST_*: ``order`` obeys it, and follows it in every step.
+    must: bool = False
 
 
 @dataclass
@@ -68,8 +73,11 @@ class Plan:
 
     # -- lookups used by the pack hook (runtime.py) ----------------------------------
     def __post_init__(self) -> None:
+        # A MUST order is a TierOrder with ``must`` set: the recompute tier
+        # raises rather than pass it on (NOTE [CheckpointPolicy answers]).
         self.orders: Tuple[tuple, ...] = tuple(
-            tuple(Tier(x) for x in p.order) for p in self.tensors)
+            TierOrder([Tier(x) for x in p.order], must=True) if p.must
+            else tuple(Tier(x) for x in p.order) for p in self.tensors)
         self.recomputes = any(o[0] is Tier.RECOMPUTE for o in self.orders)
         self.keys: tuple = ()
         self.kept_at: tuple = ()
@@ -148,5 +156,12 @@ class Plan:
                  else f", measured {self.measured_stall_s * 1e3:.2f} ms")
         lines.append(f"stall: predicted {self.predicted_stall_s * 1e3:.2f} ms{stall}; "
                      f"recompute: predicted {self.predicted_recompute_s * 1e3:.2f} ms")
+        hinted = [p for p in self.tensors if p.hint is not None]
+        if hinted:
+            musts = sum(p.must for p in hinted)
+            followed = sum(p.reason.endswith(" followed") for p in hinted if not p.must)
+            lines.append(f"hints: {len(hinted)} tensors answered, {musts} MUST (obeyed), "
+                         f"{len(hinted) - musts} hints ({followed} followed; "
+                         "plan.explain(i) says why)")
         lines.extend(self.notes)
         return "\n".join(lines)

@@ -67,6 +67,9 @@ class TensorRecord:
     recompute_s: Optional[float] = None
     #: Seconds from the step's start to its first unpack (``None``: never unpacked).
     first_use_s: Optional[float] = None
+    #: The ``hints`` callable's answer, ``(TierOrder, name)``, or ``None``
+    #: (NOTE [Planner hints] in planner/hints.py).
+    hint: Optional[tuple] = None
 
 
 @dataclass
@@ -128,11 +131,12 @@ class Recorder:
         self.t0 = time.perf_counter()
 
     # -- forward -------------------------------------------------------------------
-    def record(self, index: int, t, nbytes: int, module: str, op: Optional[str]) -> None:
-        """Tensor ``index`` is about to be placed."""
+    def record(self, index: int, t, nbytes: int, module: str, op: Optional[str],
+               hint: Optional[tuple] = None) -> None:
+        """Tensor ``index`` is about to be placed (``hint``: see TensorRecord)."""
         self.records.append(TensorRecord(
             index, module, op, tuple(t.shape), str(t.dtype).replace("torch.", ""),
-            str(t.device), nbytes, time.perf_counter() - self.t0))
+            str(t.device), nbytes, time.perf_counter() - self.t0, hint=hint))
         self.keys.append((t.shape, t.dtype, t.device))
         self.positions.append(index)
         by = self.stats.bytes_by_tier

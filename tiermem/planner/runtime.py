@@ -88,11 +88,14 @@ follows, and the closed loop that corrects a plan from measurement.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from typing import Optional
 
 from ..config import BudgetShare
 from ..policy import Tier
+from . import agree as _agree
+from .hints import Hints
 from .plan import Plan
 from .profile import Profile, Recorder
 from .rates import default_device_budget_bytes, measure_rates
@@ -186,8 +189,12 @@ class StepPlanning:
         self.count = index + 1
         rec = self.recorder
         if rec is not None:
-            rec.record(index, t, nbytes, module,
-                       None if producers is None else producers.op_name(t))
+            op = None if producers is None else producers.op_name(t)
+            hints = self.planner.hints
+            hint = None if hints is None else hints.ask(index, t, nbytes, module, op)
+            rec.record(index, t, nbytes, module, op, hint)
+            if hint is not None and hint[0].must:   # NOTE [Planner hints], rule 2
+                return hints.must_order(hint[0], t.device.type)
             return self.safe[t.device.type]
         plan = self.plan
         if plan is not None:
@@ -199,18 +206,26 @@ class StepPlanning:
             if plan is not None:
                 return plan.orders[index]
             self.off_plan = True
+        hints = self.planner.hints
+        if hints is not None:   # the safe order, MUST answers obeyed (NOTE [Planner hints])
+            hint = hints.ask(index, t, nbytes, module,
+                             None if producers is None else producers.op_name(t))
+            if hint is not None and hint[0].must:
+                return hints.must_order(hint[0], t.device.type)
         return self.safe[t.device.type]
 
 
 class Planner:
     """The planner of one Offloader (``policy="auto"``); see the module docstring."""
 
-    def __init__(self, placement, cfg) -> None:
+    def __init__(self, placement, cfg, hints=None) -> None:
         self._placement = placement
         self.cfg = cfg
         self.has_nvme = Tier.NVME in placement.stores
         self.safe = {"cpu": safe_order("cpu", self.has_nvme),
                      "cuda": safe_order("cuda", self.has_nvme)}
+        #: The ``hints`` callable, asked only off the plan (NOTE [Planner hints]).
+        self.hints = None if hints is None else Hints(hints, self.safe)
         #: Plans by step signature (the tuple of keys; NOTE [Following a plan]).
         self.plans: dict = {}
         self._profiles: dict = {}
@@ -223,11 +238,20 @@ class Planner:
         self._need_profile = True
         self._last = None
         self.rates = None
+        #: Steps begun, and the numbers agreed with the other ranks at step
+        #: AGREE_AT_STEP, or None (NOTE [Ranks agree once] in planner/agree.py).
+        self.steps_begun = 0
+        self.agreement: Optional[_agree.Agreement] = None
 
     # -- per step ----------------------------------------------------------------------
     def begin_step(self, unpack) -> StepPlanning:
         """The planning of a step starting now: profile, follow a plan, or
-        (a profile's backward not run yet) the safe order."""
+        (a profile's backward not run yet) the safe order. At the
+        AGREE_AT_STEP-th step, under torch.distributed, first the exchange
+        with the other ranks (NOTE [Ranks agree once] in planner/agree.py)."""
+        self.steps_begun += 1
+        if self.steps_begun == _agree.AGREE_AT_STEP and _agree.active(self.cfg.agree_ranks):
+            self._agree()
         self.settle()
         if self._pending is not None:
             return StepPlanning(self, None, None)
@@ -264,9 +288,11 @@ class Planner:
         """Plan from a profile whose backward ran, and check the last planned
         step (NOTE [Closed loop]); returns the current plan."""
         rec = self._pending
-        if rec is not None and rec.backward_seen:
+        if rec is not None and rec.backward_seen and not self._awaits_ranks():
             self._pending = None
             profile = rec.finish()
+            if self.agreement is not None:
+                profile = self.agreement.apply(profile)
             self._profiles[profile.keys] = profile
             self.current = self._plan(profile)
         if self._last is not None:
@@ -343,13 +369,49 @@ class Planner:
             self._profiles.pop(oldest, None)
             self._resized_plans.pop(oldest, None)
 
+    # -- agreeing with the other ranks (NOTE [Ranks agree once] in planner/agree.py) ----
+    def _awaits_ranks(self) -> bool:
+        """The first plan waits for the exchange of step AGREE_AT_STEP."""
+        return self.steps_begun < _agree.AGREE_AT_STEP and _agree.active(self.cfg.agree_ranks)
+
+    def _agree(self) -> None:
+        import torch.distributed as dist
+        rec = self._pending
+        records = [] if rec is None else rec.records
+        try:   # whatever fails here, this rank must reach the exchange
+            cuda = any(r.device.startswith("cuda") for r in records)
+            rates = self._measure_rates(cuda) if records else None
+            default = (default_device_budget_bytes("cuda" if cuda else "cpu")
+                       if records and self.cfg.device_budget is None else None)
+            profile = rec.finish() if rec is not None and rec.backward_seen else None
+        except Exception as e:
+            _log.warning("tiermem: auto: this rank's figures could not be measured (%s: %s); "
+                         "it agrees with the other ranks without them", type(e).__name__, e)
+            rates = default = profile = None
+        nvme = self._placement.stores.get(Tier.NVME)
+        row = _agree.local_row(dist.get_rank(), rates, self.cfg.device_budget, default,
+                               self._placement.cpu_budget_bytes,
+                               None if nvme is None else nvme.arena.budget_bytes, profile)
+        self.agreement = _agree.exchange(row, profile)
+        if self.agreement is not None:
+            if self.agreement.rates is not None:
+                self.rates = dataclasses.replace(self.agreement.rates, disk_engine=(
+                    None if rates is None else rates.disk_engine))
+            _log.info("tiermem: auto: %s", self.agreement.describe(profile))
+
+    def _measure_rates(self, cuda: bool):
+        return measure_rates(self._placement.stores.get(Tier.NVME), cuda=cuda)
+
     # -- planning ----------------------------------------------------------------------
     def _budget(self, profile: Profile) -> tuple:
-        setting = self.cfg.device_budget
+        a = self.agreement
+        setting = self.cfg.device_budget if a is None else a.device_budget
+        agreed = "" if a is None else f", smallest of {a.ranks} ranks"
         if isinstance(setting, BudgetShare):
-            return int(setting.fraction * profile.baseline_bytes), str(setting)
+            return int(setting.fraction * profile.baseline_bytes), str(setting) + agreed
         if setting is not None:
-            return setting, "device_budget"
+            return setting, ("device_budget" if a is None or self.cfg.device_budget is not None
+                             else "default: free memory") + agreed
         cuda = any(r.device.startswith("cuda") for r in profile.records)
         return default_device_budget_bytes("cuda" if cuda else "cpu"), "default: free memory"
 
@@ -357,15 +419,18 @@ class Planner:
               replans: int = 0, reason: str = "") -> Plan:
         placement = self._placement
         if self.rates is None:
-            cuda = any(r.device.startswith("cuda") for r in profile.records)
-            self.rates = measure_rates(placement.stores.get(Tier.NVME), cuda=cuda)
+            self.rates = self._measure_rates(
+                any(r.device.startswith("cuda") for r in profile.records))
         rates = self.rates if rate_factor == 1.0 else self.rates.scaled(rate_factor)
         budget, setting = self._budget(profile)
         nvme = placement.stores.get(Tier.NVME)
+        cpu_room, nvme_room = (placement.cpu_budget_bytes,
+                               None if nvme is None else nvme.arena.budget_bytes)
+        if self.agreement is not None:   # the smallest of every rank's
+            cpu_room, nvme_room = self.agreement.cpu_budget_bytes, self.agreement.nvme_budget_bytes
         plan = make_plan(profile, rates, budget if target is None else target, setting,
-                         has_nvme=self.has_nvme, cpu_budget_bytes=placement.cpu_budget_bytes,
-                         nvme_budget_bytes=None if nvme is None else nvme.arena.budget_bytes,
-                         replans=replans, replan_reason=reason)
+                         has_nvme=self.has_nvme, cpu_budget_bytes=cpu_room,
+                         nvme_budget_bytes=nvme_room, replans=replans, replan_reason=reason)
         plan.budget_bytes = budget
         plan.tracking_scope = tracking_scope(plan, profile)
         plan.follow(profile.keys, profile.positions)
@@ -374,6 +439,8 @@ class Planner:
         if target is not None and target < budget:
             plan.notes.append(f"planned to {target} bytes (budget lowered by the measured "
                               "overshoot)")
+        if self.agreement is not None:
+            plan.notes.append(self.agreement.describe(profile))
         for note in plan.notes:
             if note.startswith("budget not reachable"):
                 _log.warning("tiermem: auto: %s (device_budget %s)", note, setting)

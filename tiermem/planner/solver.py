@@ -38,6 +38,7 @@ from typing import List, Optional, Tuple
 
 from ..policy import Tier
 from ..telemetry import format_bytes
+from .hints import is_move_hint
 from .plan import Plan, PlannedTensor
 from .profile import Profile, TensorRecord
 from .rates import Rates
@@ -155,10 +156,45 @@ def _why_no_option(r: TensorRecord, has_nvme: bool) -> str:
     return "kept: no tier frees its memory here (" + "; ".join(why) + ")"
 
 
+def _unavailable(r: TensorRecord, tier: Tier, has_nvme: bool) -> str:
+    """Why ``tier`` is not an option of ``r`` (NOTE [Planner hints], rule 3)."""
+    if tier is Tier.RECOMPUTE:
+        return ("not recomputable" if not r.recomputable
+                else "its recipe's inputs cost as much device memory as it frees")
+    if tier is Tier.CPU and not r.device.startswith("cuda"):
+        return "the cpu tier would hold a CPU tensor in the same RAM"
+    if tier is Tier.NVME and not has_nvme:
+        return "no nvme_dir"
+    return f"no measured {tier.value} rate"
+
+
+def _obey(r: TensorRecord, rates: Rates, bwd_start: float, room: dict) -> _Option:
+    """The option of a MUST-answered tensor (NOTE [Planner hints], rule 2)."""
+    tier = r.hint[0][0]
+    if tier is Tier.RECOMPUTE:
+        cost = r.recompute_s if r.recompute_s is not None else r.nbytes / rates.pointwise
+        return _Option(tier, cost, max(0, r.nbytes - r.input_kept_bytes))
+    if tier is Tier.CPU:
+        legs = _legs(r, tier, rates)
+        if legs is None or room[Tier.CPU] < r.nbytes:   # a CPU tensor, or the tier full
+            return _Option(tier, 0.0, 0)
+        room[Tier.CPU] -= r.nbytes
+        lead = r._use - max(bwd_start, r.pack_s + legs[0])
+        return _Option(tier, max(0.0, legs[1] - lead), r.nbytes, *legs)
+    return _Option(Tier.KEEP, 0.0, 0)
+
+
+def _hinted_first(r: TensorRecord, opts: List[_Option]) -> List[_Option]:
+    """``opts`` with the tiers of ``r``'s move hint first, in its order."""
+    order = r.hint[0]
+    return sorted(opts, key=lambda o: order.index(o.tier) if o.tier in order else len(order))
+
+
 def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting: str, *,
               has_nvme: bool, cpu_budget_bytes: int, nvme_budget_bytes: Optional[int],
               replans: int = 0, replan_reason: str = "") -> Plan:
-    """The plan of ``profile``'s step under ``budget_bytes`` (NOTE [Planner cost model])."""
+    """The plan of ``profile``'s step under ``budget_bytes`` (NOTE [Planner cost model];
+    hints: NOTE [Planner hints] in planner/hints.py)."""
     t0 = time.perf_counter()
     records = profile.records
     fwd_end = profile.forward_end_s
@@ -171,23 +207,54 @@ def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting:
     reasons = {}
     costs = {}
     notes = []
+    hint_end = {}   # pack index -> what became of its hint (the end of its reason)
     options = {r.index: _options(r, rates, has_nvme, bwd_start, r._use) for r in records}
-    extra_kept = 0
-    if need <= 0:
+    room = {Tier.CPU: cpu_budget_bytes,
+            Tier.NVME: nvme_budget_bytes if nvme_budget_bytes is not None else 1 << 62}
+    extra_kept = freed = must_kept = same_ram = 0
+    musts = [r for r in records if r.hint is not None and r.hint[0].must]
+    for r in musts:   # constraints first, whatever the budget
+        o = _obey(r, rates, bwd_start, room)
+        name = r.hint[1]
+        choice[r.index] = o.tier
+        costs[r.index] = o
+        freed += o.freed
+        hint_end[r.index] = f"; {name} (hints): a constraint, obeyed"
+        if o.tier is Tier.KEEP:
+            must_kept += r.nbytes
+            reasons[r.index] = f"kept: {name} (hints): a constraint, never moved"
+            hint_end[r.index] = ""
+        elif o.tier is Tier.RECOMPUTE:
+            extra_kept += r.input_kept_bytes
+        elif not o.freed:   # cpu: a CPU tensor (same RAM), or the cpu budget full
+            same_ram += r.nbytes
+            hint_end[r.index] += (" (held in the same RAM: counted as kept)"
+                                  if not r.device.startswith("cuda")
+                                  else " (cpu budget full: predicted kept, its fallback)")
+    for r in records:   # hinted moves first, keep hints last (NOTE [Planner hints])
+        if r.hint is not None and not r.hint[0].must and is_move_hint(r.hint[0]):
+            options[r.index] = _hinted_first(r, options[r.index])
+    must_ids = {r.index for r in musts}
+    if need <= freed:
         for r in records:
+            if r.index in must_ids:
+                continue
             reasons[r.index] = (f"kept: everything fits in the device budget "
-                                f"({format_bytes(kept_all)} <= {format_bytes(budget_bytes)})")
+                                f"({format_bytes(kept_all)} <= {format_bytes(budget_bytes)})"
+                                if need <= 0 else "kept: the budget is met without moving it")
     else:
-        ranked = sorted((r for r in records if options[r.index]),
-                        key=lambda r: (options[r.index][0].cost_s / options[r.index][0].freed,
+        def group(r):
+            return 1 if r.hint is None else 0 if is_move_hint(r.hint[0]) else 2
+
+        ranked = sorted((r for r in records if options[r.index] and r.index not in must_ids),
+                        key=lambda r: (group(r),
+                                       options[r.index][0].cost_s / options[r.index][0].freed,
                                        -(r._use - r.pack_s), r.index))
-        room = {Tier.CPU: cpu_budget_bytes,
-                Tier.NVME: nvme_budget_bytes if nvme_budget_bytes is not None else 1 << 62}
-        freed = 0
         for r in ranked:
             if freed >= need:
                 break
             full = []
+            short = need - freed
             for o in options[r.index]:
                 if o.tier in room and room[o.tier] < r.nbytes:
                     full.append(o.tier)
@@ -204,9 +271,42 @@ def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting:
                 break
             else:
                 reasons[r.index] = "kept: host and disk budgets full"
+            if r.hint is not None and group(r) == 2 and choice[r.index] is not Tier.KEEP:
+                hint_end[r.index] = (f"; hint {r.hint[1]} overridden: the budget was still "
+                                     f"{format_bytes(short)} short after moving every "
+                                     "tensor without a keep hint")
+            elif r.hint is not None and group(r) == 0:
+                want = r.hint[0][0]
+                if choice[r.index] is want:
+                    hint_end[r.index] = f"; hint {r.hint[1]} followed"
+                else:
+                    why = (f"the {want.value} budget is full" if want in full
+                           else _unavailable(r, want, has_nvme))
+                    hint_end[r.index] = f"; hint {r.hint[1]} overridden: {why}"
         if freed < need:
             notes.append(f"budget not reachable: the tiers here free at most "
                          f"{format_bytes(freed)} of the {format_bytes(need)} asked")
+            if must_kept or same_ram:
+                # Would the tiers reach it if the MUST-kept tensors could move?
+                movable = sum(options[r.index][0].freed for r in musts
+                              if options[r.index] and not costs[r.index].freed)
+                notes[-1] += (f"; MUST answers of the hints keep {format_bytes(must_kept)}"
+                              + (f" and hold {format_bytes(same_ram)} in the cpu tier "
+                                 "counted as kept" if same_ram else "")
+                              + (" (constraints: without them it would be reachable)"
+                                 if freed + movable >= need else " (constraints)"))
+    for r in records:   # hints the loop did not reach, or reached without moving
+        if r.hint is None or r.index in hint_end:
+            continue
+        if is_move_hint(r.hint[0]):
+            want = r.hint[0][0]
+            why = ("the budget is met without moving it" if freed >= need or need <= 0
+                   else _unavailable(r, want, has_nvme) if not options[r.index]
+                   else "the host and disk budgets are full")
+            hint_end[r.index] = (f"; hint {r.hint[1]} "
+                                 f"{'not followed' if freed >= need else 'overridden'}: {why}")
+        else:
+            hint_end[r.index] = f"; hint {r.hint[1]} followed"
     chosen = [(r, costs[r.index]) for r in records
               if choice[r.index] in (Tier.CPU, Tier.NVME)]
     stalls, stall_total, ahead = _simulate(chosen, bwd_start)
@@ -217,6 +317,11 @@ def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting:
         tier = choice[r.index]
         dev = "cuda" if r.device.startswith("cuda") else "cpu"
         order = orders.get(dev) or orders.setdefault(dev, tier_orders(dev, has_nvme))
+        must = r.index in must_ids
+        if must:   # the order the profile obeyed (Hints.must_order)
+            tiers = safe_order(dev, has_nvme) if r.hint[0].then_default else r.hint[0]
+        else:
+            tiers = order[tier]
         use_ms = (r._use - bwd_start) * 1e3
         window = r._use - r.pack_s
         cost = 0.0
@@ -244,8 +349,9 @@ def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting:
                           f"{o.cost_s * 1e3:.2f} ms; the budget is met without moving it")
         tensors.append(PlannedTensor(
             r.index, r.module, r.op, r.shape, r.dtype, r.nbytes, tier.value,
-            tuple(t.value for t in order[tier]), reason, window, cost))
-    kept = profile.fixed_kept_bytes + extra_kept + sum(
+            tuple(t.value for t in tiers), reason + hint_end.get(r.index, ""), window, cost,
+            None if r.hint is None else r.hint[1], must))
+    kept = profile.fixed_kept_bytes + extra_kept + same_ram + sum(
         r.nbytes for r in records if choice[r.index] is Tier.KEEP)
     return Plan(profile.signature, tensors, budget_bytes, budget_setting,
                 profile.baseline_bytes, profile.fixed_kept_bytes, kept, stall_total,
