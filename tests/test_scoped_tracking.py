@@ -290,3 +290,17 @@ def test_the_context_says_how_it_tracks():
         assert ctx.tracking.entries == 1 and not ctx.tracking.active
     w.unwrap()
     off.close()
+
+
+def test_an_auto_offloader_with_hints_tracks_the_whole_forward():
+    """Its hints callable may read ``TensorInfo.op`` in any step that leaves
+    its plan, so every op is recorded even in steps of a recomputing plan."""
+    off = offloader("auto", device_budget="25%", hints=lambda info: None)
+    case = make_case("mlp")
+    for _ in range(3):
+        with off as ctx:
+            loss = case.loss()
+        loss.backward()
+    assert off.plan.recomputes and off.plan.tracking_scope
+    assert ctx.tracking is None and off.stats.count_by_tier["recompute"] > 0
+    off.close()

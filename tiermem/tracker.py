@@ -145,8 +145,9 @@ def current_module() -> str:
 # recipe ops of the tensors it recomputes, recorded by its profile:
 # ``Record.module``, ``RecomputeHandle.modules``, ``Plan.tracking_scope``),
 # and a wrapped block (its own run). A fixed policy with recompute, a
-# callable policy, a block with MUST_RECOMPUTE, a profiled step and the safe
-# order track the whole forward (any module may recompute).
+# callable policy, a block with MUST_RECOMPUTE, a profiled step, the safe
+# order and every step of an auto Offloader with ``hints`` (its callable
+# reads ``TensorInfo.op`` off the plan) track the whole forward.
 # The scope is fixed when the step starts: a step that switches to another
 # cached plan midway (NOTE [Following a plan] in planner/runtime.py) keeps
 # the first plan's scope.

@@ -181,8 +181,11 @@ class StepPlanning:
         #: Producer tracking is needed (profiling, safe order, or a plan that recomputes).
         self.tracks = plan is None or plan.recomputes
         #: The modules to track in (NOTE [Scoped tracking] in tracker.py), or
-        #: ``None``: the whole forward (when ``tracks``).
-        self.scope = None if plan is None else getattr(plan, "tracking_scope", None)
+        #: ``None``: the whole forward (when ``tracks``). With hints, the whole
+        #: forward: a step that leaves its plan asks the hints callable, whose
+        #: ``TensorInfo.op`` needs every op recorded.
+        self.scope = (None if plan is None or planner.hints is not None
+                      else getattr(plan, "tracking_scope", None))
 
     def order(self, index: int, t, nbytes: int, module: str, producers) -> tuple:
         """The tier order of tensor ``index`` (NOTE [Following a plan])."""
