@@ -1,17 +1,48 @@
-"""Cost of producer tracking (the recompute tier's TorchDispatchMode) in forward.
+"""Cost of producer tracking (the recompute tier's TorchDispatchMode) in forward,
+whole-forward and scoped (NOTE [Scoped tracking] in tiermem/tracker.py), and a
+feasibility measurement of recipes read from the autograd graph.
 
-Times the forward pass of TinyGPT with no dispatch mode, with a dispatch mode
-that does nothing (the floor of any ``TorchDispatchMode``-based tool, such as
-selective checkpointing), and with tiermem's :class:`~tiermem.producers.ProducerMode`;
-round-robin, warm-up discarded, medians. JSON out.
+Times the forward pass of TinyGPT (loss included) under, round-robin (the
+order rotated each round), warm-up discarded, medians:
 
-    python benchmarks/bench_tracking.py --out benchmarks/results/<date>-cpu-tracking.json
+- ``none``: no mode, no hooks; ``module_hooks``: tiermem's module tracker
+  alone (every Offloader step installs it);
+- ``noop_mode``: a dispatch mode that only forwards (the floor of any
+  ``TorchDispatchMode``-based tool, such as selective checkpointing);
+- ``producer_mode``: :class:`~tiermem.producers.ProducerMode` around the
+  whole forward; ``full_tracking``: the same with the module tracker (what a
+  step whose plan recomputed cost before scoping);
+- ``scoped_plan``, ``scoped_all_blocks``, ``scoped_1_block``: the module
+  tracker with a :class:`~tiermem.tracker.TrackingScope` over the modules of
+  a real ``auto`` plan's recipes (``--budget``: on the CPU without an NVMe
+  dir the plan recomputes everything it can), over those inside the blocks,
+  and over those of block 0 only (the scope of a plan that recomputes one
+  block's tensors);
+- ``auto_scoped`` / ``auto_whole_forward``: the forward of a step of a real
+  ``Offloader(policy="auto")`` following that plan, with its scope, and with
+  whole-forward tracking forced (each round also runs the backward, untimed).
+
+``--clock cpu --threads 1``: the forward's CPU time in the one thread that
+runs every op (``time.thread_time``), for a machine shared with other jobs,
+where wall-clock times mostly measure the other jobs (wall times are
+recorded too).
+
+``--grad-fn``: for each tensor the recompute tier could drop (a recorded
+recomputable producer), whether its recipe can be read from the autograd
+graph at pack time instead (``t.grad_fn`` and its ``_saved_*`` attributes:
+every argument of the producer op present, no RNG state needed). JSON out.
+
+    python benchmarks/bench_tracking.py --clock cpu --threads 1 --grad-fn \
+        --out benchmarks/results/<date>-cpu-tracking-scoped.json
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import os
+import statistics
 import sys
 import time
 
@@ -21,8 +52,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import emit, machine, pick_device, summarize, sync  # noqa: E402
 
+import tiermem  # noqa: E402
 from tiermem.models import GPTConfig, TinyGPT  # noqa: E402
-from tiermem.producers import ProducerMode  # noqa: E402
+from tiermem.producers import RANDOM_OPS, ProducerMode, storage_key  # noqa: E402
+from tiermem.tracker import ModuleStack, TrackingScope, current_module  # noqa: E402
 
 
 class NoopMode(TorchDispatchMode):
@@ -32,14 +65,146 @@ class NoopMode(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class CountMode(TorchDispatchMode):
+class ModuleOfEachOp(TorchDispatchMode):
+    """Counts the ops of a forward by innermost running module."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.n = 0
+        self.by_module: collections.Counter = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
+        self.by_module[current_module()] += 1
         return func(*args, **(kwargs or {}))
+
+
+def _scoped(names):
+    def ctx():
+        stack = contextlib.ExitStack()
+        stack.enter_context(ModuleStack(scope=TrackingScope(ProducerMode(), names)))
+        return stack
+    return ctx
+
+
+def _full():
+    stack = contextlib.ExitStack()
+    stack.enter_context(ModuleStack())
+    stack.enter_context(ProducerMode())
+    return stack
+
+
+def _plan_scope(model, x, budget):
+    off = tiermem.Offloader(policy="auto", device_budget=budget)
+    for _ in range(3):
+        with off:
+            loss = model(x, x)
+        loss.backward()
+    plan = off.plan
+    return off, plan
+
+
+def _auto_forward(off, force_whole):
+    def run(model, x):
+        plan = off.plan   # settles the planner (closed loop) before the step
+        if force_whole:
+            for p in off._placement.planner.plans.values():
+                p.tracking_scope = None
+        with off:
+            loss = model(x, x)
+        return loss
+    return run
+
+
+def grad_fn_feasibility(model, x) -> dict:
+    """Per tensor the recompute tier could drop in one forward: can the
+    autograd graph give its recipe at pack time?"""
+    rows = []
+    mode = ProducerMode()
+
+    seen = set()
+
+    def pack(t):
+        rec = mode.record_of(t)
+        if rec is None or rec.func is None or storage_key(t) in seen:
+            return t   # not recomputable, or saved before (one row per tensor)
+        seen.add(storage_key(t))
+        node = t.grad_fn
+        nbytes = t.numel() * t.element_size()
+        row = {"op": rec.name, "bytes": nbytes, "node": None if node is None else type(node).__name__}
+        missing = []
+        if node is None:
+            missing.append("no grad_fn (does not require grad)")
+        else:
+            attrs = set(dir(node))
+            schema = rec.func._schema
+            values = list(rec.args) + [None] * (len(schema.arguments) - len(rec.args))
+            for i, a in enumerate(schema.arguments):
+                if a.kwarg_only and a.name not in rec.kwargs:
+                    continue
+                v = rec.kwargs.get(a.name, values[i] if i < len(values) else None)
+                is_tensor = "Tensor" in str(a.type)
+                if not is_tensor and (a.has_default_value() and v is None or v == a.default_value):
+                    continue   # a default: nothing to read
+                if f"_saved_{a.name}" not in attrs and f"_raw_saved_{a.name}" not in attrs:
+                    missing.append(a.name)
+            if rec.func.overloadpacket in RANDOM_OPS:
+                missing.append("generator state (not in the graph)")
+        row["missing"] = missing
+        row["feasible"] = not missing
+        rows.append(row)
+        return t
+
+    with ModuleStack(), mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(x, x)
+    del loss
+    by_op: dict = {}
+    for r in rows:
+        e = by_op.setdefault(r["op"], {"tensors": 0, "bytes": 0, "feasible_tensors": 0,
+                                       "feasible_bytes": 0, "node": r["node"],
+                                       "missing": sorted(set(r["missing"]))})
+        e["tensors"] += 1
+        e["bytes"] += r["bytes"]
+        if r["feasible"]:
+            e["feasible_tensors"] += 1
+            e["feasible_bytes"] += r["bytes"]
+    total = sum(r["bytes"] for r in rows)
+    feas = sum(r["bytes"] for r in rows if r["feasible"])
+    return {"recomputable_tensors": len(rows), "recomputable_bytes": total,
+            "feasible_tensors": sum(r["feasible"] for r in rows), "feasible_bytes": feas,
+            "by_op": by_op}
+
+
+def per_op_cost(n: int = 4000, repeats: int = 7) -> dict:
+    """Microseconds per op added by each mode, on ops whose kernel is tiny (a
+    small ``add``: the cost is the mode's), and per enter+leave of a scope's
+    mode (one module boundary each way); min of ``repeats``."""
+    a = torch.ones(4)
+
+    def ops():
+        for _ in range(n):
+            torch.add(a, a)
+
+    def timed(ctx_factory) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            with ctx_factory():
+                c0 = time.thread_time()
+                ops()
+                best = min(best, time.thread_time() - c0)
+        return best
+
+    plain = timed(contextlib.nullcontext)
+    out = {"noop_mode": (timed(NoopMode) - plain) / n * 1e6,
+           "producer_mode": (timed(ProducerMode) - plain) / n * 1e6}
+    mode = ProducerMode()
+    best = float("inf")
+    for _ in range(repeats):
+        c0 = time.thread_time()
+        for _ in range(n):
+            mode.__enter__()
+            mode.__exit__(None, None, None)
+        best = min(best, time.thread_time() - c0)
+    out["mode_enter_leave"] = best / n * 1e6
+    return out
 
 
 def main(argv=None) -> int:
@@ -50,42 +215,120 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--budget", default="10%")
     p.add_argument("--device", default="auto")
+    p.add_argument("--no-auto", action="store_true", help="skip the auto_* rows")
+    p.add_argument("--grad-fn", action="store_true", help="add the autograd-graph experiment")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads (0: leave as is); with --clock cpu use 1")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="cpu: the main thread's CPU time (time.thread_time), for a machine "
+                        "shared with other jobs; with --threads 1 every op runs in it")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     dev = pick_device(a.device)
+    if a.clock == "cpu" and dev.type != "cpu":
+        sys.exit("bench_tracking: --clock cpu measures host CPU time: use it on the CPU")
     torch.manual_seed(0)
     cfg = GPTConfig(layers=a.layers, width=a.width, heads=4, seq_len=a.seq_len, vocab=2048)
     model = TinyGPT(cfg).to(dev)
     x = torch.randint(0, cfg.vocab, (a.batch, a.seq_len), device=dev)
-    counter = CountMode()
-    with counter:
+    counter = ModuleOfEachOp()
+    with ModuleStack(), counter:
         model(x, x)
-    modes = {"none": None, "noop_mode": NoopMode, "producer_mode": ProducerMode}
-    times = {k: [] for k in modes}
+    n_ops = sum(counter.by_module.values())
+
+    off, plan = _plan_scope(model, x, a.budget)
+    plan_scope = plan.tracking_scope
+    if plan_scope is None:
+        sys.exit("bench_tracking: the plan tracks the whole forward; no scope to measure")
+    in_blocks = frozenset(n for n in plan_scope if n.startswith("TinyGPT.blocks."))
+    block0 = frozenset(n for n in in_blocks if n.startswith("TinyGPT.blocks.0."))
+    scopes = {"scoped_plan": plan_scope, "scoped_all_blocks": in_blocks,
+              "scoped_1_block": block0}
+    configs = {
+        "none": contextlib.nullcontext,
+        "module_hooks": ModuleStack,
+        "noop_mode": NoopMode,
+        "producer_mode": ProducerMode,
+        "full_tracking": _full,
+    }
+    configs.update({k: _scoped(v) for k, v in scopes.items()})
+    runners = {k: (lambda c: (lambda m, i: _under(c, m, i)))(c) for k, c in configs.items()}
+    if not a.no_auto:
+        off_full, _ = _plan_scope(model, x, a.budget)
+        runners["auto_scoped"] = _auto_forward(off, False)
+        runners["auto_whole_forward"] = _auto_forward(off_full, True)
+    times = {k: [] for k in runners}
+    walls = {k: [] for k in runners}
+    names = list(runners)
     for r in range(a.warmup + a.rounds):
-        for name, mode in modes.items():
+        # Rotated each round: no configuration always runs after the same one
+        # (the auto rows' backward leaves caches cold for the next).
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            run = runners[name]
             sync(dev)
-            t0 = time.perf_counter()
-            if mode is None:
-                loss = model(x, x)
-            else:
-                with mode():
-                    loss = model(x, x)
+            c0, t0 = time.thread_time(), time.perf_counter()
+            loss = run(model, x)
             sync(dev)
+            dc, dt = time.thread_time() - c0, time.perf_counter() - t0
+            if name.startswith("auto_"):
+                loss.backward()
             if r >= a.warmup:
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(dc if a.clock == "cpu" else dt)
+                walls[name].append(dt)
             del loss
-    res = {"benchmark": "producer tracking cost in forward", "machine": machine(),
+    res = {"benchmark": "producer tracking cost in forward: whole-forward and scoped",
+           "machine": machine(),
            "model": {"layers": a.layers, "width": a.width, "seq_len": a.seq_len,
-                     "batch": a.batch}, "device": str(dev), "ops_per_forward": counter.n,
-           "forward_seconds": {k: summarize(v) for k, v in times.items()}}
-    base = res["forward_seconds"]["none"]["median"]
-    res["overhead_per_op_us"] = {
-        k: (res["forward_seconds"][k]["median"] - base) / counter.n * 1e6
-        for k in ("noop_mode", "producer_mode")}
+                     "batch": a.batch, "loss": "in the forward (cross-entropy)"},
+           "device": str(dev), "rounds": a.rounds, "warmup": a.warmup,
+           "ops_per_forward": n_ops,
+           "plan": {"budget": a.budget, "recomputed_tensors": sum(
+               o[0].value == "recompute" for o in plan.orders), "tensors": len(plan.orders)},
+           "scopes": {k: {"modules": sorted(v),
+                          "ops_tracked": sum(counter.by_module[m] for m in v)}
+                      for k, v in scopes.items()},
+           "torch_threads": torch.get_num_threads(), "clock": a.clock,
+           "forward_seconds": {k: summarize(v) for k, v in times.items()},
+           "forward_wall_seconds": {k: summarize(v) for k, v in walls.items()}}
+    # Paired per round (adjacent in time, so a shared machine's slow drift
+    # cancels): median over rounds of each configuration's time / none's.
+    res["paired_ratio_vs_none"] = {
+        k: statistics.median(t / b for t, b in zip(times[k], times["none"]))
+        for k in times if k != "none"}
+    res["paired_ratio_vs_module_hooks"] = {
+        k: statistics.median(t / b for t, b in zip(times[k], times["module_hooks"]))
+        for k in ("full_tracking", "scoped_plan", "scoped_all_blocks", "scoped_1_block")}
+    if not a.no_auto:
+        res["paired_ratio_auto_scoped_vs_whole_forward"] = statistics.median(
+            t / b for t, b in zip(times["auto_scoped"], times["auto_whole_forward"]))
+    res["samples"] = times
+    res["per_op_us"] = per_op_cost()
+    med = {k: v["median"] for k, v in res["forward_seconds"].items()}
+    base = med["none"]
+    res["overhead_vs_none"] = {k: med[k] / base - 1 for k in med if k != "none"}
+    res["tracking_cost_vs_module_hooks"] = {
+        k: med[k] / med["module_hooks"] - 1
+        for k in ("full_tracking", "scoped_plan", "scoped_all_blocks", "scoped_1_block")}
+    res["overhead_per_op_us"] = {k: (med[k] - base) / n_ops * 1e6
+                                 for k in ("noop_mode", "producer_mode")}
+    if not a.no_auto:
+        res["auto_scoped_vs_whole_forward"] = med["auto_scoped"] / med["auto_whole_forward"] - 1
+    if a.grad_fn:
+        res["grad_fn_feasibility"] = grad_fn_feasibility(model, x)
+    off.close()
+    if not a.no_auto:
+        off_full.close()
     emit(res, a.out)
     return 0
+
+
+def _under(ctx_factory, model, x):
+    with ctx_factory():
+        return model(x, x)
 
 
 if __name__ == "__main__":

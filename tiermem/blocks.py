@@ -39,6 +39,7 @@ from .config import Config
 from .errors import ConfigError, TierMemError
 from .policy import Tier, resolve_policy, tier_order
 from .tracker import current_module
+from .tracker import track_block, untrack_block
 
 __all__ = ["wrap_blocks", "BlockWrapping", "SELECTIVE_SAVE_OPS"]
 
@@ -74,13 +75,26 @@ class _Scope(threading.local):
 _scope = _Scope()
 
 #: Wrapped blocks whose policy may recompute: while any exists, Offloaders
-#: track producers even if their own policy would not need it.
+#: track producers while such a block runs (NOTE [Scoped tracking] in
+#: tracker.py) even if their own policy would not need it.
 _recomputing_blocks: "weakref.WeakSet[_BlockForward]" = weakref.WeakSet()
+
+
+#: Those among them whose policy is ``MUST_RECOMPUTE``: while any exists,
+#: Offloaders track the whole forward, so that whether such a block's tensor
+#: can be recomputed (else ``TierMemError``) does not depend on where its
+#: producer ran (NOTE [Scoped tracking] in tracker.py).
+_must_recompute_blocks: "weakref.WeakSet[_BlockForward]" = weakref.WeakSet()
 
 
 def blocks_need_producers() -> bool:
     """Whether a live wrapped block has a policy that may recompute."""
     return len(_recomputing_blocks) > 0
+
+
+def blocks_need_full_tracking() -> bool:
+    """Whether a live wrapped block's policy is ``MUST_RECOMPUTE``."""
+    return len(_must_recompute_blocks) > 0
 
 
 def _selective_policy(ctx, op, *args, **kwargs):
@@ -103,6 +117,8 @@ class _BlockForward:
     def _register(self) -> None:
         if self.order is not None and Tier.RECOMPUTE in self.order:
             _recomputing_blocks.add(self)
+            if getattr(self.order, "must", False) and self.order[0] is Tier.RECOMPUTE:
+                _must_recompute_blocks.add(self)
 
     def __setstate__(self, state: dict) -> None:   # copies made by deepcopy / pickle
         self.__dict__.update(state)
@@ -111,9 +127,12 @@ class _BlockForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         fn = functools.partial(type(self.module).forward, self.module)
         stack = None
+        tracked = ()
         if self.order is not None:
             stack = _scope.stack
             stack.append(self.order)
+            if Tier.RECOMPUTE in self.order:   # NOTE [Scoped tracking] in tracker.py
+                tracked = track_block()
         try:
             if self.mode is None or not torch.is_grad_enabled():
                 return fn(*args, **kwargs)
@@ -127,6 +146,8 @@ class _BlockForward:
         finally:
             if stack is not None:
                 stack.pop()
+                if tracked:
+                    untrack_block(tracked)
 
     def _full(self, fn, args, kwargs) -> Any:
         if self.use_reentrant and kwargs:
@@ -163,6 +184,7 @@ class BlockWrapping:
             fwd = m.__dict__.get("forward")
             if isinstance(fwd, _BlockForward):
                 _recomputing_blocks.discard(fwd)
+                _must_recompute_blocks.discard(fwd)
                 del m.forward
         self._modules = []
 
@@ -210,8 +232,13 @@ def wrap_blocks(model: nn.Module, blocks: Selector, *, checkpoint: Union[bool, s
       NOTE [CheckpointPolicy answers] in policy.py: MUST_RECOMPUTE raises
       ``TierMemError`` in the forward for a tensor of the block that cannot be
       recomputed.
-      With ``recompute`` in it, every Offloader tracks producers while such a
-      wrapped block exists (the cost of tracking is paid for the whole forward).
+      With ``recompute`` in it, an Offloader tracks producers while such a
+      block runs (only then, unless its own policy needs tracking; NOTE
+      [Scoped tracking] in tracker.py): a tensor the block saves whose
+      producer ran before the block (its inputs) has no recipe and goes to
+      the next tier of the block's policy. With ``MUST_RECOMPUTE``, every
+      Offloader tracks the whole forward while such a block exists (whether
+      a tensor can be recomputed must not depend on where its producer ran).
 
     Returns a :class:`BlockWrapping`; raises ``ConfigError`` when nothing
     matches or a setting is invalid, and when a block is already wrapped.

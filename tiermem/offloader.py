@@ -34,7 +34,7 @@ import torch
 
 from .attach import Attachment, attach_module, detach_modules
 from .blocks import _scope as _block_scope
-from .blocks import blocks_need_producers
+from .blocks import blocks_need_full_tracking, blocks_need_producers
 from .config import Config
 from .errors import ConfigError, TierMemError
 from .hooks import Packer, keep_pack, opaque, unpack
@@ -42,7 +42,7 @@ from .placement import Placement, default_cpu_budget_bytes, default_nvme_budget_
 from .producers import ProducerMode
 from .step import Step
 from .telemetry import StepStats
-from .tracker import ModuleStack
+from .tracker import ModuleStack, TrackingScope
 
 __all__ = ["Offloader", "OffloadContext", "offload", "no_offload", "default_cpu_budget_bytes",
            "default_nvme_budget_bytes"]
@@ -70,17 +70,29 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         planner = placement.planner
         #: policy="auto": this step's planning (profile, plan, or safe order).
         self.planning = None if planner is None else planner.begin_step(unpack)
-        tracks = placement.tracks_producers if self.planning is None else self.planning.tracks
-        track = tracks or blocks_need_producers()
+        planning = self.planning
         #: Producer of each tensor of the forward (None unless the policy may
         #: recompute or is a callable that may read ``TensorInfo.op``).
-        self.producers: Optional[ProducerMode] = ProducerMode() if track else None
+        self.producers: Optional[ProducerMode] = None
+        #: Where tracking runs when it is scoped (NOTE [Scoped tracking] in
+        #: tracker.py); ``None``: the whole forward, or not at all.
+        self.tracking: Optional[TrackingScope] = None
+        names = None if planning is None else planning.scope
+        if (placement.tracks_producers if planning is None else (
+                planning.tracks and names is None)) or blocks_need_full_tracking():
+            self.producers = ProducerMode(
+                module_names=planning is not None and planning.recorder is not None)
+        else:
+            blocks = blocks_need_producers()
+            if names or blocks:
+                self.producers = ProducerMode()
+                self.tracking = TrackingScope(self.producers, names or (), blocks)
         self.step = Step(placement, offloader.config.prefetch_bytes,
                          offloader.config.min_offload_bytes, self.producers, unpack,
                          check_params=offloader.config.check_params)
         self.stats = self.step.stats
         self._packer = Packer(self.step, placement)
-        self._modules = ModuleStack(on_root=self._packer.note_root)
+        self._modules = ModuleStack(on_root=self._packer.note_root, scope=self.tracking)
         unpack_hook = _hidden("unpack", unpack)
         if self.planning is not None:
             self.step.planning = self.planning
@@ -101,7 +113,7 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         try:
             super().__enter__()
             try:
-                if self.producers is not None:
+                if self.producers is not None and self.tracking is None:
                     self.producers.__enter__()
             except BaseException:
                 super().__exit__(None, None, None)
@@ -114,7 +126,7 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
-            if self.producers is not None:
+            if self.producers is not None and self.tracking is None:
                 try:
                     self.producers.__exit__(exc_type, exc, tb)
                 finally:

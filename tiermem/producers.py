@@ -42,6 +42,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .tracker import current_module
+
 __all__ = ["ProducerMode", "Record", "Ref", "storage_key", "RECOMPUTABLE_OPS", "RANDOM_OPS", "VIEW_OPS"]
 
 _aten = torch.ops.aten
@@ -177,7 +179,7 @@ class Record:
     known (the op is not recomputable)."""
 
     __slots__ = ("name", "func", "args", "kwargs", "out_index", "rng", "version", "is_view",
-                 "values_op", "__weakref__")
+                 "values_op", "module", "__weakref__")
 
     def __init__(self, name: str, values_op: str) -> None:
         self.name = name
@@ -189,6 +191,9 @@ class Record:
         self.rng = None
         self.version = 0
         self.is_view = False
+        #: Qualified name of the innermost module the op ran in (``""``: none),
+        #: recorded only by a mode made with ``module_names=True``; else ``None``.
+        self.module: Optional[str] = None
 
     def refs(self):
         """The :class:`Ref` of every tensor argument (lists flattened)."""
@@ -243,10 +248,17 @@ def _generator_for(device: torch.device, explicit) -> Optional[torch.Generator]:
 
 class ProducerMode(TorchDispatchMode):
     """Records the producer of every tensor made while it is active (one
-    forward pass, one thread: the dispatch-mode stack is thread-local)."""
+    forward pass, one thread: the dispatch-mode stack is thread-local).
 
-    def __init__(self) -> None:
+    ``module_names``: also record, in each recomputable record, the module the
+    op ran in (``Record.module``; the planner's profile uses it to scope the
+    tracking of the steps that follow its plan: NOTE [Scoped tracking] in
+    tracker.py). It may be entered and left several times in one forward (the
+    records made so far stay valid)."""
+
+    def __init__(self, module_names: bool = False) -> None:
         super().__init__()
+        self.module_names = module_names
         self._records: dict = {}    # id(tensor) -> (weakref to tensor, Record)
         self._ops: dict = {}        # OpOverload -> _OpInfo
         #: storage cdata -> [weakref to a dropped tensor's handle]: see NOTE
@@ -381,6 +393,8 @@ class ProducerMode(TorchDispatchMode):
                 rec.func, rec.args, rec.kwargs, rec.rng = func, rargs, rkwargs, rng
                 rec.out_index = i if multi else None
                 rec.is_view = info.view
+                if self.module_names:
+                    rec.module = current_module()
             self._records[id(o)] = (weakref.ref(o), rec)
         return out
 

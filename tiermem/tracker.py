@@ -98,7 +98,12 @@ def _pre_hook(module: torch.nn.Module, args) -> None:
         for entry_depth, listener in listeners:
             if depth == entry_depth:
                 listener(module)
-    stack.append((module, _name_of(module, stack)))
+    name = _name_of(module, stack)
+    stack.append((module, name))
+    scopes = _tls.__dict__.get("scopes")
+    if scopes:   # NOTE [Scoped tracking]
+        for s in scopes:
+            s.update(name)
 
 
 def _post_hook(module: torch.nn.Module, args, output) -> None:
@@ -109,7 +114,14 @@ def _post_hook(module: torch.nn.Module, args, output) -> None:
     for i in range(len(stack) - 1, -1, -1):
         if stack[i][0] is module:
             del stack[i:]
-            return
+            break
+    else:
+        return
+    scopes = _tls.__dict__.get("scopes")
+    if scopes:   # NOTE [Scoped tracking]
+        name = stack[-1][1] if stack else ""
+        for s in scopes:
+            s.update(name)
 
 
 def current_module() -> str:
@@ -118,16 +130,117 @@ def current_module() -> str:
     return stack[-1][1] if stack else ""
 
 
+# NOTE [Scoped tracking]
+# Producer tracking (a dispatch mode: a Python call per op, most of it the
+# price of any mode) is needed only where a recipe's ops run. When that set is
+# known, a :class:`TrackingScope` keeps the mode entered only while the
+# innermost running module (``current_module()``, what ``Record.module``
+# records) is named in ``names``: at each module's pre- and post-hook
+# (called also when it raises) it enters or leaves the mode. ``""`` (or, for
+# a context entered inside a module, that module's name) stands for the ops
+# run outside every module of the context, such as a loss computed after the
+# model. A wrapped block whose policy recomputes keeps the scopes that follow
+# blocks entered for its whole run, nested modules included
+# (:func:`track_block`). Who knows the set: a plan (the modules that ran the
+# recipe ops of the tensors it recomputes, recorded by its profile:
+# ``Record.module``, ``RecomputeHandle.modules``, ``Plan.tracking_scope``),
+# and a wrapped block (its own run). A fixed policy with recompute, a
+# callable policy, a block with MUST_RECOMPUTE, a profiled step, the safe
+# order and every step of an auto Offloader with ``hints`` (its callable
+# reads ``TensorInfo.op`` off the plan) track the whole forward.
+# The scope is fixed when the step starts: a step that switches to another
+# cached plan midway (NOTE [Following a plan] in planner/runtime.py) keeps
+# the first plan's scope.
+# Exactness does not rest on the scope: an op that ran outside it has no
+# record, so a recipe that reaches its output stores that tensor as an input
+# (NOTE [What a recipe holds], case 4: the tensor itself, as it was at the
+# op) or, if it is gone, declines (the next tier). What the scope can change
+# is only which inputs a recipe stores (bytes: the closed loop measures them)
+# and what the mode sees of the forward's writes: writes outside the scope to
+# a dropped tensor (through an alias, the tensor itself freed) are not seen
+# (its recompute returns its values at save, where autograd would raise), and
+# a parameter that a recipe holds as it is, written outside the scope, is
+# caught at recompute by the parameter check (NOTE [Parameters changed before
+# backward] in paramcheck.py) rather than copied before the write.
+
+
+class TrackingScope:
+    """Enters ``mode`` (a dispatch mode) on this thread only while the innermost
+    running module is named in ``names``, or (``blocks``) while a wrapped
+    block whose policy recomputes runs. See NOTE [Scoped tracking].
+    Registered by :class:`ModuleStack`."""
+
+    __slots__ = ("mode", "names", "blocks", "active", "entries", "in_blocks")
+
+    def __init__(self, mode, names=frozenset(), blocks: bool = False) -> None:
+        self.mode = mode
+        self.names = frozenset(names)
+        self.blocks = blocks
+        self.active = False
+        #: Times the mode was entered (tests, benchmarks).
+        self.entries = 0
+        #: Wrapped blocks that recompute running now (nested ones count each).
+        self.in_blocks = 0
+
+    def update(self, innermost: str) -> None:
+        """The innermost running module is now ``innermost`` (``""``: none)."""
+        want = self.in_blocks > 0 or innermost in self.names
+        if want is self.active:
+            return
+        if want:
+            self.mode.__enter__()
+            self.active = True
+            self.entries += 1
+        else:
+            self.leave()
+
+    def leave(self) -> None:
+        """Leave the mode if it is active and the innermost dispatch mode (one
+        entered inside the scope and not left there stays above it: ours is
+        then left at the next module boundary, or at the context's exit)."""
+        if not self.active:
+            return
+        n = torch._C._len_torch_dispatch_stack()
+        if n and torch._C._get_dispatch_stack_at(n - 1) is not self.mode:
+            return
+        self.active = False
+        self.mode.__exit__(None, None, None)
+
+
+def track_block():
+    """A wrapped block whose policy recomputes starts: the scopes of this
+    thread that follow blocks track until :func:`untrack_block` (given what
+    this returns) is called at its end."""
+    scopes = _tls.__dict__.get("scopes")
+    if not scopes:
+        return ()
+    entered = [s for s in scopes if s.blocks]
+    for s in entered:
+        s.in_blocks += 1
+        s.update("")
+    return entered
+
+
+def untrack_block(entered) -> None:
+    name = current_module()
+    for s in entered:
+        s.in_blocks -= 1
+        s.update(name)
+
+
 class ModuleStack:
     """Handle of one user (a context) of the tracker on this thread.
 
     ``on_root(module)`` is called when a module starts at the depth the stack had
     when the context was entered, i.e. for each outermost module run inside the
     context (used to learn the parameters and buffers of the model).
+    ``scope``: a :class:`TrackingScope` followed while the context is active
+    (left, if active, when it exits).
     """
 
-    def __init__(self, on_root=None) -> None:
+    def __init__(self, on_root=None, scope: Optional[TrackingScope] = None) -> None:
         self._on_root = on_root
+        self._scope = scope
         self._depth = 0
 
     def __enter__(self) -> "ModuleStack":
@@ -140,10 +253,26 @@ class ModuleStack:
         self._depth = len(_stack())
         if self._on_root is not None:
             _root_listeners().append((self._depth, self._on_root))
+        scope = self._scope
+        if scope is not None:
+            scopes = _tls.__dict__.get("scopes")
+            if scopes is None:
+                scopes = _tls.scopes = []
+            scopes.append(scope)
+            scope.update(current_module())
         return self
 
     def __exit__(self, *exc) -> None:
         global _users
+        if self._scope is not None:
+            scopes = _tls.__dict__.get("scopes") or []
+            for i in range(len(scopes) - 1, -1, -1):
+                if scopes[i] is self._scope:
+                    del scopes[i]
+                    break
+            if self._scope.active:   # still active (the ops after the model, a module unfinished)
+                self._scope.active = False
+                self._scope.mode.__exit__(None, None, None)
         del _stack()[self._depth:]
         if self._on_root is not None:
             listeners = _root_listeners()

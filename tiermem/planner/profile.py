@@ -65,6 +65,8 @@ class TensorRecord:
     recomputable: bool = False
     #: Bytes its recipe's inputs added to the kept bytes (keep tail only).
     input_kept_bytes: int = 0
+    #: Modules that ran its recipe's ops (NOTE [Scoped tracking] in tracker.py).
+    recipe_modules: Tuple[str, ...] = ()
     #: Host seconds its regeneration took in the profile's backward.
     recompute_s: Optional[float] = None
     #: Seconds from the step's start to its first unpack (``None``: never unpacked).
@@ -188,6 +190,7 @@ class Recorder:
             rec.profile_tier = Tier.RECOMPUTE.value
             rec.recomputable = True
             rec.input_kept_bytes = kept_delta   # its recipe's inputs left on the device
+            rec.recipe_modules = handle.modules
             self._recompute_handles.add(id(handle))
         elif type(handle) is Kept:
             rec.profile_tier = Tier.KEEP.value

@@ -139,7 +139,7 @@ from .profile import Profile, Recorder
 from .rates import default_device_budget_bytes, measure_rates
 from .solver import make_plan, safe_order
 
-__all__ = ["Planner", "StepPlanning", "MAX_REPLANS", "MAX_PLANS", "PROFILED_SIZES",
+__all__ = ["Planner", "StepPlanning", "tracking_scope", "MAX_REPLANS", "MAX_PLANS", "PROFILED_SIZES",
            "KEPT_TOLERANCE", "STALL_TOLERANCE_S"]
 
 _log = logging.getLogger("tiermem")
@@ -203,7 +203,8 @@ class StepPlanning:
     included; ``count`` the indices handed out (``Step.index``)."""
 
     __slots__ = ("planner", "plan", "recorder", "safe", "off_plan", "count", "tracks", "pos",
-                 "kept_at", "step", "blocks_seen", "block_depth", "in_checkpoint", "revived")
+                 "kept_at", "step", "blocks_seen", "block_depth", "in_checkpoint", "revived",
+                 "scope")
 
     def __init__(self, planner: "Planner", plan: Optional[Plan],
                  recorder: Optional[Recorder]) -> None:
@@ -231,6 +232,12 @@ class StepPlanning:
         self.blocks_seen = 0
         self.block_depth = 0
         self.in_checkpoint = False
+        #: The modules to track in (NOTE [Scoped tracking] in tracker.py), or
+        #: ``None``: the whole forward (when ``tracks``). With hints, the whole
+        #: forward: a step that leaves its plan asks the hints callable, whose
+        #: ``TensorInfo.op`` needs every op recorded.
+        self.scope = (None if plan is None or planner.hints is not None
+                      else getattr(plan, "tracking_scope", None))
 
     def order(self, index: int, t, nbytes: int, module: str, producers) -> tuple:
         """The tier order of tensor ``index`` (NOTE [Following a plan])."""
@@ -514,6 +521,7 @@ class Planner:
                          has_nvme=self.has_nvme, cpu_budget_bytes=cpu_room,
                          nvme_budget_bytes=nvme_room, replans=replans, replan_reason=reason)
         plan.budget_bytes = budget
+        plan.tracking_scope = tracking_scope(plan, profile)
         plan.follow(profile.keys, profile.positions)
         plan.rate_factor = rate_factor
         plan.target_bytes = budget if target is None else target
@@ -554,3 +562,20 @@ class Planner:
         new = self._plan(profile, target, factor, plan.replans + 1, "; ".join(why))
         if self.current is plan:
             self.current = new
+
+
+def tracking_scope(plan: Plan, profile: Profile) -> Optional[frozenset]:
+    """The modules a step following ``plan`` tracks producers in: those that ran
+    the recipe ops of the tensors it recomputes, as its profile recorded them
+    (``""``: outside every module; empty: it recomputes nothing); ``None``
+    (the whole forward) when one was not recorded. NOTE [Scoped tracking] in
+    tracker.py."""
+    names: set = set()
+    for record, order in zip(profile.records, plan.orders):
+        if order[0] is not Tier.RECOMPUTE:
+            continue
+        modules = record.recipe_modules
+        if not modules:
+            return None
+        names.update(modules)
+    return frozenset(names)

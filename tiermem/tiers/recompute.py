@@ -122,7 +122,8 @@ class RecomputeHandle:
     """A dropped saved tensor and its recipe. Owned by autograd."""
 
     __slots__ = ("store", "step", "entry", "plan", "size", "stride", "dtype", "module",
-                 "nbytes", "version", "src_ref", "cached", "tainted", "depth", "__weakref__")
+                 "nbytes", "version", "src_ref", "cached", "tainted", "depth", "modules",
+                 "__weakref__")
 
 
 class _Plan:
@@ -197,7 +198,11 @@ class RecomputeStore(TierStore):
         step.recipe_inputs_stored(plan.cost_bytes)
         h = RecomputeHandle()
         as_is: list = []
-        h.plan = self._build(rec, step, stored, as_is)
+        modules: set = set()
+        h.plan = self._build(rec, step, stored, as_is, modules)
+        #: Modules that ran the recipe's ops (recorded by a mode with
+        #: module_names; NOTE [Scoped tracking] in tracker.py), else ().
+        h.modules = () if None in modules else tuple(sorted(modules))
         h.store, h.step, h.module = self, step, module
         h.size, h.stride, h.dtype = t.size(), t.stride(), t.dtype
         h.nbytes = nbytes
@@ -250,17 +255,20 @@ class RecomputeStore(TierStore):
             raise _Ineligible("an input is a gapped view")
         plan.store(x)
 
-    def _build(self, rec: Record, step, stored: dict, as_is: list) -> _Node:
-        """Materialise the plan chosen by :meth:`_check` (same order of choices)."""
+    def _build(self, rec: Record, step, stored: dict, as_is: list, modules: set) -> _Node:
+        """Materialise the plan chosen by :meth:`_check` (same order of choices);
+        adds to ``modules`` the module each op ran in."""
+        modules.add(rec.module)
         node = _Node()
         node.func, node.out_index, node.rng = rec.func, rec.out_index, rec.rng
-        node.args = tuple(self._arg(a, step, stored, as_is) for a in rec.args)
-        node.kwargs = {k: self._arg(v, step, stored, as_is) for k, v in rec.kwargs.items()}
+        node.args = tuple(self._arg(a, step, stored, as_is, modules) for a in rec.args)
+        node.kwargs = {k: self._arg(v, step, stored, as_is, modules)
+                       for k, v in rec.kwargs.items()}
         return node
 
-    def _arg(self, a: Any, step, stored: dict, as_is: list) -> Any:
+    def _arg(self, a: Any, step, stored: dict, as_is: list, modules: set) -> Any:
         if type(a) is list:
-            return [self._arg(x, step, stored, as_is) for x in a]
+            return [self._arg(x, step, stored, as_is, modules) for x in a]
         if type(a) is not Ref:
             return a
         x = a.alive()
@@ -279,7 +287,7 @@ class RecomputeStore(TierStore):
                 return leaf
             if step.is_small(x):
                 return _In(step.keep_handle(x, clone=True))
-        return self._build(a.record, step, stored, as_is)
+        return self._build(a.record, step, stored, as_is, modules)
 
     # -- backward -----------------------------------------------------------------
     def take(self, h: RecomputeHandle, more_uses: int):
