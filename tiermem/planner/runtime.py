@@ -362,7 +362,8 @@ class Planner:
         plan = make_plan(profile, rates, budget if target is None else target, setting,
                          has_nvme=self.has_nvme, cpu_budget_bytes=placement.cpu_budget_bytes,
                          nvme_budget_bytes=None if nvme is None else nvme.arena.budget_bytes,
-                         replans=replans, replan_reason=reason)
+                         replans=replans, replan_reason=reason,
+                         prefetch_bytes=self.cfg.prefetch_bytes)
         plan.budget_bytes = budget
         plan.follow(profile.keys, profile.positions)
         plan.rate_factor = rate_factor
