@@ -89,7 +89,7 @@ class Runner:
         sampler = _KeptSampler(self.off)
         del _restores[:]
         c0, p0, t0 = time.thread_time(), time.process_time(), time.perf_counter()
-        with self.off:
+        with self.off as ctx:
             hook = (torch.nn.modules.module.register_module_forward_hook(sampler)
                     if sample else None)
             try:
@@ -100,13 +100,16 @@ class Runner:
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1),
                                                      tokens[:, 1:].flatten())
         stats = self.off.stats
+        if sample:   # the forward's end (the loss saves outside any module)
+            sampler.samples.append((ctx.step.index, stats.bytes_by_tier["keep"]))
         c1, p1, t1 = time.thread_time(), time.process_time(), time.perf_counter()
         loss.backward()
         c2, p2, t2 = time.thread_time(), time.process_time(), time.perf_counter()
         self.opt.step()
         waits = [(round((w - t1) * 1e3, 3), round(s * 1e3, 3), late, hw)
                  for w, s, late, hw, _ in _restores if s > 0]
-        row = {"loss": loss.item(), "forward_s": t1 - t0, "backward_s": t2 - t1,
+        window = getattr(getattr(ctx, "prefetcher", None), "budget_bytes", None)
+        row = {"loss": loss.item(), "prefetch_window_bytes": window, "forward_s": t1 - t0, "backward_s": t2 - t1,
                "forward_main_cpu_s": c1 - c0, "backward_main_cpu_s": c2 - c1,
                "forward_process_cpu_s": p1 - p0, "backward_process_cpu_s": p2 - p1,
                "stall_s": stats.stall_seconds, "late_restores": stats.late_restores,
@@ -121,7 +124,12 @@ class Runner:
             row.update(predicted_stall_s=plan.predicted_stall_s,
                        predicted_cpu_s=getattr(plan, "predicted_cpu_s", None),
                        predicted_step_cost_s=getattr(plan, "predicted_step_cost_s", None),
+                       rates={k: plan.rates.get(k) for k in (
+                           "move_cpu", "move_fixed_cpu_s", "compute_threads", "disk_write",
+                           "disk_read", "disk_both")},
                        predicted_kept_bytes=plan.predicted_kept_bytes,
+                       budget_bytes=plan.budget_bytes,
+                       plan_tiers=plan.bytes_by_tier(),
                        plan_prefetch_bytes=plan.suggested_prefetch_bytes,
                        replans=plan.replans, replan_reason=plan.replan_reason,
                        recompute_bytes=plan.bytes_by_tier()["recompute"])
@@ -198,7 +206,8 @@ def main(argv=None) -> dict:
         if r.name.startswith("auto") and r.rows:
             last = r.rows[-1]
             for k in ("predicted_stall_s", "predicted_cpu_s", "predicted_step_cost_s",
-                      "predicted_kept_bytes", "plan_prefetch_bytes", "replans",
+                      "predicted_kept_bytes", "budget_bytes", "plan_tiers",
+                      "plan_prefetch_bytes", "prefetch_window_bytes", "replans",
                       "replan_reason", "recompute_bytes"):
                 summary[k] = last.get(k)
         summary["moved_bytes"] = r.rows[-1]["moved_bytes"] if r.rows else 0

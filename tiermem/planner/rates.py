@@ -26,8 +26,8 @@ machine and cached per process.
 
 Each figure is the best of :data:`REPEATS` runs (the machine is shared: the
 best run is the least disturbed one). The whole measurement stays under a
-second (a few hundredths without an nvme store). All rates are bytes per second; ``None`` when not measurable
-here (no GPU, no nvme store).
+second (a few hundredths without an nvme store). All rates are bytes per
+second; ``None`` when not measurable here (no GPU, no nvme store).
 """
 
 from __future__ import annotations
