@@ -21,8 +21,8 @@
 #      ``compute_threads`` the compute spreads over. On a CPU device those
 #      seconds are taken from the compute's cores, so the step is longer by
 #      them even when no unpack waits (measured: benchmarks/results/
-#      2026-12-01-cpu-costmodel.md: step time beyond keep's, less the stall,
-#      was about the extra process CPU time / 2 on 2 threads). Not charged
+#      2026-12-01-cpu-costmodel-before.md: step time beyond keep's, less the
+#      stall, was about the extra process CPU time / 2 on 2 threads). Not charged
 #      on CUDA (the host's work runs beside the GPU's).
 #    The cheapest option per freed byte wins (ties: recompute, cpu, nvme);
 #    tensors are taken in that order of price, then longest window first
@@ -40,9 +40,9 @@
 #    back, each stall delaying later needs): that gives the predicted stall.
 #    Restores start only at the first unpack of a moved tensor (the
 #    prefetcher advances on those: tiermem/prefetch.py), so the first one
-#    backward needs waits its whole read (measured: the unpredicted 2-10 ms
-#    of 2026-12-01-cpu-auto were that one wait); a restore starts when its
-#    move out has landed, its channel is free and the window has room (bytes
+#    backward needs waits its whole read (measured: 91-99% of the stalls
+#    predicted 0 in 2026-12-01-cpu-costmodel-before were that one wait); a
+#    restore starts when its move out has landed, its channel is free and the window has room (bytes
 #    restored and not yet used + its own <= window; one at least); a restore
 #    that overlaps moves out of its tier runs at the measured both-directions
 #    rate for the overlap (``disk_both`` / ``link_both``: its time there is
