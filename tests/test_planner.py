@@ -345,7 +345,9 @@ def test_a_wrong_first_plan_is_corrected_once_and_then_holds(nvme_dir, monkeypat
     compare_records(records, reference_steps("mlp", steps=6), "mlp")
     used = [plan for plan, _ in log]
     first, fixed = used[1], used[2]
-    assert first.replans == 0 and first.predicted_stall_s == 0.0
+    # (not 0.0: the first restore backward needs is a demand read, NOTE
+    # [Planner cost model]; at these fake rates it predicts picoseconds)
+    assert first.replans == 0 and first.predicted_stall_s < 1e-6
     assert first.bytes_by_tier()["nvme"] > 0
     assert first.measured_stall_s == 0.010
     assert fixed is not first and fixed.replans == 1

@@ -433,3 +433,19 @@ def test_the_exchange_runs_over_nccl_on_the_current_cuda_device():
     assert res["agreement"]["timeline_rank"] == 0
     assert res["agreement"]["device_budget"] == "50%"
     assert res["timeline"] == res["sent"]
+
+
+def test_the_cost_model_rates_agree_too():
+    """Every field of Rates the solver reads is agreed: the CPU charge of
+    moves and the both-directions rates as the slowest, the fixed CPU cost as
+    the longest, the compute threads as the fewest (the largest charge)."""
+    import dataclasses
+    r0 = dataclasses.replace(_rates(0), move_cpu=2e9, move_fixed_cpu_s=1e-5,
+                             compute_threads=4.0, disk_both=0.8e9, link_both=None)
+    r1 = dataclasses.replace(_rates(1), move_cpu=1e9, move_fixed_cpu_s=3e-5,
+                             compute_threads=2.0, disk_both=0.2e9, link_both=None)
+    a = agree.combine([_row(0, r0), _row(1, r1)])
+    assert (a.rates.move_cpu, a.rates.move_fixed_cpu_s, a.rates.compute_threads,
+            a.rates.disk_both, a.rates.link_both) == (1e9, 3e-5, 2.0, 0.2e9, None)
+    solver_fields = {f.name for f in dataclasses.fields(Rates)} - {"disk_engine"}
+    assert solver_fields == set(agree._RATES_MIN + agree._RATES_MAX)

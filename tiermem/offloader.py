@@ -87,7 +87,13 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
             if names or blocks:
                 self.producers = ProducerMode()
                 self.tracking = TrackingScope(self.producers, names or (), blocks)
-        self.step = Step(placement, offloader.config.prefetch_bytes,
+        prefetch_bytes = offloader.config.prefetch_bytes
+        if (prefetch_bytes is None and self.planning is not None
+                and self.planning.plan is not None):
+            # A step that follows a plan uses the plan's window (NOTE [Planner
+            # cost model], 3, in planner/solver.py).
+            prefetch_bytes = self.planning.plan.suggested_prefetch_bytes
+        self.step = Step(placement, prefetch_bytes,
                          offloader.config.min_offload_bytes, self.producers, unpack,
                          check_params=offloader.config.check_params)
         self.stats = self.step.stats

@@ -224,6 +224,11 @@ def _budget_lines(res: dict) -> list:
             ptxt = (f"budget {fmt_bytes(plan['budget_bytes'])}, predicted kept "
                     f"{fmt_bytes(plan['predicted_kept_bytes'])}, "
                     + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in bt.items())
+                    + (f"; stall predicted {plan['predicted_stall_s'] * 1e3:.2f} ms, measured "
+                       f"{plan['measured_stall_s'] * 1e3:.2f} ms (last step)"
+                       if plan.get("measured_stall_s") is not None else "")
+                    + (f"; CPU charge {plan['predicted_cpu_s'] * 1e3:.1f} ms"
+                       if plan.get("predicted_cpu_s") else "")
                     + (f"; re-planned {plan['replans']}x: {plan.get('replan_reason') or 'reason not recorded'}"
                        if plan.get("replans") else ""))
         out.append(f"| {name} | {_ms(step)} | {rel[0]} | {rel[1]} | {fmt_bytes(held)} | "

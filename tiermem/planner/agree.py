@@ -9,7 +9,8 @@ What is agreed (:func:`combine`, from one row per rank):
   bytes). A percentage on some ranks and a size on others is a
   :class:`ConfigError` raised on every rank;
 - the measured rates: per rate the slowest (host copy, pointwise, D2H, H2D,
-  disk write and read), per request latency the longest; a rate a rank could
+  disk write and read, both directions at once, the CPU rate of moves, the
+  fewest compute threads), per request latency and fixed CPU cost the longest; a rate a rank could
   not measure (a disk probe that failed) is absent for all;
 - the cpu and nvme budgets the solver fills (the smallest); each tier still
   enforces its own rank's budget, which is never smaller;
@@ -86,8 +87,10 @@ _log = logging.getLogger("tiermem")
 #: The step (entry count of the Offloader) at which the ranks agree.
 AGREE_AT_STEP = 2
 
-_RATES_MIN = ("host_copy", "pointwise", "d2h", "h2d", "disk_write", "disk_read")
-_RATES_MAX = ("disk_write_latency_s", "disk_read_latency_s", "measured_seconds")
+_RATES_MIN = ("host_copy", "pointwise", "d2h", "h2d", "disk_write", "disk_read",
+              "link_both", "disk_both", "move_cpu", "compute_threads")
+_RATES_MAX = ("disk_write_latency_s", "disk_read_latency_s", "measured_seconds",
+              "move_fixed_cpu_s")
 # Row layout (float64, NaN = "this rank has no figure").
 _RANK, _HAS_RATES = 0, 1
 _RATE0 = 2                                  # _RATES_MIN then _RATES_MAX

@@ -46,6 +46,13 @@ class PlannedTensor:
     #: The answer was a MUST_*: ``order`` obeys it, and follows it in every step.
     must: bool = False
 
+    #: Predicted CPU charge of its move (NOTE [Planner cost model]), seconds.
+    cpu_s: float = 0.0
+    #: Seconds from the step's start to its save (profile timeline).
+    pack_s: float = 0.0
+    #: Recompute: bytes of its recipe's inputs left on the device.
+    input_kept_bytes: int = 0
+
 
 def revived_positions(blocks: List["PlannedBlock"], positions: tuple) -> List[int]:
     """Pack positions outside the checkpointed ones of ``blocks`` that were,
@@ -101,6 +108,9 @@ class Plan:
     predicted_kept_bytes: int
     predicted_stall_s: float
     predicted_recompute_s: float
+    #: The prefetch window of a step that follows this plan, when
+    #: ``prefetch_bytes`` is unset (NOTE [Planner cost model], 3; applied in
+    #: offloader.py); ``prefetch_bytes`` itself when set.
     suggested_prefetch_bytes: int
     rates: dict
     planning_seconds: float = 0.0
@@ -114,6 +124,25 @@ class Plan:
     notes: List[str] = field(default_factory=list)
     #: The step's ``checkpoint="auto"`` blocks, in call order.
     blocks: List[PlannedBlock] = field(default_factory=list)
+    #: Step seconds the moves' CPU work takes from the compute (CPU devices).
+    predicted_cpu_s: float = 0.0
+
+    @property
+    def predicted_step_cost_s(self) -> float:
+        """Predicted seconds the plan adds to a step: stall, CPU charge, recompute."""
+        return self.predicted_stall_s + self.predicted_cpu_s + self.predicted_recompute_s
+
+    def kept_timeline(self) -> List[Tuple[int, int]]:
+        """Predicted kept bytes over the forward: ``(n, bytes)`` after the ``n``
+        first planned tensors were saved (pack order): the kept ones and the
+        recipe inputs of recomputed ones, plus the small and unmovable tensors
+        (``fixed_kept_bytes``, whose pack times the profile does not keep)
+        spread evenly over the step. Ends at ``predicted_kept_bytes``."""
+        out, kept, n = [], 0, len(self.tensors)
+        for i, p in enumerate(self.tensors):
+            kept += p.nbytes if p.tier == Tier.KEEP.value else p.input_kept_bytes
+            out.append((i + 1, kept + self.fixed_kept_bytes * (i + 1) // max(1, n)))
+        return out
 
     # -- lookups used by the pack hook (runtime.py) ----------------------------------
     def __post_init__(self) -> None:
@@ -177,6 +206,7 @@ class Plan:
         for t in d["tensors"]:   # lists, as JSON gives them back
             t["shape"], t["order"] = list(t["shape"]), list(t["order"])
         d["bytes_by_tier"] = self.bytes_by_tier()
+        d["predicted_step_cost_s"] = self.predicted_step_cost_s
         return d
 
     def explain_block(self, index: int) -> str:
@@ -211,7 +241,9 @@ class Plan:
         stall = ("" if self.measured_stall_s is None
                  else f", measured {self.measured_stall_s * 1e3:.2f} ms")
         lines.append(f"stall: predicted {self.predicted_stall_s * 1e3:.2f} ms{stall}; "
-                     f"recompute: predicted {self.predicted_recompute_s * 1e3:.2f} ms")
+                     f"CPU charge of moves: predicted {self.predicted_cpu_s * 1e3:.2f} ms; "
+                     f"recompute: predicted {self.predicted_recompute_s * 1e3:.2f} ms; "
+                     f"prefetch window {format_bytes(self.suggested_prefetch_bytes)}")
         hinted = [p for p in self.tensors if p.hint is not None]
         if hinted:
             musts = sum(p.must for p in hinted)

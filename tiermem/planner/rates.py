@@ -9,11 +9,25 @@ machine and cached per process.
   (O_DIRECT where the engine uses it), file removed after.
 - ``pointwise``: bytes per second of ``torch.sin`` over a host tensor, the
   fallback price of a recompute whose regeneration was not timed.
+- ``link_both`` / ``disk_both``: bytes per second *per direction* while both
+  directions run at once (CUDA: a D2H and an H2D of :data:`PROBE_BYTES` on two
+  streams; disk: a write and a read of :data:`PROBE_BYTES` through the engine,
+  issued together). The planner slows a restore that overlaps moves out by
+  ``single / both`` (NOTE [Planner cost model]).
+- ``move_cpu``: on the host, bytes per CPU second of a staged round trip as the
+  nvme tier makes it for a CPU tensor: a copy into an aligned staging buffer,
+  the engine's write, its read, and a copy into a newly allocated tensor, for
+  :data:`MOVE_PROBE_BUFFERS` buffers of :data:`PROBE_BYTES`; CPU time of the
+  whole process (``time.process_time``: engine and chain threads included).
+  ``move_fixed_cpu_s``: the same for one 4 KiB round trip (the per-move cost).
+  ``compute_threads``: ``torch.get_num_threads()``, the cores the compute
+  spreads over. On a CPU device that CPU time is taken from the compute: the
+  planner charges it to the step (NOTE [Planner cost model]).
 
 Each figure is the best of :data:`REPEATS` runs (the machine is shared: the
-best run is the least disturbed one). The whole measurement stays well under
-half a second. All rates are bytes per second; ``None`` when not measurable
-here (no GPU, no nvme store).
+best run is the least disturbed one). The whole measurement stays under a
+second (a few hundredths without an nvme store). All rates are bytes per
+second; ``None`` when not measurable here (no GPU, no nvme store).
 """
 
 from __future__ import annotations
@@ -21,15 +35,17 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 import torch
 
 __all__ = ["Rates", "measure_rates", "PROBE_BYTES", "REPEATS", "default_device_budget_bytes",
-           "HEADROOM_FRACTION"]
+           "HEADROOM_FRACTION", "MOVE_PROBE_BUFFERS"]
 
 PROBE_BYTES = 4 << 20
+#: Buffers of one ``move_cpu`` probe (module docstring).
+MOVE_PROBE_BUFFERS = 2
 REPEATS = 3
 #: Share of the device's total memory a default device budget leaves free.
 HEADROOM_FRACTION = 0.10
@@ -53,6 +69,15 @@ class Rates:
     disk_write_latency_s: float = 0.0
     disk_read_latency_s: float = 0.0
     measured_seconds: float = 0.0
+    #: Per direction while both directions run (bytes/s; None: not measured).
+    link_both: Optional[float] = None
+    disk_both: Optional[float] = None
+    #: Host bytes moved per CPU second (nvme round trip of a CPU tensor).
+    move_cpu: Optional[float] = None
+    #: CPU seconds of one 4 KiB round trip (the per-move fixed cost).
+    move_fixed_cpu_s: float = 0.0
+    #: Threads the compute runs on (``torch.get_num_threads()``).
+    compute_threads: float = 1.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -61,10 +86,12 @@ class Rates:
         """The copy and disk rates times ``factor`` (the closed loop's
         correction when measured stalls exceed the prediction)."""
         f = lambda x: None if x is None else x * factor   # noqa: E731
-        return Rates(self.host_copy * factor, self.pointwise, f(self.d2h), f(self.h2d),
-                     f(self.disk_write), f(self.disk_read), self.disk_engine,
-                     self.disk_write_latency_s / factor, self.disk_read_latency_s / factor,
-                     self.measured_seconds)
+        return replace(self, host_copy=self.host_copy * factor, d2h=f(self.d2h),
+                       h2d=f(self.h2d), disk_write=f(self.disk_write),
+                       disk_read=f(self.disk_read),
+                       disk_write_latency_s=self.disk_write_latency_s / factor,
+                       disk_read_latency_s=self.disk_read_latency_s / factor,
+                       link_both=f(self.link_both), disk_both=f(self.disk_both))
 
 
 def _best(fn, repeats: int = REPEATS) -> float:
@@ -100,29 +127,81 @@ def _cuda_rates() -> tuple:
         dev.copy_(host, non_blocking=True)
         torch.cuda.synchronize()
     d2h()
-    return PROBE_BYTES / _best(d2h), PROBE_BYTES / _best(h2d)
+    dev2 = torch.empty(n, device="cuda")
+    host2 = torch.empty(n, pin_memory=True)
+    out_stream, back_stream = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def both():   # one copy each way, on two streams, at once
+        with torch.cuda.stream(out_stream):
+            host.copy_(dev, non_blocking=True)
+        with torch.cuda.stream(back_stream):
+            dev2.copy_(host2, non_blocking=True)
+        torch.cuda.synchronize()
+    return PROBE_BYTES / _best(d2h), PROBE_BYTES / _best(h2d), PROBE_BYTES / _best(both)
 
 
 def _disk_rates(nvme_store) -> tuple:
     from ..io.base import aligned_empty
     engine = nvme_store.engine
     path = os.path.join(os.path.dirname(nvme_store.path), f"rate-probe-{os.getpid()}.bin")
-    buf = aligned_empty(PROBE_BYTES)
-    buf.view(torch.uint8).fill_(7)
-    f = engine.open(path, PROBE_BYTES)
+    k = MOVE_PROBE_BUFFERS
+    bufs = [aligned_empty(PROBE_BYTES) for _ in range(k)]
+    buf, other = bufs[0], bufs[1]
+    for b in bufs:
+        b.view(torch.uint8).fill_(7)
+    f = engine.open(path, k * PROBE_BYTES)
     small = buf[:4096 // buf.element_size()]
     try:
         write = _best(lambda: f.write(buf, 0).wait())
         read = _best(lambda: f.read(buf, 0).wait())
         write_lat = _best(lambda: f.write(small, 0).wait())
         read_lat = _best(lambda: f.read(small, 0).wait())
+
+        srcs = [torch.full((PROBE_BYTES // 4,), 1.5) for _ in bufs]   # made by "compute"
+        move_cpu = _cpu_best(lambda: _round_trip(f, bufs, srcs))
+        fixed = _cpu_best(lambda: _round_trip(f, [small], [srcs[0][:1024]]))
+
+        def both():   # a write and a read of another (written) region, issued together
+            w, r = f.write(buf, 0), f.read(other, PROBE_BYTES)
+            w.wait()
+            r.wait()
+        both_s = _best(both)
     finally:
         f.close()
         try:
             os.unlink(path)
         except OSError:
             pass
-    return PROBE_BYTES / write, PROBE_BYTES / read, engine.name, write_lat, read_lat
+    return (PROBE_BYTES / write, PROBE_BYTES / read, engine.name, write_lat, read_lat,
+            PROBE_BYTES / both_s, k * PROBE_BYTES / move_cpu, fixed)
+
+
+def _cpu_best(fn, repeats: int = REPEATS) -> float:
+    """Least process CPU seconds (all threads) of ``fn`` over ``repeats`` runs."""
+    best = float("inf")
+    for _ in range(repeats):
+        c0 = time.process_time()
+        fn()
+        best = min(best, time.process_time() - c0)
+    return max(best, 1e-9)
+
+
+def _round_trip(f, staging: list, srcs: list) -> None:
+    """What the nvme tier's CPU path does for the float32 tensors ``srcs``, one
+    per staging buffer (at least as large, aligned): copy in, write, read back,
+    copy into a new tensor."""
+    nbytes = srcs[0].numel() * 4
+    views = [b.view(torch.float32)[:s.numel()] for b, s in zip(staging, srcs)]
+    jobs = []
+    for i, (src, v) in enumerate(zip(srcs, views)):
+        v.copy_(src)
+        jobs.append(f.write(v, i * nbytes))
+    for j in jobs:
+        j.wait()
+    jobs = [f.read(v, i * nbytes) for i, v in enumerate(views)]
+    for j, v in zip(jobs, views):
+        j.wait()
+        torch.empty_like(v).copy_(v)
 
 
 def measure_rates(nvme_store=None, cuda: bool = False) -> Rates:
@@ -136,16 +215,19 @@ def measure_rates(nvme_store=None, cuda: bool = False) -> Rates:
             return hit
         t0 = time.perf_counter()
         host_copy, pointwise = _host_rates()
-        d2h = h2d = None
+        d2h = h2d = link_both = None
         if cuda and torch.cuda.is_available():
-            d2h, h2d = _cuda_rates()
-        disk = (None, None, None, 0.0, 0.0)
+            d2h, h2d, link_both = _cuda_rates()
+        disk = (None, None, None, 0.0, 0.0, None, None, 0.0)
         if nvme_store is not None:
             try:
                 disk = _disk_rates(nvme_store)
             except OSError:   # the tier will report its own errors; price it as absent
                 pass
-        rates = Rates(host_copy, pointwise, d2h, h2d, *disk, time.perf_counter() - t0)
+        rates = Rates(host_copy, pointwise, d2h, h2d, *disk[:5], time.perf_counter() - t0,
+                      link_both=link_both, disk_both=disk[5], move_cpu=disk[6],
+                      move_fixed_cpu_s=disk[7],
+                      compute_threads=float(max(1, torch.get_num_threads())))
         _cache[key] = rates
         return rates
 

@@ -519,7 +519,8 @@ class Planner:
             cpu_room, nvme_room = self.agreement.cpu_budget_bytes, self.agreement.nvme_budget_bytes
         plan = make_plan(profile, rates, budget if target is None else target, setting,
                          has_nvme=self.has_nvme, cpu_budget_bytes=cpu_room,
-                         nvme_budget_bytes=nvme_room, replans=replans, replan_reason=reason)
+                         nvme_budget_bytes=nvme_room, replans=replans, replan_reason=reason,
+                         prefetch_bytes=self.cfg.prefetch_bytes)
         plan.budget_bytes = budget
         plan.tracking_scope = tracking_scope(plan, profile)
         plan.follow(profile.keys, profile.positions)

@@ -1,0 +1,218 @@
+"""The auto planner's cost model (NOTE [Planner cost model] in
+tiermem/planner/solver.py), on profiles and rates built by hand
+(deterministic): recompute chosen where it is cheaper per freed byte than a
+move, the CPU charge of moves on a CPU device, the first restore's wait, the
+both-directions rate only where directions overlap, the prefetch window a
+plan sizes and a followed step uses; and the rates that feed it."""
+
+import pytest
+import torch
+
+import tiermem
+import tiermem.testing
+from tiermem.planner.profile import Profile, TensorRecord
+from tiermem.planner.rates import Rates, measure_rates
+from tiermem.planner.solver import cpu_charge_s, make_plan, plan_window_bytes
+from tiermem.policy import Tier
+from tiermem.prefetch import AUTO_MIN_BYTES
+
+MB = 1_000_000
+
+
+def _rec(index, nbytes, pack_s, use_s, *, recompute_s=None, device="cpu"):
+    return TensorRecord(index, f"m{index}", None, (nbytes // 4,), "float32", device, nbytes,
+                        pack_s, recomputable=recompute_s is not None, recompute_s=recompute_s,
+                        first_use_s=use_s)
+
+
+def _profile(records, bwd_start):
+    keys = tuple(((r.nbytes // 4,), torch.float32, torch.device(r.device)) for r in records)
+    return Profile(records, keys, 0, bwd_start, bwd_start, bwd_start + 1.0,
+                   sum(r.nbytes for r in records))
+
+
+def _rates(**kw):
+    base = dict(host_copy=1e10, pointwise=1e9, disk_write=1e9, disk_read=1e9,
+                disk_engine="fake")
+    base.update(kw)
+    return Rates(**base)
+
+
+def _plan(profile, rates, budget=0, **kw):
+    return make_plan(profile, rates, budget, "test", has_nvme=True, cpu_budget_bytes=0,
+                     nvme_budget_bytes=None, **kw)
+
+
+def test_recompute_is_chosen_where_cheaper_per_freed_byte_than_a_move():
+    # Two recomputable 10 MB tensors with long windows (a restore hides
+    # entirely): A regenerates in 2 ms, B in 20 ms. A move costs its CPU
+    # charge: 10 MB / 1 GB/s over 2 threads = 5 ms. So A is recomputed, B
+    # goes to nvme; without the CPU charge (move_cpu unmeasured) a move looks
+    # free and nothing is recomputed (the plans of 2026-12-01-cpu-auto).
+    recs = [_rec(0, 10 * MB, 0.0, 3.0, recompute_s=0.002),
+            _rec(1, 10 * MB, 0.1, 2.9, recompute_s=0.020)]
+    prof = _profile(recs, bwd_start=1.0)
+    plan = _plan(prof, _rates(move_cpu=1e9, compute_threads=2.0))
+    assert [p.tier for p in plan.tensors] == ["recompute", "nvme"]
+    assert "cheaper per freed byte than nvme" in plan.tensors[0].reason
+    assert plan.tensors[1].cpu_s == pytest.approx(0.005)
+    free = _plan(prof, _rates())
+    assert [p.tier for p in free.tensors] == ["nvme", "nvme"]
+    assert free.predicted_cpu_s == 0.0
+
+
+def test_cpu_charge_appears_in_the_prediction_on_cpu_devices_only():
+    rates = _rates(move_cpu=2e9, move_fixed_cpu_s=0.001, compute_threads=2.0,
+                   d2h=1e10, h2d=1e10)
+    assert cpu_charge_s(8 * MB, "cpu", Tier.NVME, rates) == pytest.approx((0.004 + 0.001) / 2)
+    assert cpu_charge_s(8 * MB, "cuda:0", Tier.NVME, rates) == 0.0
+    assert cpu_charge_s(8 * MB, "cpu", Tier.CPU, rates) == 0.0
+    recs = [_rec(0, 8 * MB, 0.0, 3.0), _rec(1, 8 * MB, 0.1, 2.9)]
+    plan = _plan(_profile(recs, 1.0), rates)
+    assert [p.tier for p in plan.tensors] == ["nvme", "nvme"]
+    assert plan.predicted_cpu_s == pytest.approx(2 * 0.0025)
+    assert plan.predicted_step_cost_s == pytest.approx(
+        plan.predicted_stall_s + plan.predicted_cpu_s)
+    assert "CPU 2.50 ms" in plan.tensors[0].reason
+    assert "CPU charge of moves: predicted 5.00 ms" in str(plan)
+    assert plan.as_dict()["predicted_cpu_s"] == plan.predicted_cpu_s
+    cuda = [_rec(0, 8 * MB, 0.0, 3.0, device="cuda:0")]
+    on_gpu = _plan(_profile(cuda, 1.0), rates)
+    assert on_gpu.tensors[0].tier in ("cpu", "nvme") and on_gpu.predicted_cpu_s == 0.0
+
+
+def test_the_first_restore_backward_needs_waits_its_whole_read():
+    # A long window does not hide the first restore: the prefetcher starts
+    # only at the first unpack of a moved tensor (tiermem/prefetch.py).
+    recs = [_rec(0, 10 * MB, 0.0, 5.0), _rec(1, 10 * MB, 0.1, 4.0)]
+    plan = _plan(_profile(recs, 1.0), _rates(disk_read_latency_s=0.001))
+    first_read = 0.001 + 10 * MB / 1e9
+    assert plan.tensors[1].cost_s == pytest.approx(first_read)   # needed first
+    assert plan.tensors[0].cost_s == 0.0                           # prefetched behind it
+    assert plan.predicted_stall_s == pytest.approx(first_read)
+
+
+def _overlap_profile(late_pack):
+    # A: 100 MB saved at 0, needed first (at 0.6 s); C: 200 MB saved at
+    # ``late_pack``, needed last. At 1 GB/s C's move out takes 0.2 s: saved at
+    # 0.55 it is still being written while A is read back (0.6-0.7 s); saved
+    # at 0.1 it landed long before.
+    recs = [_rec(0, 100 * MB, 0.0, 0.6), _rec(1, 200 * MB, late_pack, 3.0)]
+    return _profile(recs, bwd_start=0.58)
+
+
+def test_both_directions_rate_applies_only_where_directions_overlap():
+    alone, both = _rates(), _rates(disk_both=0.5e9)   # half the read rate when both run
+    overlapping = _overlap_profile(late_pack=0.55)
+    separate = _overlap_profile(late_pack=0.1)
+    # Separate: A's read (0.1 s) overlaps no write: same prediction.
+    assert (_plan(separate, both).predicted_stall_s
+            == pytest.approx(_plan(separate, alone).predicted_stall_s)
+            == pytest.approx(0.1))
+    # Overlapping: A's read runs 0.1 s beside C's write, at half rate: 0.1 s more.
+    assert _plan(overlapping, alone).predicted_stall_s == pytest.approx(0.1)
+    assert _plan(overlapping, both).predicted_stall_s == pytest.approx(0.2)
+
+
+def test_the_plan_sizes_its_prefetch_window_from_the_budget_room():
+    assert plan_window_bytes(100 << 20, 60 << 20, 500 << 20) == 40 << 20
+    assert plan_window_bytes(100 << 20, 99 << 20, 500 << 20) == AUTO_MIN_BYTES
+    assert plan_window_bytes(1 << 30, 0, 30 << 20) == 30 << 20     # no more than moved
+    assert plan_window_bytes(100 << 20, 60 << 20, 500 << 20, 3 << 20) == 3 << 20   # set
+    recs = [_rec(i, 10 * MB, 0.01 * i, 2.0 - 0.01 * i) for i in range(5)]
+    plan = _plan(_profile(recs, 1.0), _rates(), budget=0)
+    assert plan.suggested_prefetch_bytes == AUTO_MIN_BYTES   # no room under a 0 budget
+    given = _plan(_profile(recs, 1.0), _rates(), budget=0, prefetch_bytes=12 * MB)
+    assert given.suggested_prefetch_bytes == 12 * MB
+
+
+def test_a_small_window_delays_restores_in_the_prediction():
+    # Five 10 MB tensors (a read: 10 ms): one needed at 1.0 s, then a gap,
+    # then four needed 1 ms apart from 1.5 s. With room for all of them the
+    # four are read during the gap: only the first read stalls. With room for
+    # one, each read waits for the previous tensor's use: the burst stalls.
+    uses = [1.503, 1.502, 1.501, 1.5, 1.0]
+    recs = [_rec(i, 10 * MB, 0.01 * i, uses[i]) for i in range(5)]
+    prof = _profile(recs, 0.9)
+    wide = _plan(prof, _rates(), prefetch_bytes=50 * MB)
+    narrow = _plan(prof, _rates(), prefetch_bytes=10 * MB)
+    assert wide.predicted_stall_s == pytest.approx(0.010)
+    assert narrow.predicted_stall_s > wide.predicted_stall_s + 0.02
+
+
+def _tiny_step(off, x, lin):
+    with off:
+        y = lin(x).relu()
+        y = lin(y).sin()
+        loss = y.sum()
+    loss.backward()
+
+
+def test_a_step_following_a_plan_uses_the_plans_prefetch_window(nvme_dir):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 256)
+    x = torch.randn(512, 256)
+    off = tiermem.Offloader(policy="auto", device_budget="25%", nvme_dir=nvme_dir,
+                            min_offload_bytes=0)
+    for _ in range(3):   # profile, plan, (maybe) one correction
+        _tiny_step(off, x, lin)
+    plan = off.plan
+    assert plan is not None and plan.bytes_by_tier()["nvme"] > 0
+    # On a model this small the plan's window is AUTO_MIN_BYTES, which the
+    # unset default would also give: make the plan's distinct, then a step
+    # that follows the plan must use it, from its first restore.
+    assert plan.suggested_prefetch_bytes == AUTO_MIN_BYTES
+    plan.suggested_prefetch_bytes = 5 << 20
+    ctx = _entered(off, x, lin)
+    assert ctx.prefetcher.budget_bytes == 5 << 20
+    off.close()
+
+
+def test_a_set_prefetch_window_wins_over_the_plans(nvme_dir):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 256)
+    x = torch.randn(512, 256)
+    off = tiermem.Offloader(policy="auto", device_budget="25%", nvme_dir=nvme_dir,
+                            min_offload_bytes=0, prefetch_bytes=3 << 20)
+    for _ in range(3):
+        _tiny_step(off, x, lin)
+    assert off.plan.suggested_prefetch_bytes == 3 << 20
+    ctx = _entered(off, x, lin)
+    assert ctx.prefetcher.budget_bytes == 3 << 20
+    off.close()
+
+
+def _entered(off, x, lin):
+    """One more step like ``_tiny_step``; returns its context."""
+    plan = off.plan
+    with off as ctx:
+        y = lin(x).relu()
+        y = lin(y).sin()
+        loss = y.sum()
+    assert ctx.planning.plan is plan, "the step followed the plan"
+    loss.backward()
+    return ctx
+
+
+def test_rates_measure_the_move_cpu_and_both_directions(nvme_dir):
+    off = tiermem.Offloader(policy="nvme", nvme_dir=nvme_dir)
+    store = off._placement.stores[Tier.NVME]
+    rates = measure_rates(store)
+    assert rates.move_cpu and rates.move_cpu > 0
+    assert rates.move_fixed_cpu_s > 0
+    assert rates.disk_both and rates.disk_both > 0
+    assert rates.compute_threads == float(torch.get_num_threads())
+    halved = rates.scaled(0.5)
+    assert halved.disk_both == rates.disk_both * 0.5
+    assert halved.move_cpu == rates.move_cpu   # CPU time is not a copy rate
+    for f in ("link_both", "disk_both", "move_cpu", "move_fixed_cpu_s", "compute_threads"):
+        assert isinstance(getattr(rates, f), (float, type(None))), f
+    off.close()
+
+
+@pytest.mark.gpu
+def test_rates_measure_both_link_directions_at_once_on_cuda():
+    rates = measure_rates(cuda=True)
+    assert rates.d2h and rates.h2d and rates.link_both
+    # Each direction while both run is no faster than alone (some slack for noise).
+    assert rates.link_both <= 1.2 * max(rates.d2h, rates.h2d)
