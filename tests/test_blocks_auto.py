@@ -304,7 +304,7 @@ def test_inner_context_of_another_policy_runs_blocks_plainly():
     assert _packed(inner.stats) == _packed(plain.stats) > 3 * CFG.layers
 
 
-@pytest.mark.parametrize("bad", ["AUTO", "yes", 2, None])
+@pytest.mark.parametrize("bad", ["AUTO", "yes", 2, None, 0, 1, 1.0])
 def test_bad_checkpoint_values(bad):
     with pytest.raises(tiermem.ConfigError, match="checkpoint="):
         tiermem.wrap_blocks(TinyGPT(CFG), Block, checkpoint=bad)

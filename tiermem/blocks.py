@@ -244,7 +244,10 @@ def wrap_blocks(model: nn.Module, blocks: Selector, *, checkpoint: Union[bool, s
     matches or a setting is invalid, and when a block is already wrapped.
     Outside ``torch.enable_grad()`` (inference) blocks run plainly.
     """
-    if checkpoint not in _CHECKPOINT_MODES:
+    # Only the bools and the names: 0 and 1 compare equal to False and True,
+    # and 0 would otherwise have meant full checkpointing.
+    if not (isinstance(checkpoint, bool) or (isinstance(checkpoint, str)
+                                             and checkpoint in _CHECKPOINT_MODES)):
         raise ConfigError(f"tiermem.wrap_blocks: checkpoint={checkpoint!r} is not valid; "
                           "use True/'full', 'selective', 'auto' or False")
     mode = (None if checkpoint is False else checkpoint if checkpoint in ("selective", "auto")
