@@ -3,7 +3,9 @@
 Backward consumes saved tensors in roughly the reverse of their packing order.
 Each unpack of a moved tensor advances a cursor backwards through the packing
 order and starts restores ahead of need until ``budget_bytes`` are restored but
-not yet consumed. A restore is "consumed" when its handle's ``get`` takes it,
+not yet consumed. In a step that follows an auto plan, :meth:`Prefetcher.kick`
+starts the cursor earlier, from the top, when backward unpacks one kept
+tensor (NOTE [Restores start with backward] in hooks.py). A restore is "consumed" when its handle's ``get`` takes it,
 and given back if the handle dies first.
 
 If an unpack goes *up* in packing order (a second backward with
