@@ -5,8 +5,9 @@ Each unpack of a moved tensor advances a cursor backwards through the packing
 order and starts restores ahead of need until ``budget_bytes`` are restored but
 not yet consumed. In a step that follows an auto plan, :meth:`Prefetcher.kick`
 starts the cursor earlier, from the top, when backward unpacks one kept
-tensor (NOTE [Restores start with backward] in hooks.py). A restore is "consumed" when its handle's ``get`` takes it,
-and given back if the handle dies first.
+tensor (NOTE [Restores start with backward] in hooks.py). A restore is
+"consumed" when its handle's ``get`` takes it, and given back if the handle
+dies first.
 
 If an unpack goes *up* in packing order (a second backward with
 ``retain_graph=True``, or one node unpacking its tensors in packing order), or
