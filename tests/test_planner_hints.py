@@ -28,7 +28,7 @@ import tiermem.hooks
 from helpers import compare_records, offloader, reference_steps, run_step, train_steps
 from models import make_case
 from tiermem.planner.runtime import KEPT_TOLERANCE
-from tiermem.tiers.keep import Kept
+from tiermem.tiers.keep import Kept, KickKept
 from tiermem.tiers.recompute import RecomputeHandle
 
 STEPS = 4
@@ -36,7 +36,7 @@ RECOMPUTABLE = ("native_layer_norm", "mul", "gelu")
 
 
 def _tier_of(handle) -> str:
-    if type(handle) is Kept:
+    if type(handle) in (Kept, KickKept):   # NOTE [Restores start with backward]
         return "keep"
     if type(handle) is RecomputeHandle:
         return "recompute"

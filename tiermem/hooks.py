@@ -51,6 +51,32 @@ lock. Nothing else lives here.
 # Saved tensors that are themselves DTensors (tensor parallelism) are kept as
 # they are (counted in ``stats.unsupported_count``): no tier moves a tensor
 # subclass.
+#
+# NOTE [Restores start with backward]
+# The prefetcher advances on unpacks of moved tensors, so without help the
+# first moved tensor backward needs is read on demand: measured, 91-99% of
+# the auto plans' unpredicted stall (benchmarks/results/
+# 2026-12-01-cpu-costmodel-before.md). Backward usually unpacks kept tensors
+# first (the plan keeps what backward needs first), and a kept unpack is the
+# hot path: it must not look at the prefetcher. So a step that follows a plan
+# packs ONE tensor differently: the kept tensor its profile saw unpacked
+# first, before every moved one (``Plan.kick_index``, chosen by the solver),
+# gets a :class:`~tiermem.tiers.keep.KickKept`. Its first unpack calls
+# ``Prefetcher.kick``: restores start from the last packed moved tensor down,
+# within the window, exactly as an unpack just above them would; then it
+# returns the tensor as ``Kept`` does (same in-place check). Why this and not
+# the end of the forward: several forwards may run before their backwards
+# (gradient accumulation, 1F1B: tests/test_multi_forward.py); a kick from
+# inside the step's own graph fires only when that step's backward runs.
+# Rules: (1) only autograd holds the KickKept; the dedup table and recipes
+# hold its inner Kept (a dedup hit of it is a plain Kept). (2) It kicks once
+# per step, and only if no moved tensor was unpacked before (then advance
+# already leads). (3) A restore whose move out has not landed stops the
+# kick as it stops advance; the next moved unpack resumes. (4) A step that
+# leaves its plan drops the kick (the index no longer names that tensor).
+# (5) Fixed policies have no profile, so no kick: their first moved restore
+# is still read on demand. Exactness does not depend on any of it: a kick
+# only starts restores earlier.
 """
 
 from __future__ import annotations
@@ -63,7 +89,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .blocks import _scope as _block_scope
 from .policy import Tier, TensorInfo
-from .tiers.keep import Kept, check_version
+from .tiers.keep import Kept, KickKept, check_version
 from .tracker import current_module
 
 __all__ = ["Packer", "unpack", "keep_pack", "opaque"]
@@ -105,6 +131,8 @@ def unpack(handle: Any) -> torch.Tensor:
         if t._version != handle.version:   # NOTE [In-place check]
             check_version(t, handle.version, handle.module)
         return t
+    if type(handle) is KickKept:   # NOTE [Restores start with backward]
+        return handle.unpack()
     prefetcher = handle.step.prefetcher
     entry = handle.entry
     with prefetcher.lock:
@@ -284,6 +312,8 @@ class Packer:
         # Kept ones too, tracked or not: the pack positions and indices of a
         # step that follows its plan are those of its profile.
         step.remember(t, key, handle)
+        if index == planning.kick and type(handle) is Kept:
+            return KickKept(handle, step)   # NOTE [Restores start with backward]
         return handle
 
     def _place(self, t: torch.Tensor, nbytes: int, scoped, fixed) -> Any:

@@ -3,8 +3,11 @@
 Backward consumes saved tensors in roughly the reverse of their packing order.
 Each unpack of a moved tensor advances a cursor backwards through the packing
 order and starts restores ahead of need until ``budget_bytes`` are restored but
-not yet consumed. A restore is "consumed" when its handle's ``get`` takes it,
-and given back if the handle dies first.
+not yet consumed. In a step that follows an auto plan, :meth:`Prefetcher.kick`
+starts the cursor earlier, from the top, when backward unpacks one kept
+tensor (NOTE [Restores start with backward] in hooks.py). A restore is
+"consumed" when its handle's ``get`` takes it, and given back if the handle
+dies first.
 
 If an unpack goes *up* in packing order (a second backward with
 ``retain_graph=True``, or one node unpacking its tensors in packing order), or
@@ -157,6 +160,26 @@ class Prefetcher:
         if pos > self._last_pos or pos <= self._cursor:
             self._cursor = pos - 1
         self._last_pos = pos
+        self._fill()
+
+    def kick(self) -> None:
+        """Backward has started (under ``lock``): start restores from the top of
+        the packing order, the last packed moved tensor down, within the window,
+        as an unpack just above them would (NOTE [Restores start with backward]
+        in hooks.py). Called once per step, from a kept tensor's unpack."""
+        if self.budget_bytes is None:
+            moved = self._moved_bytes() if self._moved_bytes is not None else 0
+            self.budget_bytes = auto_window_bytes(moved)
+        if self._dead:
+            self._forget_dead()
+        if self._last_pos < 0:   # no moved tensor unpacked yet: else advance leads
+            top = len(self._order)
+            self._cursor = top - 1
+            self._last_pos = top
+            self._fill()
+
+    def _fill(self) -> None:
+        """Top the window up from the cursor down."""
         order = self._order
         while self._cursor >= 0 and self.inflight_bytes < self.budget_bytes:
             e = order[self._cursor]

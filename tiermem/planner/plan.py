@@ -126,6 +126,9 @@ class Plan:
     blocks: List[PlannedBlock] = field(default_factory=list)
     #: Step seconds the moves' CPU work takes from the compute (CPU devices).
     predicted_cpu_s: float = 0.0
+    #: The kept tensor (pack index) whose first unpack starts the step's
+    #: restores, or None (NOTE [Restores start with backward] in hooks.py).
+    kick_index: Optional[int] = None
 
     @property
     def predicted_step_cost_s(self) -> float:
@@ -167,7 +170,8 @@ class Plan:
         where position ``pos`` was the new tensor of index ``i`` and the plan
         keeps it, ``(~i, shape, dtype, device)`` where it was a dedup hit of
         index ``i`` and the plan keeps ``i`` (the key of ``i`` either way),
-        else ``None`` (the general path; always for ``revived_at``)."""
+        else ``None`` (the general path; always for ``revived_at`` and for
+        ``kick_index``: NOTE [Restores start with backward] in hooks.py)."""
         if len(keys) != len(self.orders):
             raise TierMemError(f"tiermem: a plan of {len(self.orders)} tensors bound to "
                                  f"{len(keys)} keys; this is a bug")
@@ -176,6 +180,7 @@ class Plan:
         self.revived_at = revived = frozenset(revived_positions(self.blocks, positions))
         self.kept_at = tuple(
             None if p is None or not kept[p if p >= 0 else ~p] or pos in revived
+            or p == self.kick_index   # packed on the general path (KickKept)
             else (p,) + tuple(keys[p if p >= 0 else ~p])
             for pos, p in enumerate(positions))
 

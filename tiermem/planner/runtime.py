@@ -204,7 +204,7 @@ class StepPlanning:
 
     __slots__ = ("planner", "plan", "recorder", "safe", "off_plan", "count", "tracks", "pos",
                  "kept_at", "step", "blocks_seen", "block_depth", "in_checkpoint", "revived",
-                 "scope")
+                 "scope", "kick")
 
     def __init__(self, planner: "Planner", plan: Optional[Plan],
                  recorder: Optional[Recorder]) -> None:
@@ -222,6 +222,9 @@ class StepPlanning:
         #: block (``Plan.revived_at``; rule 5 of NOTE [Blocks the planner may
         #: checkpoint]); empty once positions no longer line up.
         self.revived = () if plan is None else plan.revived_at
+        #: The pack index whose kept tensor starts the restores when backward
+        #: unpacks it (NOTE [Restores start with backward] in hooks.py), or None.
+        self.kick = None if plan is None else plan.kick_index
         #: Producer tracking is needed (profiling, safe order, or a plan that recomputes).
         self.tracks = plan is None or plan.recomputes
         #: The Step (set by the OffloadContext); auto blocks move its index.
@@ -259,6 +262,7 @@ class StepPlanning:
             if index < len(keys) and keys[index] == (t.shape, t.dtype, t.device):
                 return plan.orders[index]
             self.kept_at = self.revived = ()   # positions no longer line up with a plan
+            self.kick = None
             plan = self.plan = None if self.off_plan else self.planner.switch(keys, index, t)
             if plan is not None:
                 return plan.orders[index]

@@ -45,10 +45,13 @@
 # 4. The chosen moves are then simulated on serial channels, one per
 #    direction and tier (moves queue in pack order out, in first-use order
 #    back, each stall delaying later needs): that gives the predicted stall.
-#    Restores start only at the first unpack of a moved tensor (the
-#    prefetcher advances on those: tiermem/prefetch.py), so the first one
-#    backward needs waits its whole read (measured: 91-99% of the stalls
-#    predicted 0 in 2026-12-01-cpu-costmodel-before were that one wait); a
+#    Restores start at the first unpack of a moved tensor (the prefetcher
+#    advances on those: tiermem/prefetch.py), or earlier, at the first use
+#    of the plan's kick tensor: the kept tensor the profile saw unpacked
+#    first, before every moved one (NOTE [Restores start with backward] in
+#    hooks.py); without one (backward needs a moved tensor first) the first
+#    restore waits its whole read (measured: 91-99% of the stalls predicted
+#    0 in 2026-12-01-cpu-costmodel-before were that one wait); a
 #    restore starts when its move out has landed, its channel is free and the window has room (bytes
 #    restored and not yet used + its own <= window; one at least); a restore
 #    that overlaps moves out of its tier runs at the measured both-directions
@@ -181,9 +184,12 @@ def _overlap(a: float, b: float, spans: list) -> float:
     return sum(max(0.0, min(b, e) - max(a, s)) for s, e in spans)
 
 
-def _simulate(chosen, bwd_start: float, window_bytes: Optional[int] = None):
+def _simulate(chosen, bwd_start: float, window_bytes: Optional[int] = None,
+              kick_s: Optional[float] = None):
     """Serial channels (see NOTE [Planner cost model], 4): per-tensor stall,
-    total stall, and the most bytes restored ahead of their use at once."""
+    total stall, and the most bytes restored ahead of their use at once;
+    ``kick_s``: when the kept tensor that starts the restores is unpacked
+    (None: no such tensor, restores start at the first moved unpack)."""
     out_free: dict = {}
     out_end = {}
     out_spans: dict = {}
@@ -196,11 +202,11 @@ def _simulate(chosen, bwd_start: float, window_bytes: Optional[int] = None):
     stalls = {}
     spans = []
     inflight = []        # (need time, bytes) of restores not yet used, in use order
-    first = None         # when the first restore may start: the first moved unpack
+    first = None         # when the first restore may start: the kick, else the first moved unpack
     for r, o in sorted(chosen, key=lambda c: (c[0]._use, c[0].index)):
         need = r._use + shift
         if first is None:
-            first = need
+            first = need if kick_s is None else min(need, kick_s)
         start = max(first, back_free.get(o.tier, first), out_end[r.index])
         if window_bytes is not None:
             # Window: earlier restores are used (freed from it) at their need.
@@ -488,7 +494,9 @@ def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting:
         ~profile.positions[pos] for pos in revived_positions(planned_blocks, profile.positions)})
     window = plan_window_bytes(budget_bytes, kept, sum(r.nbytes for r, _ in chosen),
                                prefetch_bytes)
-    stalls, stall_total, _ = _simulate(chosen, bwd_start, window)
+    kick = _kick(records, choice, checkpointed, chosen)
+    stalls, stall_total, _ = _simulate(chosen, bwd_start, window,
+                                       None if kick is None else kick.first_use_s)
     recompute_total = cpu_total = 0.0
     tensors = []
     orders = {}
@@ -554,7 +562,19 @@ def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting:
                 profile.baseline_bytes, profile.fixed_kept_bytes, kept, stall_total,
                 recompute_total, window, rates.as_dict(), time.perf_counter() - t0,
                 replans, replan_reason, notes=notes, blocks=planned_blocks,
-                predicted_cpu_s=cpu_total)
+                predicted_cpu_s=cpu_total, kick_index=None if kick is None else kick.index)
+
+
+def _kick(records, choice, checkpointed, chosen) -> Optional[TensorRecord]:
+    """The kept tensor whose unpack starts a followed step's restores: the one
+    the profile saw unpacked first, if before every moved one (NOTE [Restores
+    start with backward] in hooks.py); None when nothing moves."""
+    if not chosen:
+        return None
+    first_move = min(r._use for r, _ in chosen)
+    kept = [r for r in records if choice[r.index] is Tier.KEEP and r.index not in checkpointed
+            and r.first_use_s is not None and r.first_use_s < first_move]
+    return min(kept, key=lambda r: (r.first_use_s, r.index), default=None)
 
 
 def _per_mib(seconds: float, freed: int) -> str:

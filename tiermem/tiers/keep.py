@@ -8,7 +8,7 @@ from ..errors import TierMemError
 from ..policy import Tier
 from .base import TierStore
 
-__all__ = ["KeepStore", "Kept", "check_version"]
+__all__ = ["KeepStore", "Kept", "KickKept", "check_version"]
 
 
 class Kept:
@@ -35,6 +35,36 @@ class Kept:
         self.tensor = t.detach()
         self.version = t._version
         self.module = module
+
+
+class KickKept:
+    """Handle of the kept tensor a planned step's backward unpacks first: the
+    kept handle ``kept`` and the ``step`` whose prefetcher its first unpack
+    starts (NOTE [Restores start with backward] in hooks.py).
+
+    Only autograd holds it; the step's dedup table and recipes hold ``kept``,
+    so every other use of the tensor sees a plain :class:`Kept`.
+    """
+
+    __slots__ = ("kept", "step")
+
+    def __init__(self, kept: Kept, step) -> None:
+        self.kept = kept
+        self.step = step
+
+    def unpack(self) -> torch.Tensor:
+        """Start the step's restores (the first time), then unpack as :class:`Kept`."""
+        step = self.step
+        if step is not None:
+            self.step = None
+            prefetcher = step.prefetcher
+            with prefetcher.lock:
+                prefetcher.kick()
+        kept = self.kept
+        t = kept.tensor
+        if t._version != kept.version:   # NOTE [In-place check]
+            check_version(t, kept.version, kept.module)
+        return t
 
 
 def check_version(t: torch.Tensor, saved_version: int, module: str) -> None:
