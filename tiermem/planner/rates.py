@@ -94,12 +94,14 @@ class Rates:
                        link_both=f(self.link_both), disk_both=f(self.disk_both))
 
 
-def _best(fn, repeats: int = REPEATS) -> float:
+def _best(fn, repeats: int = REPEATS, clock=time.perf_counter) -> float:
+    """Least ``clock`` seconds of ``fn`` over ``repeats`` runs (wall time by
+    default; ``time.process_time`` for the process's CPU seconds, all threads)."""
     best = float("inf")
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock() - t0)
     return max(best, 1e-9)
 
 
@@ -158,8 +160,9 @@ def _disk_rates(nvme_store) -> tuple:
         read_lat = _best(lambda: f.read(small, 0).wait())
 
         srcs = [torch.full((PROBE_BYTES // 4,), 1.5) for _ in bufs]   # made by "compute"
-        move_cpu = _cpu_best(lambda: _round_trip(f, bufs, srcs))
-        fixed = _cpu_best(lambda: _round_trip(f, [small], [srcs[0][:1024]]))
+        move_cpu = _best(lambda: _round_trip(f, bufs, srcs), clock=time.process_time)
+        fixed = _best(lambda: _round_trip(f, [small], [srcs[0][:1024]]),
+                      clock=time.process_time)
 
         def both():   # a write and a read of another (written) region, issued together
             w, r = f.write(buf, 0), f.read(other, PROBE_BYTES)
@@ -174,16 +177,6 @@ def _disk_rates(nvme_store) -> tuple:
             pass
     return (PROBE_BYTES / write, PROBE_BYTES / read, engine.name, write_lat, read_lat,
             PROBE_BYTES / both_s, k * PROBE_BYTES / move_cpu, fixed)
-
-
-def _cpu_best(fn, repeats: int = REPEATS) -> float:
-    """Least process CPU seconds (all threads) of ``fn`` over ``repeats`` runs."""
-    best = float("inf")
-    for _ in range(repeats):
-        c0 = time.process_time()
-        fn()
-        best = min(best, time.process_time() - c0)
-    return max(best, 1e-9)
 
 
 def _round_trip(f, staging: list, srcs: list) -> None:

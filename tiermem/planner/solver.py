@@ -158,23 +158,35 @@ def _legs(r: TensorRecord, tier: Tier, rates: Rates) -> Optional[Tuple[float, fl
     return out, back
 
 
-def _options(r: TensorRecord, rates: Rates, has_nvme: bool, bwd_start: float,
-             use: float) -> List[_Option]:
+def _recompute_option(r: TensorRecord, rates: Rates) -> _Option:
+    """Recomputing ``r``: its measured regeneration time (else bytes / the
+    pointwise rate), freeing its bytes less its recipe's kept inputs."""
+    cost = r.recompute_s if r.recompute_s is not None else r.nbytes / rates.pointwise
+    return _Option(Tier.RECOMPUTE, cost, max(0, r.nbytes - r.input_kept_bytes))
+
+
+def _move_option(r: TensorRecord, tier: Tier, legs: Tuple[float, float], rates: Rates,
+                 bwd_start: float) -> _Option:
+    """Moving ``r`` to ``tier`` with ``legs`` (out, back): its lone-link stall
+    plus its CPU charge (NOTE [Planner cost model], 2)."""
+    out, back = legs
+    lead = r._use - max(bwd_start, r.pack_s + out)
+    cpu = cpu_charge_s(r.nbytes, r.device, tier, rates)
+    return _Option(tier, max(0.0, back - lead) + cpu, r.nbytes, out, back, cpu,
+                   _slowdown(tier, r.device.startswith("cuda"), rates))
+
+
+def _options(r: TensorRecord, rates: Rates, has_nvme: bool, bwd_start: float) -> List[_Option]:
+    """``r``'s options, cheapest per freed byte first (``r._use`` set)."""
     opts = []
     if r.recomputable and r.nbytes > r.input_kept_bytes:
-        cost = r.recompute_s if r.recompute_s is not None else r.nbytes / rates.pointwise
-        opts.append(_Option(Tier.RECOMPUTE, cost, r.nbytes - r.input_kept_bytes))
+        opts.append(_recompute_option(r, rates))
     for tier in (Tier.CPU, Tier.NVME):
         if tier is Tier.NVME and not has_nvme:
             continue
         legs = _legs(r, tier, rates)
-        if legs is None:
-            continue
-        out, back = legs
-        lead = use - max(bwd_start, r.pack_s + out)
-        cpu = cpu_charge_s(r.nbytes, r.device, tier, rates)
-        opts.append(_Option(tier, max(0.0, back - lead) + cpu, r.nbytes, out, back, cpu,
-                            _slowdown(tier, r.device.startswith("cuda"), rates)))
+        if legs is not None:
+            opts.append(_move_option(r, tier, legs, rates, bwd_start))
     opts.sort(key=lambda o: (o.cost_s / o.freed, _PREF[o.tier]))
     return opts
 
@@ -258,16 +270,13 @@ def _obey(r: TensorRecord, rates: Rates, bwd_start: float, room: dict) -> _Optio
     """The option of a MUST-answered tensor (NOTE [Planner hints], rule 2)."""
     tier = r.hint[0][0]
     if tier is Tier.RECOMPUTE:
-        cost = r.recompute_s if r.recompute_s is not None else r.nbytes / rates.pointwise
-        return _Option(tier, cost, max(0, r.nbytes - r.input_kept_bytes))
+        return _recompute_option(r, rates)
     if tier is Tier.CPU:
         legs = _legs(r, tier, rates)
         if legs is None or room[Tier.CPU] < r.nbytes:   # a CPU tensor, or the tier full
             return _Option(tier, 0.0, 0)
         room[Tier.CPU] -= r.nbytes
-        lead = r._use - max(bwd_start, r.pack_s + legs[0])
-        return _Option(tier, max(0.0, legs[1] - lead), r.nbytes, *legs,
-                       slowdown=_slowdown(tier, True, rates))
+        return _move_option(r, tier, legs, rates, bwd_start)
     return _Option(Tier.KEEP, 0.0, 0)
 
 
@@ -419,7 +428,7 @@ def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting:
     costs = {}
     notes = []
     hint_end = {}   # pack index -> what became of its hint (the end of its reason)
-    options = {r.index: _options(r, rates, has_nvme, bwd_start, r._use) for r in records}
+    options = {r.index: _options(r, rates, has_nvme, bwd_start) for r in records}
     room = {Tier.CPU: cpu_budget_bytes,
             Tier.NVME: nvme_budget_bytes if nvme_budget_bytes is not None else 1 << 62}
     extra_kept = freed = must_kept = same_ram = 0
