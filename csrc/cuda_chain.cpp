@@ -66,6 +66,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
+#include <unistd.h>
+
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
@@ -106,6 +108,8 @@ struct OpQueue {
 struct ChainState {
   OpQueue out;                                 // writes, for the out thread
   ReadyQueue<std::shared_ptr<CudaOp>> in;      // reads whose pread is done, for the in thread
+  pid_t owner_pid = ::getpid();  // NOTE [Engine after fork] (io_engine.h), applied to the chain
+  bool forked() const { return ::getpid() != owner_pid; }
 };
 
 namespace {
@@ -390,6 +394,20 @@ void new_events(CudaOp& op, std::uintptr_t after) {
   }
 }
 
+// A chain used in a forked child: its threads do not exist there, so a
+// request would never run (NOTE [Engine after fork]). Raises IOError(EBADF).
+void check_not_forked(const ChainState& state, const char* op,
+                      const std::shared_ptr<File>& file, std::int64_t offset,
+                      std::size_t nbytes) {
+  if (!state.forked()) return;
+  std::ostringstream d;
+  d << "the CUDA chain was made by process " << state.owner_pid
+    << " and this is a forked child (" << ::getpid()
+    << ") in which its threads do not exist; make a new chain here";
+  throw IOError(EBADF, op, file ? file->path() : std::string(), nbytes,
+                static_cast<std::uint64_t>(offset < 0 ? 0 : offset), d.str());
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- CudaChain
@@ -400,18 +418,28 @@ CudaChain::CudaChain() : state_(std::make_shared<ChainState>()) {
 }
 
 CudaChain::~CudaChain() {
+  if (state_->forked()) {
+    // NOTE [Engine after fork]: the threads are the parent's and a lock may
+    // have been held at the fork: leak the handles and the state untouched.
+    new std::thread(std::move(out_));
+    new std::thread(std::move(in_));
+    new std::shared_ptr<ChainState>(std::move(state_));
+    return;
+  }
   stop();
   if (out_.joinable()) out_.detach();
   if (in_.joinable()) in_.detach();
 }
 
 void CudaChain::close() {
+  if (state_->forked()) return;  // nothing of it runs here: NOTE [Engine after fork]
   stop();
   if (out_.joinable()) out_.join();
   if (in_.joinable()) in_.join();
 }
 
 bool CudaChain::closed() const {
+  if (state_->forked()) return true;  // NOTE [Engine after fork]
   std::lock_guard<std::mutex> lk(state_->out.mu);
   return state_->out.stopping;
 }
@@ -430,6 +458,7 @@ std::shared_ptr<CudaOp> CudaChain::write_from_device(const std::shared_ptr<File>
                                                      const at::Tensor& staging,
                                                      std::uintptr_t stream, std::uintptr_t after) {
   const char* name = "write_from_device";
+  check_not_forked(*state_, "write", file, offset, nbytes_of(src));
   check_offset(offset, name);
   check_device(src, name, false);
   check_staging(staging, name);
@@ -505,6 +534,7 @@ std::shared_ptr<CudaOp> CudaChain::read_to_device(const std::shared_ptr<File>& f
                                                   const at::Tensor& dst, std::uintptr_t stream,
                                                   std::uintptr_t after) {
   const char* name = "read_to_device";
+  check_not_forked(*state_, "read", file, offset, nbytes_of(dst));
   check_offset(offset, name);
   check_staging(staging, name);
   check_device(dst, name, true);

@@ -70,7 +70,9 @@
 //   and ~Engine leaks the thread handles and the pool instead of touching
 //   them (a lock may have been held by a worker at the fork). Python drops
 //   its engines in a child (NOTE [Fork] in tiermem/offloader.py); this guards
-//   an engine used there anyway.
+//   an engine used there anyway. The CUDA chain (cuda_chain.cpp) follows the
+//   same rules: in a child its requests throw IOError(EBADF), closed() is true,
+//   close() does nothing and ~CudaChain leaks its threads and state.
 #pragma once
 
 #include <sys/types.h>
