@@ -4,6 +4,7 @@ run, peers and notes."""
 
 from __future__ import annotations
 
+from .budgets import BUDGETS, CI_LEVEL, TOLERANCE, budget_analysis
 from .util import fmt_bytes
 
 
@@ -157,66 +158,29 @@ def render_markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
-#: Budgets of the planner's bar (issue 12), as shares of the baseline, and the
-#: tolerance on the measured bytes (KEPT_TOLERANCE in tiermem/planner/runtime.py).
-_BUDGETS = (0.5, 0.25)
-_TOLERANCE = 0.05
-
-
 def _budget_lines(res: dict) -> list:
-    """Saved bytes left in RAM per configuration against 50% / 25% budgets (CPU runs).
-
-    Two measures: ``forward_held_bytes`` (RSS after the forward less RSS
-    before it, every configuration, isolated run, median) and, for tiermem,
-    ``bytes_by_tier['keep']`` of the last step (what the planner's budget
-    counts). On the CPU the cpu tier's copies are RAM too (in buffers pooled
-    from earlier steps, so the RSS delta misses them): its bytes are added to
-    both measures. A configuration meets a budget when both of its measures
-    are within budget x baseline + 5% (the baseline's own measure of each kind)."""
-    if res["device"] == "cuda":
+    """Saved bytes left in RAM per configuration against 50% / 25% budgets
+    (CPU runs), and the auto rows' paired step ratios: :func:`.budgets.budget_analysis`."""
+    ba = res.get("budget_analysis") or budget_analysis(res)
+    if not ba:
         return []
     confs = res["configs"]
-    base = confs.get("baseline") or {}
-    base_held = base.get("forward_held_bytes")
-    if not base_held:
-        return []
-    base_kept = None
-    keep = confs.get("tiermem_keep") or {}
-    if (keep.get("tiermem") or {}).get("last_step"):
-        base_kept = keep["tiermem"]["last_step"]["bytes_by_tier"]["keep"]
-    fastest = {}
-    rows = []
-    for name, e in confs.items():
-        held = e.get("forward_held_bytes")
-        st = e.get("step_seconds")
-        if held is None or not st:
-            continue
-        tm = (e.get("tiermem") or {}).get("last_step")
-        kept = None
-        if tm:
-            host = tm["bytes_by_tier"]["cpu"]
-            kept = tm["bytes_by_tier"]["keep"] + host
-            held += host
-        meets = []
-        for b in _BUDGETS:
-            ok = held <= base_held * b * (1 + _TOLERANCE)
-            if kept is not None and base_kept:
-                ok = ok and kept <= base_kept * b * (1 + _TOLERANCE)
-            meets.append(ok)
-            if ok and (b not in fastest or st["median"] < fastest[b][1]):
-                fastest[b] = (name, st["median"])
-        rows.append((name, st["median"], held, kept, meets, e))
+    fastest = {float(b): (e["fastest"], ba["rows"][e["fastest"]]["step_median_s"])
+               for b, e in ba["by_budget"].items() if e["fastest"]}
+    rows = [(n, r["step_median_s"], r["held_bytes"], r["kept_bytes"],
+             [r["meets"][str(b)] for b in BUDGETS], confs[n]) for n, r in ba["rows"].items()]
+    base_held = confs["baseline"]["forward_held_bytes"]
     out = ["", "**Saved bytes left in RAM against the planner's budgets** (forward held: "
            "RSS after the forward less before it, isolated run, median; in RAM (tiermem): "
            "bytes_by_tier keep + cpu, last step; the cpu tier's bytes are added to forward "
            "held too (its copies sit in host buffers pooled before the step); a budget is met "
-           f"when each measure is within budget x baseline + {_TOLERANCE:.0%}; baseline in "
+           f"when each measure is within budget x baseline + {TOLERANCE:.0%}; baseline in "
            "RAM = tiermem_keep's):", "",
            "| config | step ms median | × fastest meeting 50% | × fastest meeting 25% | "
            "forward held | share of baseline | in RAM (tiermem) | meets 50% | meets 25% | plan |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, step, held, kept, meets, e in rows:
-        rel = [f"{step / fastest[b][1]:.2f}" if b in fastest else "–" for b in _BUDGETS]
+        rel = [f"{step / fastest[b][1]:.2f}" if b in fastest else "–" for b in BUDGETS]
         plan = (e.get("extra") or {}).get("plan")
         ptxt = "–"
         if plan:
@@ -234,11 +198,21 @@ def _budget_lines(res: dict) -> list:
         out.append(f"| {name} | {_ms(step)} | {rel[0]} | {rel[1]} | {fmt_bytes(held)} | "
                    f"{held / base_held:.2f} | {fmt_bytes(kept) if kept is not None else '–'} | "
                    f"{'yes' if meets[0] else 'no'} | {'yes' if meets[1] else 'no'} | {ptxt} |")
-    for b in _BUDGETS:
+    for b in BUDGETS:
         if b in fastest:
             out.append(f"- fastest meeting {b:.0%}: {fastest[b][0]} "
                        f"({_ms(fastest[b][1])} ms)")
         else:
             out.append(f"- no configuration meets {b:.0%}")
+    for b, e in ba["by_budget"].items():
+        for auto, a in e["auto"].items():
+            out.append(f"- **{auto} at {float(b):.0%}, paired by round** (auto / other, median "
+                       f"and {CI_LEVEL:.0%} bootstrap interval; NOTE [Paired step ratios] in "
+                       f"benchmarks/suite/budgets.py): bar ≤ {ba['step_bar']:.2f}x the "
+                       f"fastest: **{a['bar_verdict']}**")
+            for other, v in a["paired"].items():
+                out.append(f"  - vs {other}: " + ("no paired rounds" if v is None else
+                           f"{v['median']:.3f} ({v['low']:.3f}–{v['high']:.3f}, "
+                           f"{v['n']} rounds)"))
     out.append("")
     return out

@@ -9,6 +9,7 @@ import json
 import os
 from typing import Optional
 
+from .budgets import budget_analysis
 from .configs import merge_config
 from .markdown import render_markdown
 from .util import err_text, log
@@ -44,6 +45,7 @@ def finalize(res: dict, out_dir: str, name: str, no_plots: bool = False) -> None
         if st and base_t:
             e["vs_baseline"] = st["median"] / base_t
     res["link_analysis"] = link_analysis(res, cuda)
+    res["budget_analysis"] = budget_analysis(res)
     for peer in ("torchtune", "deepspeed", "save_on_cpu"):
         p = (res.get("peers") or {}).get(peer)
         if p is None or p.get("ran") is False:

@@ -124,7 +124,7 @@ def role_interleaved(opts: dict) -> dict:
         try:
             kind = "baseline" if name == "_baseline_repeat" else name
             runners[name] = make_runner(kind, base, spec, device, opts)
-            out[name] = {"status": "ok", "times": [], "phases": [], "losses": [],
+            out[name] = {"status": "ok", "times": [], "rounds": [], "phases": [], "losses": [],
                          "tiermem_steps": []}
         except Exception as e:
             out[name] = {"status": "error", "reason": err_text(e),
@@ -136,7 +136,13 @@ def role_interleaved(opts: dict) -> dict:
     done_rounds = 0
     for i in range(rounds):
         r0 = time.perf_counter()
-        for name, r in list(runners.items()):
+        # The order rotates each round, so that no configuration always runs
+        # right after the same one (NOTE [Paired step ratios] in budgets.py).
+        order = list(runners.items())
+        if order:
+            k = i % len(order)
+            order = order[k:] + order[:k]
+        for name, r in order:
             rec = out[name]
             x, y = batches[i]
             try:
@@ -156,6 +162,7 @@ def role_interleaved(opts: dict) -> dict:
             rec["losses"].append(float(loss))
             if i >= warm:
                 rec["times"].append(dt)
+                rec["rounds"].append(i - warm)
                 rec["phases"].append(ph)
                 st = r.tiermem_stats()
                 if st is not None:
