@@ -91,9 +91,9 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 120.0) ->
 
 
 class Block(nn.Module):
-    def __init__(self, width: int, heads: int) -> None:
+    def __init__(self, width: int, heads: int, alias: bool = False) -> None:
         super().__init__()
-        self.heads = heads
+        self.heads, self.alias = heads, alias
         self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
         self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
         self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
@@ -101,6 +101,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, w = x.shape
+        if self.alias:   # saves an alias of the unsharded gain, not a parameter nor a view
+            x = x * self.gain.detach()
         q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, w // self.heads).unbind(2)
         a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                            v.transpose(1, 2), is_causal=True)
@@ -111,11 +113,11 @@ class Block(nn.Module):
 
 class TinyLM(nn.Module):
     def __init__(self, vocab=64, width=32, heads=2, layers=2, checkpoint=False,
-                 twice=False) -> None:
+                 twice=False, alias=False) -> None:
         super().__init__()
         self.checkpoint, self.twice = checkpoint, twice
         self.emb = nn.Embedding(vocab, width)
-        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(width, heads, alias) for _ in range(layers))
         self.ln = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab)
 

@@ -45,6 +45,8 @@ VARIANTS = {
     "checkpoint": {"checkpoint": True},
     "wrap_blocks": {"wrap": True},
     "block-twice": {"twice": True},
+    # Rule 5 of NOTE [Sharded parameters]: a saved alias of an unsharded parameter.
+    "param-alias": {"alias": True},
 }
 CASES = [f"{v}/{t}" for v in VARIANTS for t in TIER_CASES]
 TP_CASES = [f"tp/{t}" for t in TIER_CASES]
@@ -56,7 +58,8 @@ def _sharded_model(variant: dict, device: str = "cpu"):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     torch.manual_seed(0)
     model = TinyLM(checkpoint=variant.get("checkpoint", False),
-                   twice=variant.get("twice", False)).to(device)
+                   twice=variant.get("twice", False),
+                   alias=variant.get("alias", False)).to(device)
     if variant.get("wrap"):
         tiermem.wrap_blocks(model, Block, checkpoint=True)
     mesh = init_device_mesh(device, (torch.distributed.get_world_size(),))

@@ -48,6 +48,25 @@ lock. Nothing else lives here.
 #    recipe inputs] would then copy memory not yet filled). Small ones are
 #    copied; others are stored like any input, usually making the tensor
 #    not worth recomputing.
+# 5. A saved tensor that shares an unsharded parameter's storage without
+#    being a parameter or a view of one (``weight.detach()``, ``.data``) is
+#    not recognised by rule 2 and may be moved; FSDP2 frees that storage
+#    with ``resize_(0)`` after the forward, whatever holds it. So, when the
+#    model's parameters may be freed, every move out guards its source
+#    (``MovingStore._guard_freed_source``): on CUDA the source's block is
+#    ``record_stream``-ed on the copy's side stream (freed, it is not reused
+#    before the copy; an exception to rule 1 of NOTE [Stream lifetime]); on
+#    the CPU the copy is waited for at launch, before the forward goes on.
+#    A launch after the free finds a storage of size 0: the move fails and
+#    the tensor is kept, refilled by FSDP2 for backward (exact either way).
+#    Such an alias has its parameter's dedup key: the pack hook's dedup
+#    takes only a hit of the very storage object (NOTE [Dedup] in step.py),
+#    a recipe never takes an alias's saved handle for a parameter argument
+#    (``Step.lookup``; rule 4 applies), and a dropped tensor still alive is
+#    returned as it is only while its storage still has its memory
+#    (``RecomputeHandle.data_ptr``). Without these, tests/test_fsdp.py's
+#    param-alias case gave wrong losses (nvme, cpu) and crashed (recompute:
+#    a recipe read the freed memory in backward).
 # Saved tensors that are themselves DTensors (tensor parallelism) are kept as
 # they are (counted in ``stats.unsupported_count``): no tier moves a tensor
 # subclass.
@@ -89,6 +108,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .blocks import _scope as _block_scope
 from .policy import Tier, TensorInfo
+from .producers import storage_key
 from .tiers.keep import Kept, KickKept, check_version
 from .tracker import current_module
 
@@ -287,8 +307,9 @@ class Packer:
         index (or the profile's safe order)."""
         step = self.step
         planning.pos += 1
-        key = step.key_of(t)
-        handle = step.find(key)
+        storage = t.untyped_storage()
+        key = storage_key(t, storage)
+        handle = step.find(key, storage)
         if handle is not None:
             step.stats.dedup_hits += 1
             step.share(handle)
@@ -318,8 +339,9 @@ class Packer:
 
     def _place(self, t: torch.Tensor, nbytes: int, scoped, fixed) -> Any:
         step = self.step
-        key = step.key_of(t)
-        handle = step.find(key)
+        storage = t.untyped_storage()
+        key = storage_key(t, storage)
+        handle = step.find(key, storage)
         if handle is not None:
             step.stats.dedup_hits += 1
             step.share(handle)

@@ -18,7 +18,14 @@ passed explicitly.
 # (storage pointer, offset, sizes, strides, dtype, version); since a freed
 # storage's address can be reused by a new tensor of the same shape, each entry
 # also holds a weak reference to the storage and is only a hit while that
-# storage is alive. When producer tracking is on (recompute), kept tensors are
+# storage is alive. Alive is not enough: FSDP2 frees an unsharded
+# parameter's memory with ``resize_(0)``, the storage object living on, and
+# the next block's parameter may get the same address; an alias of each
+# (``gain.detach()``), same shape and version, then had equal keys and the
+# second was handed the first one's handle: wrong values, seen in
+# tests/test_fsdp.py's param-alias case. So the pack hook also requires the
+# hit to be of the very storage object it holds (``Step.find``'s
+# ``storage``; 0.2 µs). When producer tracking is on (recompute), kept tensors are
 # registered too: recipes share their handles (NOTE [What a recipe holds]).
 """
 
@@ -44,6 +51,12 @@ from .tracker import current_module
 __all__ = ["Step", "is_stable_param"]
 
 dedup_key = storage_key
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """A parameter or a view of one (FSDP2's unsharded ones included)."""
+    base = t._base if t._base is not None else t
+    return issubclass(type(base), torch.nn.Parameter) or getattr(base, "_is_param", False)
 
 
 def is_stable_param(t: torch.Tensor) -> bool:
@@ -117,14 +130,21 @@ class Step:
         """Register ``handle`` as holding ``t``'s values (NOTE [Dedup])."""
         self.dedup[key] = (StorageWeakRef(t.untyped_storage()), weakref.ref(handle))
 
-    def find(self, key: tuple):
-        """The live handle registered under ``key``, else ``None``."""
+    def find(self, key: tuple, storage=None):
+        """The live handle registered under ``key``, else ``None``. With
+        ``storage`` (the tensor's, whose key this is): only a handle
+        registered for that very storage object (NOTE [Dedup], the live
+        storage at a reused address)."""
         hit = self.dedup.get(key)
         if hit is None:
             return None
         storage_ref, handle_ref = hit
         handle = handle_ref()
-        return None if handle is None or storage_ref.expired() else handle
+        if handle is None or storage_ref.expired():
+            return None
+        if storage is not None and storage_ref.cdata != storage._cdata:
+            return None
+        return handle
 
     # -- events reported by tiers (StepEvents) -------------------------------------
     def moved(self, handle, nbytes: int) -> Entry:
@@ -181,13 +201,26 @@ class Step:
         """The handle of ``t`` (a tensor or a :class:`~tiermem.producers.Ref`)
         if this step already saved its values, else ``None``."""
         if type(t) is Ref:
+            if self.params_may_be_freed and self._is_param_ref(t):
+                # Rule 4 of NOTE [Sharded parameters]: no parameter as it is,
+                # nor as the handle of an alias of it saved before (a Kept
+                # ``weight.detach()`` has the parameter's key): the recipe
+                # copies or stores it instead.
+                return None
             # Same storage object (the weak refs pin its identity), same values:
             # the handle holds them even if the storage was freed since (moved).
             hit = self.dedup.get(t.key) or self._recipe_inputs.get(t.key)
             if hit is None or hit[0].cdata != t.storage.cdata:
                 return None   # same address, another storage
             return hit[1]()
-        return self.find(dedup_key(t))
+        storage = t.untyped_storage()
+        return self.find(dedup_key(t, storage), storage)
+
+    @staticmethod
+    def _is_param_ref(ref: Ref) -> bool:
+        """Whether ``ref``'s argument is a parameter or a view of one."""
+        t = ref.tensor_ref()
+        return t is not None and _is_parameter(t)
 
     def share(self, handle: Any) -> None:
         """Count one more consumer of ``handle`` in each backward pass."""
@@ -203,9 +236,7 @@ class Step:
             return False
         if not self.params_may_be_freed:
             return True
-        base = t._base if t._base is not None else t
-        return not (issubclass(type(base), torch.nn.Parameter)
-                    or getattr(base, "_is_param", False))
+        return not _is_parameter(t)
 
     def is_small(self, t: torch.Tensor) -> bool:
         return t.numel() * t.element_size() < self.min_offload_bytes

@@ -122,6 +122,7 @@ from typing import Optional
 
 import torch
 
+from ..copier import copier_for
 from ..jobs import CudaJob
 from ..errors import TierMemError
 from .base import Layout, TierStore
@@ -266,6 +267,15 @@ class MovingStore(TierStore):
             h.tainted = True
             h.src = None
             return
+        if h.step.params_may_be_freed and h.nbytes and h.src.untyped_storage().nbytes() == 0:
+            # Freed by FSDP2 since it was saved (rule 5 of NOTE [Sharded
+            # parameters] in hooks.py): nothing to copy; kept as a failed move,
+            # whose storage FSDP2 refills for backward. Not a warning.
+            reservation, h.slot = h.slot, None
+            self._unreserve(reservation, h.layout)
+            h.failed = True
+            h.step.move_failed()
+            return
         try:
             slot, job = self._launch(h.src, h.layout, h.slot)
         except Exception as error:   # the reservation was given back
@@ -276,6 +286,8 @@ class MovingStore(TierStore):
                                      f"tier failed: {type(error).__name__}: {error}")
             self._on_failure(h, error)
             return
+        if h.step.params_may_be_freed:
+            self._guard_freed_source(h.src, job)
         h.slot, h.last_job = slot, job
         h.lease = getattr(job, "lease", None)
         with self._lock:
@@ -285,6 +297,23 @@ class MovingStore(TierStore):
                 self._uncopied.append((ref, job))
             self._window.append((ref, job, h.nbytes))
             self._window_bytes_held += h.nbytes
+
+    def _guard_freed_source(self, src: torch.Tensor, job) -> None:
+        """Rule 5 of NOTE [Sharded parameters] in hooks.py: the source's
+        memory may be freed by FSDP2 (``storage.resize_(0)``) while the copy
+        out still reads it. On CUDA the block is recorded on the copy's side
+        stream, so the caching allocator reuses it only after the copy; on
+        the CPU the copy (or write) is waited for here, before the forward
+        can go on to free it."""
+        if src.is_cuda:
+            copiers = getattr(self, "_copiers", None)
+            if copiers is not None:
+                src.record_stream(copier_for(src.device, copiers).d2h)
+            return
+        try:
+            job.wait_host()
+        except Exception:   # a failed move: poll() finds it and handles it
+            pass
 
     def poll(self) -> None:
         """Launch the moves of ops that have run (NOTE [Launch after the saving

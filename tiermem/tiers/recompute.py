@@ -122,8 +122,8 @@ class RecomputeHandle:
     """A dropped saved tensor and its recipe. Owned by autograd."""
 
     __slots__ = ("store", "step", "entry", "plan", "size", "stride", "dtype", "module",
-                 "nbytes", "version", "src_ref", "cached", "tainted", "depth", "modules",
-                 "__weakref__")
+                 "nbytes", "version", "src_ref", "data_ptr", "cached", "tainted", "depth",
+                 "modules", "__weakref__")
 
 
 class _Plan:
@@ -208,6 +208,7 @@ class RecomputeStore(TierStore):
         h.nbytes = nbytes
         h.version = t._version
         h.src_ref = weakref.ref(t)
+        h.data_ptr = t.untyped_storage().data_ptr()
         h.cached = None
         h.tainted = False
         h.depth = plan.depth + 1
@@ -301,8 +302,11 @@ class RecomputeStore(TierStore):
                 f"{' in module ' + h.module if h.module else ''}) was modified by an "
                 "in-place operation after it was saved; autograd would raise here too. "
                 "Clone it before modifying it, or do the in-place operation out of place.")
-        if src is not None:
-            # Still alive: nothing was freed. NOTE [Recompute is exact].
+        if src is not None and src.untyped_storage().data_ptr() == h.data_ptr:
+            # Still alive: nothing was freed. NOTE [Recompute is exact]. (A
+            # storage resized since, FSDP2's free of an unsharded parameter's
+            # memory under an alias of it, no longer holds the values: rule 5
+            # of NOTE [Sharded parameters] in hooks.py.)
             return src.detach(), None
         cached = h.cached
         if cached is not None:
