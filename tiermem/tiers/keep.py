@@ -38,9 +38,11 @@ class Kept:
 
 
 class KickKept:
-    """Handle of the kept tensor a planned step's backward unpacks first: the
-    kept handle ``kept`` and the ``step`` whose prefetcher its first unpack
-    starts (NOTE [Restores start with backward] in hooks.py).
+    """Handle of a kept tensor whose first unpack starts its step's restores
+    (unless they started already): in a planned step the one backward unpacks
+    first, in a step without a plan each kept tensor packed after the first
+    moved one. ``kept``: the kept handle; ``step``: the step whose prefetcher
+    it kicks (NOTE [Restores start with backward] in hooks.py).
 
     Only autograd holds it; the step's dedup table and recipes hold ``kept``,
     so every other use of the tensor sees a plain :class:`Kept`.
@@ -58,8 +60,9 @@ class KickKept:
         if step is not None:
             self.step = None
             prefetcher = step.prefetcher
-            with prefetcher.lock:
-                prefetcher.kick()
+            if not prefetcher.started:   # else the kick would do nothing
+                with prefetcher.lock:
+                    prefetcher.kick()
         kept = self.kept
         t = kept.tensor
         if t._version != kept.version:   # NOTE [In-place check]
