@@ -208,8 +208,8 @@ class _CountingKickKept(KickKept):
 
     made = 0
 
-    def __init__(self, kept, step) -> None:
-        super().__init__(kept, step)
+    def __init__(self, kept, step, top=None) -> None:
+        super().__init__(kept, step, top)
         type(self).made += 1
 
 
@@ -247,7 +247,7 @@ def test_a_fixed_step_without_its_kick_reads_the_first_restore_on_demand(
         nvme_dir, monkeypatch):
     # The counterpart: the same step with plain Kept handles misses once.
     import tiermem.hooks
-    monkeypatch.setattr(tiermem.hooks, "KickKept", lambda kept, step: kept)
+    monkeypatch.setattr(tiermem.hooks, "KickKept", lambda kept, step, top=None: kept)
     lins, x = _model()
     off = _fixed(nvme_dir)
     ctx, loss = _forward_fixed(off, lins, x, kept_head=True)
@@ -336,3 +336,40 @@ def test_fixed_kicks_keep_gradients_exact(name, policy, nvme_dir, counted_kicks)
     assert counted_kicks.made > 0
     compare_records(records, ref, f"{name}/{policy}")
     off.close()
+
+
+def test_a_fixed_kick_restores_from_where_its_tensor_was_packed(nvme_dir):
+    # A backward that starts mid-graph (a loss taken after layer 3 of 6) is
+    # kicked by the small tensor packed there: it restores the moved tensors
+    # packed before it, each a prefetch hit, and none of the later ones.
+    lins, x = _model()
+    off = _fixed(nvme_dir)
+    with off as ctx:
+        y = x
+        for lin in lins[:3]:
+            y = lin(y).relu()
+        z = y.sum(1)                  # kept (4 KiB), packed after 3 moved inputs
+        mid = (z * z).sum()
+        for lin in lins[3:]:
+            y = lin(y).relu()
+        end = y.sum()
+    tiermem.testing.store_of(off, Tier.NVME).drain()
+    _zero(lins)
+    mid.backward()
+    s = ctx.stats
+    one = 1024 * 256 * 4
+    # Layers 0-2: each Linear's input (x, then ReLU outputs); y of layer 2 is
+    # saved by ReLU and by the next Linear (one handle, restored once).
+    assert (s.prefetch_hits, s.prefetch_misses) == (4, 0), s
+    assert s.prefetched_bytes == 4 * one, s
+    expected_mid = _grads(lins[:3])
+    del end
+    off.close()
+    # Same gradients as plain autograd.
+    _zero(lins)
+    y = x
+    for lin in lins[:3]:
+        y = lin(y).relu()
+    z = y.sum(1)
+    (z * z).sum().backward()
+    assert all(torch.equal(a, b) for a, b in zip(expected_mid, _grads(lins[:3])))

@@ -82,7 +82,11 @@ lock. Nothing else lives here.
 # of them comes first kicks (all of them, not only the first after each
 # move: one node may unpack a moved input before a kept tensor saved after
 # it); the others find restores started (``Prefetcher.started``, no lock)
-# and only unpack, at the cost of one more type test and a call. Kept packs before the
+# and only unpack, at the cost of one more type test and a call. A KickKept
+# kicks from where it was packed, not from the top: restores start with the
+# moved tensors packed before it, so a backward that begins mid-graph (a
+# loss taken halfway, ``autograd.grad`` of an intermediate) restores what it
+# needs next, not the step's last tensors. Kept packs before the
 # first move, and every kept unpack of a step that moves nothing, stay
 # plain Kept. When backward needs a moved tensor before any kept one (a
 # loss whose first node saves a moved tensor: cross-entropy's log-softmax
@@ -310,7 +314,8 @@ class Packer:
         finally:
             self.kick_armed = True
         if type(handle) is Kept and _in_backward() == -1:
-            return KickKept(handle, self.step)
+            step = self.step
+            return KickKept(handle, step, step.prefetcher.scheduled)
         return handle
 
     def _place_planned(self, t: torch.Tensor, nbytes: int, planning) -> Any:

@@ -119,9 +119,10 @@ class Prefetcher:
         return entry
 
     @property
-    def scheduled(self) -> bool:
-        """Whether any handle of this step may be prefetched (a tensor moved)."""
-        return bool(self._order)
+    def scheduled(self) -> int:
+        """How many handles of this step may be prefetched so far (tensors
+        moved): the packing position of the next one."""
+        return len(self._order)
 
     @property
     def started(self) -> bool:
@@ -173,9 +174,10 @@ class Prefetcher:
         self._last_pos = pos
         self._fill()
 
-    def kick(self) -> None:
+    def kick(self, top: Optional[int] = None) -> None:
         """Backward has started (under ``lock``): start restores from the top of
-        the packing order, the last packed moved tensor down, within the window,
+        the packing order, the last packed moved tensor down (or from the
+        moved tensors packed before position ``top`` down), within the window,
         as an unpack just above them would (NOTE [Restores start with backward]
         in hooks.py). Called from a kept tensor's unpack; does nothing once
         restores have started (a kick, or a moved tensor's unpack)."""
@@ -185,7 +187,8 @@ class Prefetcher:
         if self._dead:
             self._forget_dead()
         if self._last_pos < 0:   # no moved tensor unpacked yet: else advance leads
-            top = len(self._order)
+            if top is None:
+                top = len(self._order)
             self._cursor = top - 1
             self._last_pos = top
             self._fill()
