@@ -4,8 +4,13 @@ bytes over a followed step.
 
 Configurations (one TinyGPT + optimizer each, same seed, same batches,
 round-robin so slow periods of a shared machine hit all alike): ``keep``,
-``nvme`` (everything movable to the nvme tier), ``auto@50%``, ``auto@25%``
-(with the same nvme dir). Per measured step and configuration:
+``nvme`` (everything movable to the nvme tier), ``recompute+nvme`` (policy
+``"recompute,nvme"``), ``tail`` (a callable policy: the last block, ``ln_f``,
+the head and the loss kept, the rest to nvme), ``auto@50%``, ``auto@25%``
+(with the same nvme dir). A name ending in ``/nokick`` runs its
+configuration with every KickKept made a plain Kept (NOTE [Restores start
+with backward] in tiermem/hooks.py), in the same process and rounds: the
+kick's effect, like for like. Per measured step and configuration:
 
 - forward / backward wall seconds, the main thread's CPU seconds in each
   (``time.thread_time``; on the CPU autograd runs the backward in the calling
@@ -43,6 +48,14 @@ import tiermem.testing  # noqa: E402
 from common import emit, machine  # noqa: E402
 from tiermem.models import GPTConfig, TinyGPT  # noqa: E402
 from tiermem.step import Step  # noqa: E402
+import tiermem.hooks  # noqa: E402
+
+_KICK_KEPT = tiermem.hooks.KickKept
+
+
+def _no_kick(kept, step, top=None):
+    """A KickKept made a plain Kept (the ``/nokick`` configurations)."""
+    return kept
 
 _restores: list = []
 _orig_restored = Step.restored
@@ -75,18 +88,32 @@ class Runner:
         self.model = model
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         kw = dict(nvme_dir=nvme_dir, engine=engine)
-        if name == "keep":
+        base, _, variant = name.partition("/")
+        self.base = base
+        self.kick = variant != "nokick"
+        if base == "keep":
             self.off = tiermem.Offloader(policy="keep")
-        elif name == "nvme":
+        elif base == "nvme":
             self.off = tiermem.Offloader(policy="nvme", **kw)
+        elif base == "recompute+nvme":
+            self.off = tiermem.Offloader(policy="recompute,nvme", **kw)
+        elif base == "tail":
+            last = f"TinyGPT.blocks.{model.cfg.layers - 1}"
+            kept = ("", "TinyGPT.ln_f", "TinyGPT.head")
+
+            def tail(info):
+                m = info.module
+                return "keep" if m in kept or m == last or m.startswith(last + ".") else "nvme"
+            self.off = tiermem.Offloader(policy=tail, **kw)
         else:
-            self.off = tiermem.Offloader(policy="auto", device_budget=name.split("@")[1], **kw)
+            self.off = tiermem.Offloader(policy="auto", device_budget=base.split("@")[1], **kw)
         self.rows: list = []
 
     def step(self, tokens, seed: int, sample: bool) -> dict:
         torch.manual_seed(seed)
         self.opt.zero_grad(set_to_none=True)
         sampler = _KeptSampler(self.off)
+        tiermem.hooks.KickKept = _KICK_KEPT if self.kick else _no_kick
         del _restores[:]
         c0, p0, t0 = time.thread_time(), time.process_time(), time.perf_counter()
         with self.off as ctx:
@@ -114,12 +141,13 @@ class Runner:
                "forward_process_cpu_s": p1 - p0, "backward_process_cpu_s": p2 - p1,
                "stall_s": stats.stall_seconds, "late_restores": stats.late_restores,
                "host_waits": stats.host_waits, "restores": len(_restores),
+               "prefetch_hits": stats.prefetch_hits, "prefetch_misses": stats.prefetch_misses,
                "moved_bytes": stats.offloaded_bytes,
                "kept_bytes": stats.bytes_by_tier["keep"],
                "stall_in_first_10pct_s": 0.0, "waits_ms": waits[:40]}
         cut = t1 + 0.1 * (t2 - t1)
         row["stall_in_first_10pct_s"] = sum(s for w, s, *_ in _restores if w <= cut)
-        plan = self.off.plan if self.name.startswith("auto") else None
+        plan = self.off.plan if self.base.startswith("auto") else None
         if plan is not None:
             row.update(predicted_stall_s=plan.predicted_stall_s,
                        predicted_cpu_s=getattr(plan, "predicted_cpu_s", None),
@@ -162,13 +190,14 @@ def main(argv=None) -> dict:
         tmp = tempfile.TemporaryDirectory(prefix="bench-costmodel-")
         nvme_dir = tmp.name
     runners = []
+    def subdir(name):
+        return os.path.join(nvme_dir, "".join(c if c.isalnum() else "_" for c in name))
+
     for name in args.configs.split(","):
-        os.makedirs(os.path.join(nvme_dir, name.replace("@", "").replace("%", "")),
-                    exist_ok=True)
+        os.makedirs(subdir(name), exist_ok=True)
     for name in args.configs.split(","):
         torch.manual_seed(0)
-        runners.append(Runner(name, TinyGPT(cfg), os.path.join(nvme_dir, name.replace("@", "")
-                                                               .replace("%", "")), args.engine))
+        runners.append(Runner(name, TinyGPT(cfg), subdir(name), args.engine))
     g = torch.Generator().manual_seed(1)
     t_start = time.perf_counter()
     for rnd in range(args.warmup + args.steps):
@@ -190,7 +219,7 @@ def main(argv=None) -> dict:
         summary = {k: med(k) for k in ("forward_s", "backward_s", "forward_main_cpu_s",
                                        "backward_main_cpu_s", "forward_process_cpu_s",
                                        "backward_process_cpu_s", "stall_s",
-                                       "stall_in_first_10pct_s")}
+                                       "stall_in_first_10pct_s", "prefetch_misses")}
         summary["step_s"] = statistics.median(x["forward_s"] + x["backward_s"] for x in r.rows)
         if keep is not None and r is not keep:
             pairs = list(zip(r.rows, keep.rows))
@@ -203,7 +232,7 @@ def main(argv=None) -> dict:
             summary["extra_step_less_stall_s"] = statistics.median(
                 (a["forward_s"] + a["backward_s"] - a["stall_s"])
                 - (b["forward_s"] + b["backward_s"]) for a, b in pairs)
-        if r.name.startswith("auto") and r.rows:
+        if r.base.startswith("auto") and r.rows:
             last = r.rows[-1]
             for k in ("predicted_stall_s", "predicted_cpu_s", "predicted_step_cost_s",
                       "predicted_kept_bytes", "budget_bytes", "plan_tiers",

@@ -93,9 +93,26 @@ lock. Nothing else lives here.
 # already leads). (3) A restore whose move out has not landed stops the
 # kick as it stops advance; the next moved unpack resumes. (4) A step that
 # leaves its plan drops the kick (the index no longer names that tensor).
-# (5) Fixed policies have no profile, so no kick: their first moved restore
-# is still read on demand. Exactness does not depend on any of it: a kick
-# only starts restores earlier.
+# (5) A step that follows no plan (a fixed or callable policy) has no
+# profile to say which kept tensor backward needs first. So once it has
+# moved a tensor (``Packer.kick_armed``), every later kept pack gets a
+# KickKept: backward unpacks roughly in reverse packing order, so the kept
+# tensors packed after the last move are unpacked before it, and whichever
+# of them comes first kicks (all of them, not only the first after each
+# move: one node may unpack a moved input before a kept tensor saved after
+# it); the others find restores started (``Prefetcher.started``, no lock)
+# and only unpack, at the cost of one more type test and a call. A KickKept
+# kicks from where it was packed, not from the top: restores start with the
+# moved tensors packed before it, so a backward that begins mid-graph (a
+# loss taken halfway, ``autograd.grad`` of an intermediate) restores what it
+# needs next, not the step's last tensors. Kept packs before the
+# first move, and every kept unpack of a step that moves nothing, stay
+# plain Kept. When backward needs a moved tensor before any kept one (a
+# loss whose first node saves a moved tensor: cross-entropy's log-softmax
+# output), nothing of the step's graph runs before that unpack: it is read
+# on demand and leads the rest, as without a kick. Measured:
+# benchmarks/results/2026-12-01-cpu-fixed-kick.md.
+# Exactness does not depend on any of it: a kick only starts restores earlier.
 """
 
 from __future__ import annotations
@@ -205,6 +222,9 @@ class Packer:
         # step (a view of one may be saved through an op that hides its base).
         self.param_storages: set = set()
         self._seen_roots: set = set()
+        #: A tensor of this step, which follows no plan, went to a moving tier:
+        #: later kept packs get a KickKept (NOTE [Restores start with backward], 5).
+        self.kick_armed = False
 
     def note_root(self, module: torch.nn.Module) -> None:
         """A root module started its forward: remember its parameters' storages
@@ -228,6 +248,8 @@ class Packer:
 
     def __call__(self, t: torch.Tensor) -> Any:
         """NOTE [Pack order of checks]."""
+        if self.kick_armed:   # NOTE [Restores start with backward], 5
+            return self._pack_after_move(t)
         if _in_backward() != -1:
             # Saved by backward itself (a checkpoint regenerating its region,
             # create_graph): consumed at once, kept, not part of the step's stats.
@@ -301,6 +323,21 @@ class Packer:
             return self._place_planned(t, nbytes, planning)
         return self._place(t, nbytes, scoped, fixed)
 
+    def _pack_after_move(self, t: torch.Tensor) -> Any:
+        """Pack ``t`` in a step that follows no plan and has moved a tensor
+        already: a kept tensor's handle is wrapped in a
+        :class:`~tiermem.tiers.keep.KickKept` (NOTE [Restores start with
+        backward], 5); the dedup table and recipes hold the inner Kept (rule 1)."""
+        self.kick_armed = False   # the plain pack path, once
+        try:
+            handle = self(t)
+        finally:
+            self.kick_armed = True
+        if type(handle) is Kept and _in_backward() == -1:
+            step = self.step
+            return KickKept(handle, step, step.prefetcher.scheduled)
+        return handle
+
     def _place_planned(self, t: torch.Tensor, nbytes: int, planning) -> Any:
         """``policy="auto"``, the general path (NOTE [Following a plan] in
         planner/runtime.py): dedup lookup, then the plan's order at the next
@@ -364,4 +401,7 @@ class Packer:
         handle = placement.put(order, t, step, module, nbytes)
         if type(handle) is not Kept or step.producers is not None:
             step.remember(t, key, handle)
+        if (not self.kick_armed and step.planning is None
+                and step.prefetcher.scheduled):   # NOTE [Restores start with backward], 5
+            self.kick_armed = True
         return handle

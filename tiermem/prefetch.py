@@ -3,9 +3,9 @@
 Backward consumes saved tensors in roughly the reverse of their packing order.
 Each unpack of a moved tensor advances a cursor backwards through the packing
 order and starts restores ahead of need until ``budget_bytes`` are restored but
-not yet consumed. In a step that follows an auto plan, :meth:`Prefetcher.kick`
-starts the cursor earlier, from the top, when backward unpacks one kept
-tensor (NOTE [Restores start with backward] in hooks.py). A restore is
+not yet consumed. :meth:`Prefetcher.kick` starts the cursor earlier, from
+the top, when backward unpacks a kept tensor before any moved one (NOTE
+[Restores start with backward] in hooks.py). A restore is
 "consumed" when its handle's ``get`` takes it, and given back if the handle
 dies first.
 
@@ -118,6 +118,18 @@ class Prefetcher:
         self._order.append(entry)
         return entry
 
+    @property
+    def scheduled(self) -> int:
+        """How many handles of this step may be prefetched so far (tensors
+        moved): the packing position of the next one."""
+        return len(self._order)
+
+    @property
+    def started(self) -> bool:
+        """Whether restores have started: a kick, or a moved tensor's unpack
+        (read without the lock: :meth:`kick` checks again under it)."""
+        return self._last_pos >= 0
+
     @staticmethod
     def share(entry: Entry) -> None:
         """One more save of the same tensor in this step (a dedup hit)."""
@@ -162,18 +174,21 @@ class Prefetcher:
         self._last_pos = pos
         self._fill()
 
-    def kick(self) -> None:
+    def kick(self, top: Optional[int] = None) -> None:
         """Backward has started (under ``lock``): start restores from the top of
-        the packing order, the last packed moved tensor down, within the window,
+        the packing order, the last packed moved tensor down (or from the
+        moved tensors packed before position ``top`` down), within the window,
         as an unpack just above them would (NOTE [Restores start with backward]
-        in hooks.py). Called once per step, from a kept tensor's unpack."""
+        in hooks.py). Called from a kept tensor's unpack; does nothing once
+        restores have started (a kick, or a moved tensor's unpack)."""
         if self.budget_bytes is None:
             moved = self._moved_bytes() if self._moved_bytes is not None else 0
             self.budget_bytes = auto_window_bytes(moved)
         if self._dead:
             self._forget_dead()
         if self._last_pos < 0:   # no moved tensor unpacked yet: else advance leads
-            top = len(self._order)
+            if top is None:
+                top = len(self._order)
             self._cursor = top - 1
             self._last_pos = top
             self._fill()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..errors import TierMemError
@@ -38,19 +40,25 @@ class Kept:
 
 
 class KickKept:
-    """Handle of the kept tensor a planned step's backward unpacks first: the
-    kept handle ``kept`` and the ``step`` whose prefetcher its first unpack
-    starts (NOTE [Restores start with backward] in hooks.py).
+    """Handle of a kept tensor whose first unpack starts its step's restores
+    (unless they started already): in a planned step the one backward unpacks
+    first, in a step without a plan each kept tensor packed after the first
+    moved one. ``kept``: the kept handle; ``step``: the step whose prefetcher
+    it kicks; ``top``: restores start from the moved tensors packed before
+    that position (``Prefetcher.scheduled`` when it was packed), or from the
+    last packed one if ``None`` (NOTE [Restores start with backward] in
+    hooks.py).
 
     Only autograd holds it; the step's dedup table and recipes hold ``kept``,
     so every other use of the tensor sees a plain :class:`Kept`.
     """
 
-    __slots__ = ("kept", "step")
+    __slots__ = ("kept", "step", "top")
 
-    def __init__(self, kept: Kept, step) -> None:
+    def __init__(self, kept: Kept, step, top: Optional[int] = None) -> None:
         self.kept = kept
         self.step = step
+        self.top = top
 
     def unpack(self) -> torch.Tensor:
         """Start the step's restores (the first time), then unpack as :class:`Kept`."""
@@ -58,8 +66,9 @@ class KickKept:
         if step is not None:
             self.step = None
             prefetcher = step.prefetcher
-            with prefetcher.lock:
-                prefetcher.kick()
+            if not prefetcher.started:   # else the kick would do nothing
+                with prefetcher.lock:
+                    prefetcher.kick(self.top)
         kept = self.kept
         t = kept.tensor
         if t._version != kept.version:   # NOTE [In-place check]
