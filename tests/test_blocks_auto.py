@@ -423,6 +423,77 @@ def test_moved_inputs_with_several_forwards_before_their_backwards(nvme_dir):
     assert all(s.bytes_by_tier["nvme"] == off.plan.bytes_by_tier()["nvme"] for s in stats)
 
 
+class _DedupNet(torch.nn.Module):
+    """Four _ReluBlocks whose inputs are each one kind of rule 6: ``z`` saved
+    only inside block 0 (movable); block 0's output, saved inside it by its
+    ReLU (before, its saver in a block); ``t``, saved by tanh outside every
+    block (before, shared); ``x``, saved again after block 3 (after)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = torch.nn.Linear(16, 16)
+        self.blocks = torch.nn.ModuleList(_ReluBlock() for _ in range(4))
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, inp):
+        x = self.pre(inp)
+        a = self.blocks[0](x + 1)
+        t = torch.tanh(self.blocks[1](a))
+        c = self.blocks[2](t)
+        y = self.blocks[3](x)
+        return self.head(c * y * x)
+
+
+def _dedup_case() -> Case:
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    return Case("dedup", _DedupNet(), (x,), lambda out: out.square().mean())
+
+
+def test_one_storage_is_never_moved_twice_or_counted_twice(nvme_dir):
+    """A plan checkpointing every block and moving all it can (target 0; the
+    blocks' forwards made cheap in the profile so the solver takes them):
+    each input goes where rule 6 says, the step moves and keeps exactly the
+    bytes the plan predicts, and gradients are exact."""
+    import dataclasses
+    case = _dedup_case()
+    tiermem.wrap_blocks(case.model, _ReluBlock, checkpoint="auto")
+    off = offloader("auto", device_budget="100%", nvme_dir=nvme_dir)
+    ref = train_steps(_dedup_case(), contextlib.nullcontext, 5)
+    log, plans = [], []
+
+    def ctx():
+        if len(log) == 1:   # the profile's backward ran: plan it our way
+            planner = off._placement.planner
+            profile = planner._profiles[off.plan.keys]
+            profile.blocks = tuple(dataclasses.replace(b, forward_s=1e-9)
+                                   for b in profile.blocks)
+            plan = planner._plan(profile, target=0)
+            plan.replans = 1   # no closed-loop correction: this plan is the test
+            planner.current = plan
+            plans.append(plan)
+        return _Log(off, log)
+    compare_records(train_steps(case, ctx, 5), ref, "dedup")
+    plan = plans[0]
+    assert off.plan is plan and all(b.checkpoint for b in plan.blocks), str(plan)
+    kinds = [[(x.kind, x.tier) for x in b.inputs] for b in plan.blocks]
+    assert kinds == [[("movable", "nvme")], [("before", "keep")], [("before", "keep")],
+                     [("after", "keep")]], kinds
+    ins = [b.inputs[0] for b in plan.blocks]
+    assert ins[1].kept_bytes == ins[1].nbytes and ins[1].shared_with is None   # saver checkpointed
+    assert ins[2].kept_bytes == 0 and ins[2].shared_with is not None           # tanh's handle
+    assert plan.tensors[ins[2].shared_with].module == "_DedupNet"
+    assert ins[3].kept_bytes == ins[3].nbytes
+    for stats in log[1:]:
+        assert stats.bytes_by_tier["keep"] == plan.predicted_kept_bytes, str(plan)
+        # Less what recipes store: tanh's recipe shared, in the profile, block
+        # 1's output saved inside it; block 1 checkpointed, it stores that
+        # input itself (the plan does not count recipe inputs it moves).
+        moved = stats.bytes_by_tier["nvme"] - stats.recompute_input_bytes
+        assert moved == plan.bytes_by_tier()["nvme"], str(plan)
+    assert off._placement.planner.profiles == 1
+
+
 # -- the solver alone, on made-up profiles (deterministic prices) ----------------------
 
 def _profile(blocks, outside=2, recompute_s=None):
@@ -512,6 +583,45 @@ def test_solver_never_checkpoints_a_block_holding_a_must_answer_and_says_so():
     assert plan.tensors[3].tier == "keep" and plan.tensors[3].must
     assert plan.tensors[7].tier == "checkpoint"
     assert plan.tensors[7].reason.endswith("overridden: its block is checkpointed")
+
+
+@pytest.mark.parametrize("budget, moved", [(4000, 0), (2000, 0), (1000, 1), (0, 2)])
+def test_solver_moves_checkpoint_inputs_only_where_the_budget_needs_them(budget, moved):
+    """Each block's input (1000 bytes, saved inside it as its first tensor)
+    becomes movable to nvme. Moves cost 1 ms of CPU per 1000 bytes; each
+    block's forward 1 ms for 3000 bytes: checkpoints first (inputs kept),
+    then the tensors outside the blocks, then the inputs, one at a time."""
+    import dataclasses
+    from tiermem.planner.profile import BlockInput
+    from tiermem.planner.rates import Rates
+    from tiermem.planner.solver import make_plan
+    profile = _profile([0.001, 0.001])
+    profile.blocks = tuple(dataclasses.replace(
+        b, start_s=b.start * 1e-3,
+        inputs=(BlockInput(0, (250,), "float32", "cpu", 1000, "movable", b.start),))
+        for b in profile.blocks)
+    rates = Rates(host_copy=1e9, pointwise=1e9, disk_write=1e9, disk_read=1e9, move_cpu=1e6)
+    plan = make_plan(profile, rates, budget, "test", has_nvme=True, cpu_budget_bytes=0,
+                     nvme_budget_bytes=None)
+    plan.follow(profile.keys, profile.positions)
+    assert all(b.checkpoint for b in plan.blocks)
+    tiers = [b.inputs[0].tier for b in plan.blocks]
+    assert tiers.count("nvme") == moved, str(plan)
+    assert [p.tier for p in plan.tensors[:2]] == ["keep"] * 2 if budget == 4000 else ["nvme"] * 2
+    assert plan.predicted_kept_bytes == (2 - moved) * 1000 + (2000 if budget == 4000 else 0)
+    assert plan.predicted_kept_bytes <= budget
+    assert plan.bytes_by_tier()["nvme"] == moved * 1000 + (0 if budget == 4000 else 2000)
+    assert plan.kept_timeline()[-1][1] == plan.predicted_kept_bytes
+    assert plan.predicted_cpu_s == pytest.approx(1e-3 * (moved + (budget != 4000) * 2))
+    for b in plan.blocks:
+        x = b.inputs[0]
+        assert x.window_s == pytest.approx(1.0 + (10 - b.start - 3) * 1e-3 - b.start * 1e-3)
+        want = ("moved to nvme: window" if x.tier == "nvme"
+                else "kept: the budget is met without moving it")
+        assert want in x.reason, x.reason
+        assert ("inputs moved to nvme" in b.reason) == (x.tier == "nvme")
+    d = plan.as_dict()
+    assert json.loads(json.dumps(d)) == d
 
 
 @pytest.mark.gpu
