@@ -274,6 +274,16 @@ def test_reentrant_checkpointing():
     assert any(b.checkpoint for b in off.plan.blocks)
 
 
+def test_reentrant_checkpointing_with_moved_inputs(nvme_dir):
+    case = _gpt_case()
+    _wrap(case, use_reentrant=True)
+    off = offloader("auto", nvme_dir=nvme_dir, **TIGHT)
+    compare_records(train_steps(case, lambda: off, STEPS), _reference("gpt"), "gpt")
+    assert off._placement.planner.profiles == 1
+    assert _moved_inputs(off.plan), str(off.plan)
+    assert off.stats.bytes_by_tier["keep"] <= off.plan.budget_bytes * (1 + KEPT_TOLERANCE)
+
+
 @pytest.mark.parametrize("policy", [None, "keep", "cpu", "recompute", "callable"])
 def test_outside_an_auto_offloader_blocks_run_plainly(policy):
     """No planner, no budget: nothing for checkpointing's extra forward to buy."""
