@@ -344,8 +344,11 @@ def _moved_inputs(plan):
     return [x for b in plan.blocks if b.checkpoint for x in b.inputs if x.tier != "keep"]
 
 
-def test_checkpoint_with_moved_inputs_meets_a_budget_kept_inputs_cannot(nvme_dir):
-    off, log, records = _run("gpt", steps=6, nvme_dir=nvme_dir, **TIGHT)
+@pytest.mark.parametrize("min_offload_bytes", [0, 1024])   # 1024: small tensors in blocks
+def test_checkpoint_with_moved_inputs_meets_a_budget_kept_inputs_cannot(nvme_dir,
+                                                                       min_offload_bytes):
+    off, log, records = _run("gpt", steps=6, nvme_dir=nvme_dir,
+                             min_offload_bytes=min_offload_bytes, **TIGHT)
     compare_records(records, _reference("gpt", steps=6), "gpt")
     plan = off.plan
     assert not any(n.startswith("budget not reachable") for n in plan.notes), str(plan)
@@ -358,6 +361,11 @@ def test_checkpoint_with_moved_inputs_meets_a_budget_kept_inputs_cannot(nvme_dir
     assert plan.measured_kept_bytes == log[-1].bytes_by_tier["keep"]
     assert plan.measured_kept_bytes == plan.predicted_kept_bytes, str(plan)
     assert log[-1].bytes_by_tier["nvme"] == plan.bytes_by_tier()["nvme"], str(plan)
+    if min_offload_bytes:   # small tensors saved inside checkpointed blocks: not kept
+        profile = off._placement.planner._profiles[plan.keys]
+        assert all(b.fixed_bytes > 0 for b in profile.blocks)
+        assert plan.fixed_kept_bytes == profile.fixed_kept_bytes - sum(
+            b.fixed_bytes for b, pb in zip(profile.blocks, plan.blocks) if pb.checkpoint)
     # One profile; at most one correction; the last steps all pack the same.
     assert off._placement.planner.profiles == 1 and plan.replans <= 1
     assert len({tuple(sorted(s.count_by_tier.items())) for s in log[-3:]}) == 1

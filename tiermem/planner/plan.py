@@ -141,6 +141,8 @@ class Plan:
     budget_bytes: int
     budget_setting: str
     baseline_bytes: int
+    #: Kept bytes that never reach the planner (small, unmovable), less
+    #: those saved inside the blocks the plan checkpoints.
     fixed_kept_bytes: int
     predicted_kept_bytes: int
     predicted_stall_s: float

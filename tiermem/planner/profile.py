@@ -143,6 +143,10 @@ class BlockRecord:
     #: Its tensor arguments (``BlockInput``); empty: not recorded (every
     #: input then counts as kept).
     inputs: tuple = ()
+    #: Kept bytes saved inside it that never reached the policy (small and
+    #: unmovable tensors; part of ``Profile.fixed_kept_bytes``): a
+    #: checkpoint of it does not keep them.
+    fixed_bytes: int = 0
 
 
 @dataclass
@@ -274,6 +278,7 @@ class Recorder:
                               else self._by_handle.get(id(before), -1)))
         start, start_pos = planning.count, planning.pos
         placing = self.placing_s
+        kept0, recorded0 = self.stats.bytes_by_tier[Tier.KEEP.value], self._recorded_kept
         events = None
         if cuda and torch.cuda.is_available():
             # The GPU's time, read in finish(), after backward: the forward
@@ -291,9 +296,11 @@ class Recorder:
             self._block_events[index] = events
         inputs = tuple(self._input(step, k, a, key, before, start, planning.count)
                        for k, a, key, before in found)
+        fixed = ((self.stats.bytes_by_tier[Tier.KEEP.value] - kept0)
+                 - (self._recorded_kept - recorded0))
         self.blocks.append(BlockRecord(index, module, start, planning.count, start_pos,
                                        planning.pos, max(forward_s, 0.0), input_bytes,
-                                       t0 - self.t0, inputs))
+                                       t0 - self.t0, inputs, max(0, fixed)))
         return out
 
     def _input(self, step, k: int, a, key, before, start: int, end: int) -> BlockInput:

@@ -343,7 +343,7 @@ class _Block:
                 self.ins.append(_In(self, x, r, opts))
         else:   # not recorded (a made-up profile): every input kept
             self.kept_in = rec.input_bytes
-        self.freed = self.saved - self.kept_in
+        self.freed = self.saved + rec.fixed_bytes - self.kept_in
         self.cost_s = rec.forward_s
         self.chosen = False
         self.tier: Optional[Tier] = None
@@ -492,8 +492,9 @@ def _planned_block(b: _Block, need: int, kept_all: int, budget_bytes: int, stall
                    has_nvme: bool, met: bool) -> PlannedBlock:
     """The plan's entry for block ``b``, with the reason of its choice."""
     rec = b.rec
+    small = f" + {format_bytes(rec.fixed_bytes)} small" if rec.fixed_bytes else ""
     what = (f"{rec.forward_s * 1e3:.2f} ms more forward in backward to free "
-            f"{format_bytes(max(0, b.freed))} (saved {format_bytes(b.saved)} less inputs "
+            f"{format_bytes(max(0, b.freed))} (saved {format_bytes(b.saved)}{small} less inputs "
             f"{format_bytes(b.kept_in)})")
     inputs = []
     if b.chosen:
@@ -502,7 +503,7 @@ def _planned_block(b: _Block, need: int, kept_all: int, budget_bytes: int, stall
         head = ("checkpoint" if not moved else
                 f"checkpoint, inputs moved to {'/'.join(tiers)}")
         what = (f"{rec.forward_s * 1e3:.2f} ms more forward in backward to free "
-                f"{format_bytes(b.freed + moved)} (saved {format_bytes(b.saved)}, inputs "
+                f"{format_bytes(b.freed + moved)} (saved {format_bytes(b.saved)}{small}, inputs "
                 f"{format_bytes(b.kept_in)}" + (f", {format_bytes(moved)} of them moved"
                                                 if moved else " kept") + ")")
         cost = b.cost_s + sum(i.move.cost_s for i in b.ins if i.move is not None)
@@ -675,7 +676,9 @@ def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting:
     chosen = [(r, costs[r.index]) for r in records
               if choice[r.index] in (Tier.CPU, Tier.NVME)]
     chosen += [(i.rec, i.move) for b in blocks if b.chosen for i in b.ins if i.move is not None]
-    kept = profile.fixed_kept_bytes + extra_kept + same_ram + sum(
+    # Small tensors saved inside checkpointed blocks are saved no more.
+    fixed_kept = profile.fixed_kept_bytes - sum(b.rec.fixed_bytes for b in blocks if b.chosen)
+    kept = fixed_kept + extra_kept + same_ram + sum(
         r.nbytes for r in records
         if choice[r.index] is Tier.KEEP and r.index not in checkpointed)
     # Rule 5 of the NOTE: saved again after a checkpointed block, new there;
@@ -761,7 +764,7 @@ def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting:
     recompute_total += sum(b.cost_s for b in blocks if b.chosen)
     cpu_total += sum(x.cpu_s for b in planned_blocks for x in b.inputs)
     return Plan(profile.signature, tensors, budget_bytes, budget_setting,
-                profile.baseline_bytes, profile.fixed_kept_bytes, kept, stall_total,
+                profile.baseline_bytes, fixed_kept, kept, stall_total,
                 recompute_total, window, rates.as_dict(), time.perf_counter() - t0,
                 replans, replan_reason, notes=notes, blocks=planned_blocks,
                 predicted_cpu_s=cpu_total, kick_index=None if kick is None else kick.index)
