@@ -26,7 +26,6 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..policy import Tier
-from ..step import is_stable_param
 from ..tiers.keep import Kept
 from ..tiers.recompute import RecomputeHandle
 
@@ -42,6 +41,14 @@ __all__ = ["TensorRecord", "BlockInput", "BlockRecord", "Profile", "Recorder", "
 #: step, by ``saved_as``: a dedup hit of that tensor), ``"after"`` (saved again
 #: after the block by the rest of the step: kept, as before this option existed).
 INPUT_KINDS = ("movable", "param", "small", "unmovable", "before", "after")
+
+
+def _is_param(t) -> bool:
+    """A parameter, a view of one, or a leaf that requires grad: what the pack
+    hook never moves (``step.is_stable_param``'s test; this layer does not
+    import the step's)."""
+    base = t._base if t._base is not None else t
+    return (base.requires_grad and base.is_leaf) or issubclass(type(base), torch.nn.Parameter)
 
 
 def _dedup_key(step, t) -> Optional[tuple]:
@@ -308,7 +315,7 @@ class Recorder:
         ``start`` to ``end - 1`` (``before``: the index of the tensor that
         held its storage at the block's entry, -1 unrecorded, or None)."""
         kind, saved_as = "movable", None
-        if is_stable_param(a):
+        if _is_param(a):
             kind = "param"
         elif key is None or not a.nbytes or a.nbytes < step.min_offload_bytes:
             kind = "small" if key is not None else "unmovable"
