@@ -17,7 +17,7 @@ only checkpointing with moved inputs reaches (TinyGPT at 3%, nvme budget
 plan's; several forwards before their backwards; each dedup kind counted
 once; the solver moving inputs only where the budget needs them. Gradients and parameters are compared with
 torch.equal against a run without tiermem in every test that trains.
-Runtime: about 1 minute on 2 shared cores (2026-12-01, varies with load).
+Runtime: 7 s on 2 idle cores, 1-2 minutes when they are shared (2026-12-01).
 """
 
 from __future__ import annotations
