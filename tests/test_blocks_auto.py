@@ -11,9 +11,13 @@ closed loop measuring them; a plan checkpointing only some blocks is
 followed as planned; tensors saved in backward (the checkpoint's recompute,
 a backward run inside the context) leave the step's numbering alone;
 reentrant checkpointing; outside an auto Offloader blocks run plainly; bad
-values are a ConfigError. Gradients and parameters are compared with
+values are a ConfigError. A checkpointed block's inputs (rule 6): a budget
+only checkpointing with moved inputs reaches (TinyGPT at 3%, nvme budget
+192 KiB) met and exact, with reasons, JSON and the step's bytes equal to the
+plan's; several forwards before their backwards; each dedup kind counted
+once; the solver moving inputs only where the budget needs them. Gradients and parameters are compared with
 torch.equal against a run without tiermem in every test that trains.
-Runtime: about 1 minute on 2 shared cores (2026-12-01, varies with load).
+Runtime: 7 s on 2 idle cores, 1-2 minutes when they are shared (2026-12-01).
 """
 
 from __future__ import annotations
@@ -270,6 +274,16 @@ def test_reentrant_checkpointing():
     assert any(b.checkpoint for b in off.plan.blocks)
 
 
+def test_reentrant_checkpointing_with_moved_inputs(nvme_dir):
+    case = _gpt_case()
+    _wrap(case, use_reentrant=True)
+    off = offloader("auto", nvme_dir=nvme_dir, **TIGHT)
+    compare_records(train_steps(case, lambda: off, STEPS), _reference("gpt"), "gpt")
+    assert off._placement.planner.profiles == 1
+    assert _moved_inputs(off.plan), str(off.plan)
+    assert off.stats.bytes_by_tier["keep"] <= off.plan.budget_bytes * (1 + KEPT_TOLERANCE)
+
+
 @pytest.mark.parametrize("policy", [None, "keep", "cpu", "recompute", "callable"])
 def test_outside_an_auto_offloader_blocks_run_plainly(policy):
     """No planner, no budget: nothing for checkpointing's extra forward to buy."""
@@ -314,6 +328,191 @@ def test_bad_checkpoint_values(bad):
 def test_auto_takes_no_policy(policy):
     with pytest.raises(tiermem.ConfigError, match="policy="):
         tiermem.wrap_blocks(TinyGPT(CFG), Block, checkpoint="auto", policy=policy)
+
+
+# -- a checkpointed block's inputs moved (rule 6 of the NOTE) --------------------------
+
+#: A budget only "checkpoint each block, move its inputs" reaches on the
+#: 3-block TinyGPT: 3% of a plain step (37 KiB) is less than the three block
+#: inputs (16 KiB each), and an nvme budget of 192 KiB leaves per-tensor moves
+#: far short (the step saves 1.2 MiB). On main (inputs always kept) the plan
+#: says "budget not reachable" and keeps about 50 KiB.
+TIGHT = dict(device_budget="3%", nvme_budget="192KiB")
+
+
+def _moved_inputs(plan):
+    return [x for b in plan.blocks if b.checkpoint for x in b.inputs if x.tier != "keep"]
+
+
+@pytest.mark.parametrize("min_offload_bytes", [0, 1024])   # 1024: small tensors in blocks
+def test_checkpoint_with_moved_inputs_meets_a_budget_kept_inputs_cannot(nvme_dir,
+                                                                       min_offload_bytes):
+    off, log, records = _run("gpt", steps=6, nvme_dir=nvme_dir,
+                             min_offload_bytes=min_offload_bytes, **TIGHT)
+    compare_records(records, _reference("gpt", steps=6), "gpt")
+    plan = off.plan
+    assert not any(n.startswith("budget not reachable") for n in plan.notes), str(plan)
+    assert plan.predicted_kept_bytes <= plan.budget_bytes
+    moved = _moved_inputs(plan)
+    assert moved and all(x.tier == "nvme" and x.kept_bytes == 0 for x in moved), str(plan)
+    for stats in log[1:]:   # every planned step
+        assert stats.bytes_by_tier["keep"] <= plan.budget_bytes * (1 + KEPT_TOLERANCE), str(plan)
+    # The closed loop measures what the plan predicts: inputs counted once.
+    assert plan.measured_kept_bytes == log[-1].bytes_by_tier["keep"]
+    assert plan.measured_kept_bytes == plan.predicted_kept_bytes, str(plan)
+    assert log[-1].bytes_by_tier["nvme"] == plan.bytes_by_tier()["nvme"], str(plan)
+    if min_offload_bytes:   # small tensors saved inside checkpointed blocks: not kept
+        profile = off._placement.planner._profiles[plan.keys]
+        assert all(b.fixed_bytes > 0 for b in profile.blocks)
+        assert plan.fixed_kept_bytes == profile.fixed_kept_bytes - sum(
+            b.fixed_bytes for b, pb in zip(profile.blocks, plan.blocks) if pb.checkpoint)
+    # One profile; at most one correction; the last steps all pack the same.
+    assert off._placement.planner.profiles == 1 and plan.replans <= 1
+    assert len({tuple(sorted(s.count_by_tier.items())) for s in log[-3:]}) == 1
+
+
+def test_moved_inputs_have_reasons_and_the_plan_is_json(nvme_dir):
+    off, _, _ = _run("gpt", steps=2, nvme_dir=nvme_dir, **TIGHT)
+    plan = off.plan
+    table = str(plan)
+    for b in plan.blocks:
+        if not b.checkpoint:
+            assert not b.inputs
+            continue
+        assert [x.arg for x in b.inputs] == [0]   # TinyGPT's blocks take x only
+        x = b.inputs[0]
+        assert x.kind == "movable" and x.nbytes == b.input_bytes
+        text = plan.explain_input(b.index, 0)
+        assert text in table and x.reason in text
+        if x.tier == "nvme":
+            assert x.reason.startswith(f"block #{b.index} checkpointed; its input moved to nvme:")
+            assert b.reason.startswith("checkpoint, inputs moved to nvme: ")
+            assert x.window_s > 0
+        else:
+            assert x.reason.startswith(f"block #{b.index} checkpointed; its input kept")
+        # The tensor that held the input's storage in a plain step says so.
+        inner = [p for p in plan.tensors if b.start <= p.index < b.end
+                 and "its storage is the block's input 0" in p.reason]
+        assert len(inner) == 1 and inner[0].reason.endswith(
+            "kept" if x.tier == "keep" else f"moved to {x.tier}")
+    with pytest.raises(KeyError):
+        plan.explain_input(0, 1)
+    d = plan.as_dict()
+    assert json.loads(json.dumps(d)) == d
+    moved = [x for b in d["blocks"] for x in b["inputs"] if x["tier"] == "nvme"]
+    assert moved and all(x["order"][0] == "nvme" for x in moved)
+    by = plan.bytes_by_tier()
+    assert by == d["bytes_by_tier"]
+    # Inputs count in their tier; what the step stores adds up to the prediction.
+    assert by["keep"] + plan.fixed_kept_bytes == plan.predicted_kept_bytes
+    assert plan.kept_timeline()[-1][1] == plan.predicted_kept_bytes
+
+
+def test_moved_inputs_with_several_forwards_before_their_backwards(nvme_dir):
+    """Two micro-batches' forwards, then their backwards in reverse: each
+    step restores its own moved inputs; gradients accumulate bit-identically."""
+    case = _gpt_case()
+    _wrap(case)
+    off = offloader("auto", nvme_dir=nvme_dir, **TIGHT)
+    train_steps(case, lambda: off, 2)   # profile, then a planned step
+    assert _moved_inputs(off.plan)
+    ref = _gpt_case()
+    ref.model.load_state_dict(case.model.state_dict())
+    g = torch.Generator().manual_seed(7)
+    batches = [torch.randint(0, CFG.vocab, (4, CFG.seq_len), generator=g) for _ in range(2)]
+
+    def accumulate(model, ctx):
+        model.zero_grad(set_to_none=True)
+        losses = []
+        for i, idx in enumerate(batches):
+            torch.manual_seed(20 + i)
+            with ctx():
+                losses.append(model(idx, idx))
+        for loss in reversed(losses):
+            loss.backward()
+        return [l.detach() for l in losses], {n: p.grad.clone()
+                                               for n, p in model.named_parameters()}
+    stats = []
+
+    def ctx():
+        return _Log(off, stats)
+    got = accumulate(case.model, ctx)
+    want = accumulate(ref.model, contextlib.nullcontext)
+    assert all(torch.equal(a, b) for a, b in zip(got[0], want[0]))
+    for n, g_ in want[1].items():
+        assert torch.equal(got[1][n], g_), n
+    assert off._placement.planner.profiles == 1
+    assert all(s.bytes_by_tier["nvme"] == off.plan.bytes_by_tier()["nvme"] for s in stats)
+
+
+class _DedupNet(torch.nn.Module):
+    """Four _ReluBlocks whose inputs are each one kind of rule 6: ``z`` saved
+    only inside block 0 (movable); block 0's output, saved inside it by its
+    ReLU (before, its saver in a block); ``t``, saved by tanh outside every
+    block (before, shared); ``x``, saved again after block 3 (after)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = torch.nn.Linear(16, 16)
+        self.blocks = torch.nn.ModuleList(_ReluBlock() for _ in range(4))
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, inp):
+        x = self.pre(inp)
+        a = self.blocks[0](x + 1)
+        t = torch.tanh(self.blocks[1](a))
+        c = self.blocks[2](t)
+        y = self.blocks[3](x)
+        return self.head(c * y * x)
+
+
+def _dedup_case() -> Case:
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    return Case("dedup", _DedupNet(), (x,), lambda out: out.square().mean())
+
+
+def test_one_storage_is_never_moved_twice_or_counted_twice(nvme_dir):
+    """A plan checkpointing every block and moving all it can (target 0; the
+    blocks' forwards made cheap in the profile so the solver takes them):
+    each input goes where rule 6 says, the step moves and keeps exactly the
+    bytes the plan predicts, and gradients are exact."""
+    import dataclasses
+    case = _dedup_case()
+    tiermem.wrap_blocks(case.model, _ReluBlock, checkpoint="auto")
+    off = offloader("auto", device_budget="100%", nvme_dir=nvme_dir)
+    ref = train_steps(_dedup_case(), contextlib.nullcontext, 5)
+    log, plans = [], []
+
+    def ctx():
+        if len(log) == 1:   # the profile's backward ran: plan it our way
+            planner = off._placement.planner
+            profile = planner._profiles[off.plan.keys]
+            profile.blocks = tuple(dataclasses.replace(b, forward_s=1e-9)
+                                   for b in profile.blocks)
+            for r in profile.records:   # no recipes: their inputs are not this test's
+                r.recomputable = False
+            plan = planner._plan(profile, target=0)
+            plan.replans = 1   # no closed-loop correction: this plan is the test
+            planner.current = plan
+            plans.append(plan)
+        return _Log(off, log)
+    compare_records(train_steps(case, ctx, 5), ref, "dedup")
+    plan = plans[0]
+    assert off.plan is plan and all(b.checkpoint for b in plan.blocks), str(plan)
+    kinds = [[(x.kind, x.tier) for x in b.inputs] for b in plan.blocks]
+    assert kinds == [[("movable", "nvme")], [("before", "keep")], [("before", "keep")],
+                     [("after", "keep")]], kinds
+    ins = [b.inputs[0] for b in plan.blocks]
+    assert ins[1].kept_bytes == ins[1].nbytes and ins[1].shared_with is None   # saver checkpointed
+    assert ins[2].kept_bytes == 0 and ins[2].shared_with is not None           # tanh's handle
+    assert plan.tensors[ins[2].shared_with].module == "_DedupNet"
+    assert ins[3].kept_bytes == ins[3].nbytes
+    for stats in log[1:]:
+        assert stats.bytes_by_tier["keep"] == plan.predicted_kept_bytes, str(plan)
+        assert stats.bytes_by_tier["nvme"] == plan.bytes_by_tier()["nvme"], str(plan)
+        assert stats.bytes_by_tier["recompute"] == 0
+    assert off._placement.planner.profiles == 1
 
 
 # -- the solver alone, on made-up profiles (deterministic prices) ----------------------
@@ -407,6 +606,45 @@ def test_solver_never_checkpoints_a_block_holding_a_must_answer_and_says_so():
     assert plan.tensors[7].reason.endswith("overridden: its block is checkpointed")
 
 
+@pytest.mark.parametrize("budget, moved", [(4000, 0), (2000, 0), (1000, 1), (0, 2)])
+def test_solver_moves_checkpoint_inputs_only_where_the_budget_needs_them(budget, moved):
+    """Each block's input (1000 bytes, saved inside it as its first tensor)
+    becomes movable to nvme. Moves cost 1 ms of CPU per 1000 bytes; each
+    block's forward 1 ms for 3000 bytes: checkpoints first (inputs kept),
+    then the tensors outside the blocks, then the inputs, one at a time."""
+    import dataclasses
+    from tiermem.planner.profile import BlockInput
+    from tiermem.planner.rates import Rates
+    from tiermem.planner.solver import make_plan
+    profile = _profile([0.001, 0.001])
+    profile.blocks = tuple(dataclasses.replace(
+        b, start_s=b.start * 1e-3,
+        inputs=(BlockInput(0, (250,), "float32", "cpu", 1000, "movable", b.start),))
+        for b in profile.blocks)
+    rates = Rates(host_copy=1e9, pointwise=1e9, disk_write=1e9, disk_read=1e9, move_cpu=1e6)
+    plan = make_plan(profile, rates, budget, "test", has_nvme=True, cpu_budget_bytes=0,
+                     nvme_budget_bytes=None)
+    plan.follow(profile.keys, profile.positions)
+    assert all(b.checkpoint for b in plan.blocks)
+    tiers = [b.inputs[0].tier for b in plan.blocks]
+    assert tiers.count("nvme") == moved, str(plan)
+    assert [p.tier for p in plan.tensors[:2]] == ["keep"] * 2 if budget == 4000 else ["nvme"] * 2
+    assert plan.predicted_kept_bytes == (2 - moved) * 1000 + (2000 if budget == 4000 else 0)
+    assert plan.predicted_kept_bytes <= budget
+    assert plan.bytes_by_tier()["nvme"] == moved * 1000 + (0 if budget == 4000 else 2000)
+    assert plan.kept_timeline()[-1][1] == plan.predicted_kept_bytes
+    assert plan.predicted_cpu_s == pytest.approx(1e-3 * (moved + (budget != 4000) * 2))
+    for b in plan.blocks:
+        x = b.inputs[0]
+        assert x.window_s == pytest.approx(1.0 + (10 - b.start - 3) * 1e-3 - b.start * 1e-3)
+        want = ("moved to nvme: window" if x.tier == "nvme"
+                else "kept: the budget is met without moving it")
+        assert want in x.reason, x.reason
+        assert ("inputs moved to nvme" in b.reason) == (x.tier == "nvme")
+    d = plan.as_dict()
+    assert json.loads(json.dumps(d)) == d
+
+
 @pytest.mark.gpu
 @pytest.mark.usefixtures("deterministic")
 @pytest.mark.parametrize("budget", ["100%", "25%"])
@@ -429,3 +667,26 @@ def test_gpu_blocks_auto_exact_and_timed_on_the_gpu(budget):
         assert not any(b.checkpoint for b in plan.blocks) and moved_count(off.stats) == 0
     else:
         assert off.stats.bytes_by_tier["keep"] <= plan.budget_bytes * (1 + KEPT_TOLERANCE)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("deterministic")
+def test_gpu_checkpoint_inputs_moved_to_the_cpu_tier():
+    """On CUDA: 3% with a 192 KiB cpu budget (the same squeeze as TIGHT,
+    on the host tier): blocks checkpointed, inputs moved to cpu, exact.
+    Not run yet (no GPU in CI)."""
+    def case():
+        c = _gpt_case()
+        c.model.cuda()
+        c.inputs = tuple(t.cuda() for t in c.inputs)
+        return c
+    ref = train_steps(case(), contextlib.nullcontext, STEPS)
+    c = case()
+    _wrap(c)
+    off = offloader("auto", device_budget="3%", cpu_budget="192KiB")
+    compare_records(train_steps(c, lambda: off, STEPS), ref, "gpt cuda")
+    plan = off.plan
+    assert off._placement.planner.profiles == 1
+    moved = _moved_inputs(plan)
+    assert moved and all(x.tier == "cpu" for x in moved), str(plan)
+    assert off.stats.bytes_by_tier["keep"] <= plan.budget_bytes * (1 + KEPT_TOLERANCE)

@@ -354,8 +354,19 @@ class Packer:
                 planning.recorder.hit(handle)
             return handle
         module = current_module()
+        if planning.in_checkpoint:
+            # A planned checkpoint's input, not an indexed tensor (rule 6 of
+            # NOTE [Blocks the planner may checkpoint]): kept, or moved as
+            # the plan says, or a hit of a tensor the plan keeps (counted there).
+            order = planning.checkpoint_inputs.get(key, _KEEP_ORDER)
+            if order is None:
+                step.stats.dedup_hits += 1
+                return Kept(t, module)
+            handle = self.placement.put(order, t, step, module, nbytes)
+            step.remember(t, key, handle)
+            return handle
         revived = planning.revived
-        if revived and planning.pos - 1 in revived and not planning.in_checkpoint:
+        if revived and planning.pos - 1 in revived:
             # A dedup hit of a tensor whose block the plan checkpoints: new
             # here, kept, no index (NOTE [Blocks the planner may checkpoint]).
             handle = self.placement.put(_KEEP_ORDER, t, step, module, nbytes)

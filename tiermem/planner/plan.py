@@ -16,7 +16,8 @@ from ..errors import TierMemError
 from ..policy import Tier, TierOrder
 from ..telemetry import format_bytes
 
-__all__ = ["Plan", "PlannedTensor", "PlannedBlock", "CHECKPOINTED", "revived_positions"]
+__all__ = ["Plan", "PlannedTensor", "PlannedBlock", "PlannedInput", "CHECKPOINTED",
+           "revived_positions"]
 
 #: ``PlannedTensor.tier`` of a tensor saved inside a block the plan
 #: checkpoints (NOTE [Blocks the planner may checkpoint] in planner/runtime.py).
@@ -69,6 +70,38 @@ def revived_positions(blocks: List["PlannedBlock"], positions: tuple) -> List[in
 
 
 @dataclass
+class PlannedInput:
+    """One tensor argument of a block the plan checkpoints: what the
+    checkpoint saves in the block's place, and where (rule 6 of NOTE [Blocks
+    the planner may checkpoint] in planner/runtime.py)."""
+
+    #: Position among the block's positional arguments.
+    arg: int
+    shape: Tuple[int, ...]
+    dtype: str
+    device: str
+    nbytes: int
+    #: ``BlockInput.kind`` (``tiermem.planner.profile.INPUT_KINDS``).
+    kind: str
+    #: ``"keep"``, ``"cpu"`` or ``"nvme"``.
+    tier: str
+    #: The tier order a step following the plan gives it.
+    order: Tuple[str, ...]
+    #: Bytes it adds to the kept bytes: 0 when moved, a parameter, or a dedup
+    #: hit of the tensor ``shared_with`` (counted there).
+    kept_bytes: int
+    reason: str
+    #: Seconds from the block's entry to the start of its recompute in
+    #: backward (profile timeline).
+    window_s: float = 0.0
+    #: Predicted stall of its move, and its CPU charge, seconds.
+    cost_s: float = 0.0
+    cpu_s: float = 0.0
+    #: The pack index whose handle it shares (``kind == "before"``), else None.
+    shared_with: Optional[int] = None
+
+
+@dataclass
 class PlannedBlock:
     """One ``wrap_blocks(..., checkpoint="auto")`` block call (``index``: its
     order among the step's auto blocks) and whether the plan checkpoints it
@@ -90,6 +123,10 @@ class PlannedBlock:
     forward_s: float
     checkpoint: bool
     reason: str
+    #: What its checkpoint saves, per tensor argument (``PlannedInput``);
+    #: empty when it is not checkpointed (or its inputs were not recorded:
+    #: then every input is kept).
+    inputs: List[PlannedInput] = field(default_factory=list)
 
 
 @dataclass
@@ -104,6 +141,8 @@ class Plan:
     budget_bytes: int
     budget_setting: str
     baseline_bytes: int
+    #: Kept bytes that never reach the planner (small, unmovable), less
+    #: those saved inside the blocks the plan checkpoints.
     fixed_kept_bytes: int
     predicted_kept_bytes: int
     predicted_stall_s: float
@@ -140,9 +179,18 @@ class Plan:
         first planned tensors were saved (pack order): the kept ones and the
         recipe inputs of recomputed ones, plus the small and unmovable tensors
         (``fixed_kept_bytes``, whose pack times the profile does not keep)
-        spread evenly over the step. Ends at ``predicted_kept_bytes``."""
+        spread evenly over the step; the kept inputs of a checkpointed block
+        at its first tensor (a checkpoint saves them on entry). Ends at
+        ``predicted_kept_bytes`` (less, where a checkpointed block's output
+        is saved again after it: NOTE [Blocks the planner may checkpoint],
+        rule 5)."""
+        at = {}
+        for b in self.blocks:
+            if b.checkpoint:
+                at[b.start] = at.get(b.start, 0) + sum(x.kept_bytes for x in b.inputs)
         out, kept, n = [], 0, len(self.tensors)
         for i, p in enumerate(self.tensors):
+            kept += at.get(i, 0)
             kept += p.nbytes if p.tier == Tier.KEEP.value else p.input_kept_bytes
             out.append((i + 1, kept + self.fixed_kept_bytes * (i + 1) // max(1, n)))
         return out
@@ -197,19 +245,30 @@ class Plan:
                 f"{list(p.shape)} {p.dtype} {format_bytes(p.nbytes)}: {p.reason}")
 
     def bytes_by_tier(self) -> Dict[str, int]:
-        """Bytes per tier (``"checkpoint"`` too when the step has auto blocks)."""
+        """Bytes per tier (``"checkpoint"`` too when the step has auto blocks:
+        the bytes checkpointing saves no more); the inputs of checkpointed
+        blocks count in their tier (kept ones by ``kept_bytes``)."""
         out = {t.value: 0 for t in Tier}
         if self.blocks:
             out[CHECKPOINTED] = 0
         for p in self.tensors:
             out[p.tier] += p.nbytes
+        for x in self._inputs():
+            out[x.tier] += x.kept_bytes if x.tier == Tier.KEEP.value else x.nbytes
         return out
+
+    def _inputs(self):
+        """The planned inputs of the checkpointed blocks, in call order."""
+        return [x for b in self.blocks if b.checkpoint for x in b.inputs]
 
     def as_dict(self) -> dict:
         """A JSON-ready copy (``json.dumps`` takes it as is)."""
         d = asdict(self)
         for t in d["tensors"]:   # lists, as JSON gives them back
             t["shape"], t["order"] = list(t["shape"]), list(t["order"])
+        for b in d["blocks"]:
+            for x in b["inputs"]:
+                x["shape"], x["order"] = list(x["shape"]), list(x["order"])
         d["bytes_by_tier"] = self.bytes_by_tier()
         d["predicted_step_cost_s"] = self.predicted_step_cost_s
         return d
@@ -219,12 +278,26 @@ class Plan:
         b = self.blocks[index]
         return f"block #{b.index} {b.module or '<no module>'}: {b.reason}"
 
+    def explain_input(self, block: int, arg: int) -> str:
+        """Where the checkpoint of auto block ``block`` puts its argument
+        ``arg`` (positional), and why."""
+        for x in self.blocks[block].inputs:
+            if x.arg == arg:
+                return (f"block #{block} input {arg} {list(x.shape)} {x.dtype} "
+                        f"{format_bytes(x.nbytes)}: {x.reason}")
+        raise KeyError(f"tiermem: block #{block} has no planned input {arg} (not "
+                       "checkpointed, or not a tensor argument)")
+
     def __str__(self) -> str:
         tiers = [t.value for t in Tier] + ([CHECKPOINTED] if self.blocks else [])
         rows: Dict[str, Dict[str, int]] = {}
         for p in self.tensors:
             row = rows.setdefault(p.module or "<no module>", {t: 0 for t in tiers})
             row[p.tier] += p.nbytes
+        for b in self.blocks:
+            for x in b.inputs if b.checkpoint else ():
+                row = rows.setdefault(b.module or "<no module>", {t: 0 for t in tiers})
+                row[x.tier] += x.kept_bytes if x.tier == Tier.KEEP.value else x.nbytes
         width = max([len("module")] + [len(m) for m in rows])
         head = f"{'module':<{width}}  " + "  ".join(f"{t:>10}" for t in tiers)
         lines = [
@@ -259,6 +332,9 @@ class Plan:
         if self.blocks:
             n = sum(b.checkpoint for b in self.blocks)
             lines.append(f"auto blocks: {n} of {len(self.blocks)} checkpointed")
-            lines.extend("  " + self.explain_block(b.index) for b in self.blocks)
+            for b in self.blocks:
+                lines.append("  " + self.explain_block(b.index))
+                lines.extend("    " + self.explain_input(b.index, x.arg)
+                             for x in (b.inputs if b.checkpoint else ()))
         lines.extend(self.notes)
         return "\n".join(lines)

@@ -29,8 +29,35 @@ from ..policy import Tier
 from ..tiers.keep import Kept
 from ..tiers.recompute import RecomputeHandle
 
-__all__ = ["TensorRecord", "BlockRecord", "Profile", "Recorder", "signature_key",
-           "signature_hash"]
+__all__ = ["TensorRecord", "BlockInput", "BlockRecord", "Profile", "Recorder", "signature_key",
+           "signature_hash", "INPUT_KINDS"]
+
+#: What a checkpoint of an auto block would do with one of its tensor
+#: arguments (``BlockInput.kind``; rule 6 of NOTE [Blocks the planner may
+#: checkpoint] in planner/runtime.py): ``"movable"`` (the planner may keep it
+#: or move it), ``"param"`` (a parameter or a leaf that requires grad: never
+#: moved, never counted), ``"small"`` / ``"unmovable"`` (kept by the pack
+#: hook, counted as kept), ``"before"`` (its storage was saved earlier in the
+#: step, by ``saved_as``: a dedup hit of that tensor), ``"after"`` (saved again
+#: after the block by the rest of the step: kept, as before this option existed).
+INPUT_KINDS = ("movable", "param", "small", "unmovable", "before", "after")
+
+
+def _is_param(t) -> bool:
+    """A parameter, a view of one, or a leaf that requires grad: what the pack
+    hook never moves (``step.is_stable_param``'s test; this layer does not
+    import the step's)."""
+    base = t._base if t._base is not None else t
+    return (base.requires_grad and base.is_leaf) or issubclass(type(base), torch.nn.Parameter)
+
+
+def _dedup_key(step, t) -> Optional[tuple]:
+    """``t``'s dedup key (NOTE [Dedup] in step.py) if the pack hook could
+    move it (a strided cpu or cuda ``torch.Tensor``), else None."""
+    if type(t) is not torch.Tensor or t.layout != torch.strided or t.device.type not in (
+            "cpu", "cuda"):
+        return None
+    return step.key_of(t)
 
 
 def signature_key(t) -> tuple:
@@ -77,6 +104,26 @@ class TensorRecord:
 
 
 @dataclass
+class BlockInput:
+    """One tensor argument of an auto block in the profiled step: what a
+    checkpoint of the block would save in its place (duplicates of an
+    earlier argument are left out: a checkpoint saves them as dedup hits)."""
+
+    #: Position among the block's positional arguments.
+    arg: int
+    shape: Tuple[int, ...]
+    dtype: str
+    device: str
+    nbytes: int
+    #: One of :data:`INPUT_KINDS`.
+    kind: str
+    #: The pack index of the tensor holding its storage in the profile: for
+    #: ``"before"`` the earlier saver; for ``"movable"`` and ``"after"`` the
+    #: first save inside the block (``None`` if the block never saved it).
+    saved_as: Optional[int] = None
+
+
+@dataclass
 class BlockRecord:
     """One call of a ``wrap_blocks(..., checkpoint="auto")`` block in the
     profiled step (outermost ones only; NOTE [Blocks the planner may
@@ -97,6 +144,16 @@ class BlockRecord:
     forward_s: float
     #: Bytes of its tensor arguments: what a checkpoint of it saves.
     input_bytes: int
+    #: Seconds from the step's start to its entry (when a checkpoint of it
+    #: saves its inputs).
+    start_s: float = 0.0
+    #: Its tensor arguments (``BlockInput``); empty: not recorded (every
+    #: input then counts as kept).
+    inputs: tuple = ()
+    #: Kept bytes saved inside it that never reached the policy (small and
+    #: unmovable tensors; part of ``Profile.fixed_kept_bytes``): a
+    #: checkpoint of it does not keep them.
+    fixed_bytes: int = 0
 
 
 @dataclass
@@ -212,16 +269,23 @@ class Recorder:
     def block(self, index: int, module: str, args: tuple, run, planning):
         """Run auto block ``index`` plainly (``run()``) and record it; the
         pack indexes and positions are read from ``planning``."""
+        step = planning.step
         seen = set()
         input_bytes = 0
         cuda = False
-        for a in args:
+        found = []   # (arg position, tensor, dedup key, earlier saver's index or None)
+        for k, a in enumerate(args):
             if isinstance(a, torch.Tensor) and id(a) not in seen:
                 seen.add(id(a))
                 input_bytes += a.nbytes
                 cuda = cuda or a.is_cuda
+                key = _dedup_key(step, a)
+                before = None if key is None else step.find(key)
+                found.append((k, a, key, None if before is None
+                              else self._by_handle.get(id(before), -1)))
         start, start_pos = planning.count, planning.pos
         placing = self.placing_s
+        kept0, recorded0 = self.stats.bytes_by_tier[Tier.KEEP.value], self._recorded_kept
         events = None
         if cuda and torch.cuda.is_available():
             # The GPU's time, read in finish(), after backward: the forward
@@ -237,9 +301,43 @@ class Recorder:
         if events is not None:
             events[1].record()
             self._block_events[index] = events
+        inputs = tuple(self._input(step, k, a, key, before, start, planning.count)
+                       for k, a, key, before in found)
+        fixed = ((self.stats.bytes_by_tier[Tier.KEEP.value] - kept0)
+                 - (self._recorded_kept - recorded0))
         self.blocks.append(BlockRecord(index, module, start, planning.count, start_pos,
-                                       planning.pos, max(forward_s, 0.0), input_bytes))
+                                       planning.pos, max(forward_s, 0.0), input_bytes,
+                                       t0 - self.t0, inputs, max(0, fixed)))
         return out
+
+    def _input(self, step, k: int, a, key, before, start: int, end: int) -> BlockInput:
+        """The record of argument ``k`` of a block that saved pack indexes
+        ``start`` to ``end - 1`` (``before``: the index of the tensor that
+        held its storage at the block's entry, -1 unrecorded, or None)."""
+        kind, saved_as = "movable", None
+        if _is_param(a):
+            kind = "param"
+        elif key is None or not a.nbytes or a.nbytes < step.min_offload_bytes:
+            kind = "small" if key is not None else "unmovable"
+        elif before is not None:
+            kind, saved_as = ("before", before) if before >= 0 else ("unmovable", None)
+        else:
+            handle = step.find(key)
+            i = None if handle is None else self._by_handle.get(id(handle))
+            saved_as = i if i is not None and start <= i < end else None
+        return BlockInput(k, tuple(a.shape), str(a.dtype).replace("torch.", ""),
+                          str(a.device), a.nbytes, kind, saved_as)
+
+    def _mark_saved_after(self) -> None:
+        """Inputs whose inside save was hit again after the block (a dedup
+        hit outside it) are saved by the rest of the step: ``"after"``."""
+        positions = self.positions
+        for bi, b in enumerate(self.blocks):
+            marks = {~p for p in positions[b.end_pos:] if p is not None and p < 0}
+            if any(x.kind == "movable" and x.saved_as in marks for x in b.inputs):
+                self.blocks[bi] = dataclasses.replace(b, inputs=tuple(
+                    dataclasses.replace(x, kind="after")
+                    if x.kind == "movable" and x.saved_as in marks else x for x in b.inputs))
 
     # -- backward ------------------------------------------------------------------
     def unpack(self, handle: Any):
@@ -275,6 +373,7 @@ class Recorder:
             self.blocks[i] = dataclasses.replace(
                 self.blocks[i], forward_s=start.elapsed_time(end) / 1e3)
         self._block_events = {}
+        self._mark_saved_after()
         return Profile(self.records, tuple(self.keys), self.fixed_kept_bytes,
                        self.forward_end_s, self.first_unpack_s, self.last_unpack_s,
                        self.measured_kept_bytes, self.stats.as_dict(),

@@ -93,11 +93,12 @@ follows, and the closed loop that corrects a plan from measurement.
 #    its enclosing region decides: plainly.
 # 2. The profiled step runs every auto block plainly and records, per block
 #    (``BlockRecord``), the pack indexes and positions its saved tensors took,
-#    its forward time and the bytes of its tensor arguments (what a
-#    checkpoint of it saves instead).
+#    its entry time, its forward time and its tensor arguments (what a
+#    checkpoint of it saves instead; ``BlockInput``, rule 6).
 # 3. The solver prices the block like a tensor option (NOTE [Planner cost
-#    model] in solver.py): it frees the block's saved bytes less its input
-#    bytes and costs one more forward of the block in backward.
+#    model] in solver.py): it frees the block's saved bytes less the bytes
+#    of the inputs it keeps, and costs one more forward of the block in
+#    backward, plus the moves of the inputs it moves (rule 6).
 # 4. A step that follows a plan checkpointing block b packs something else
 #    there: the checkpoint's inputs instead of the block's tensors (the
 #    block's own saves happen only in the recompute, in backward, under
@@ -106,8 +107,9 @@ follows, and the closed loop that corrects a plan from measurement.
 #    So at the block's entry the step must stand where the profile stood
 #    (same block name, pack index ``start`` and position ``start_pos``;
 #    else the block runs plainly and the plan's keys decide as for any
-#    tensor); inside it the checkpoint's inputs are kept without a key
-#    check (they stay on the device: the plan counts them as kept), and on
+#    tensor); inside it the checkpoint's inputs take no pack index: each
+#    goes where the plan's ``PlannedBlock.inputs`` say (rule 6), matched by
+#    argument position and (shape, dtype, device), else kept; and on
 #    its exit the step's pack index and position jump to the profile's
 #    ``end`` and ``end_pos``. The rest of the step is thus numbered as in the
 #    profile, checked against the same keys and fast table, and is
@@ -119,6 +121,31 @@ follows, and the closed loop that corrects a plan from measurement.
 #    checkpoints that block: it is kept without taking a pack index
 #    (``Plan.revived_at``, counted in the plan's kept bytes), so the rest of
 #    the step stays numbered as in the profile.
+# 6. A checkpointed block's inputs (its tensor arguments, which the
+#    checkpoint saves at the block's entry and unpacks when backward starts
+#    the block's recompute: in the profile's timeline, the first unpack of a
+#    tensor saved inside the block) are kept, or moved to cpu (CUDA inputs)
+#    or nvme, each priced like a tensor's move over that window (solver.py).
+#    The options of a block are thus "checkpoint, inputs kept" and
+#    "checkpoint, inputs moved to T", ranked by price per freed byte; once a
+#    block is checkpointed with its inputs kept, moving each of them is one
+#    more option, so a budget below what the kept inputs need is still
+#    reached. Never recompute: an input is where the recompute starts;
+#    regenerating it means regenerating its producer, i.e. a larger
+#    checkpointed region (wrap that instead), and its producer is usually
+#    in the block before, itself checkpointed. Dedup (NOTE [Dedup] in
+#    step.py) decides what is one storage, per input (``BlockInput.kind``,
+#    recorded at the block's entry in the profile): a parameter stays as
+#    the pack hook keeps it (not counted); a small or unmovable one is kept;
+#    one whose storage an earlier tensor #j saved (``"before"``: a block
+#    after one ending in ReLU) shares #j's handle, counted there, or, where
+#    #j is not remembered (a kept tensor on the fast path), is kept and
+#    counted as a dedup hit (no bytes); if #j is inside a checkpointed block
+#    it is new and kept, counted; one the rest of the step saves again after
+#    the block (``"after"``) is kept, and that later save is a dedup hit of
+#    it (rule 5 does not count it again). Only ``"movable"`` inputs move, so
+#    a storage is moved at most once and counted once, by the plan and by
+#    the step's stats alike (the closed loop compares them).
 # Checkpointing preserves the RNG state (torch.utils.checkpoint's default),
 # so dropout inside a checkpointed block draws the same bits: exact.
 """
@@ -129,6 +156,8 @@ import copy
 import dataclasses
 import logging
 from typing import Optional
+
+import torch
 
 from ..config import BudgetShare
 from ..policy import Tier
@@ -152,7 +181,6 @@ MAX_PLANS = 16
 PROFILED_SIZES = 3
 KEPT_TOLERANCE = 0.05
 STALL_TOLERANCE_S = 0.002
-_KEEP_ORDER = (Tier.KEEP,)
 
 
 class _Rank:
@@ -204,7 +232,7 @@ class StepPlanning:
 
     __slots__ = ("planner", "plan", "recorder", "safe", "off_plan", "count", "tracks", "pos",
                  "kept_at", "step", "blocks_seen", "block_depth", "in_checkpoint", "revived",
-                 "scope", "kick")
+                 "scope", "kick", "checkpoint_inputs")
 
     def __init__(self, planner: "Planner", plan: Optional[Plan],
                  recorder: Optional[Recorder]) -> None:
@@ -235,6 +263,10 @@ class StepPlanning:
         self.blocks_seen = 0
         self.block_depth = 0
         self.in_checkpoint = False
+        #: While ``in_checkpoint``: dedup key -> tier order of the planned
+        #: checkpoint's inputs (None: counted with the tensor it shares;
+        #: rule 6); an input not in it is kept.
+        self.checkpoint_inputs: dict = {}
         #: The modules to track in (NOTE [Scoped tracking] in tracker.py), or
         #: ``None``: the whole forward (when ``tracks``). With hints, the whole
         #: forward: a step that leaves its plan asks the hints callable, whose
@@ -245,8 +277,6 @@ class StepPlanning:
     def order(self, index: int, t, nbytes: int, module: str, producers) -> tuple:
         """The tier order of tensor ``index`` (NOTE [Following a plan])."""
         self.count = index + 1
-        if self.in_checkpoint:   # NOTE [Blocks the planner may checkpoint], rule 4
-            return _KEEP_ORDER
         rec = self.recorder
         if rec is not None:
             op = None if producers is None else producers.op_name(t)
@@ -293,11 +323,13 @@ class StepPlanning:
                     or self.count != pb.start or self.pos != pb.start_pos):
                 return plain()
             self.kept_at = ()
+            self.checkpoint_inputs = _input_orders(pb, args, self.step.key_of)
             self.in_checkpoint = True
             try:
                 out = checkpointed()
             finally:
                 self.in_checkpoint = False
+                self.checkpoint_inputs = {}
             # Rule 4: the rest of the step is numbered as in the profile.
             self.step.index = self.count = pb.end
             self.pos = pb.end_pos
@@ -306,6 +338,25 @@ class StepPlanning:
             return out
         finally:
             self.block_depth = 0
+
+
+def _input_orders(pb, args: tuple, key_of) -> dict:
+    """Dedup key -> tier order (``None``: a dedup hit counted with its saver)
+    of the planned inputs of checkpointed block ``pb`` that are moved or
+    shared, for the arguments ``args`` that match the plan's (shape, dtype,
+    device); every other input is kept (rule 6 of NOTE [Blocks the planner
+    may checkpoint])."""
+    out = {}
+    for x in pb.inputs:
+        if x.tier == Tier.KEEP.value and x.shared_with is None:
+            continue
+        a = args[x.arg] if x.arg < len(args) else None
+        if (type(a) is not torch.Tensor or tuple(a.shape) != x.shape
+                or str(a.dtype) != "torch." + x.dtype or str(a.device) != x.device):
+            continue
+        out[key_of(a)] = (None if x.shared_with is not None
+                          else tuple(Tier(t) for t in x.order))
+    return out
 
 
 class Planner:

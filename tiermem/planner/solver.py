@@ -32,11 +32,16 @@
 #    next option ("nvme: host budget full").
 #    A ``checkpoint="auto"`` block is one more option, ranked with the
 #    tensors' by the same price: checkpointing it costs its profiled forward
-#    once more in backward and frees the bytes saved inside it less its
-#    input bytes (which the checkpoint saves, kept). Taking it undoes the
-#    choices already made for its tensors (they are no longer saved)
-#    and skips them later (NOTE [Blocks the planner may checkpoint] in
-#    planner/runtime.py). Ties go to the tensors.
+#    once more in backward and frees the bytes saved inside it less the
+#    bytes of the inputs it keeps (which the checkpoint saves); or, moving
+#    its movable inputs to cpu or nvme, costs also their moves (priced as a
+#    tensor's: saved at the block's entry, needed at the first unpack of a
+#    tensor saved inside it) and frees those bytes too. Taking it undoes the
+#    choices already made for its tensors (they are no longer saved), skips
+#    them later, gives their room back to the tensors refused for room, and,
+#    where its inputs stay, makes moving each one more option (NOTE [Blocks
+#    the planner may checkpoint] in planner/runtime.py, rule 6). Ties go to
+#    the tensors, and to kept inputs.
 # 3. The prefetch window (the plan's ``suggested_prefetch_bytes``, which a
 #    step following the plan uses when ``prefetch_bytes`` is unset): the room
 #    the budget leaves at the start of backward (budget - predicted kept), no
@@ -65,15 +70,20 @@
 
 from __future__ import annotations
 
+import functools
+import heapq
+import itertools
 import time
+from types import SimpleNamespace
 from typing import List, Optional, Tuple
 
 from ..policy import Tier
 from ..prefetch import AUTO_MIN_BYTES
 from ..telemetry import format_bytes
 from .hints import is_move_hint
-from .plan import CHECKPOINTED, Plan, PlannedBlock, PlannedTensor, revived_positions
-from .profile import BlockRecord, Profile, TensorRecord
+from .plan import (CHECKPOINTED, Plan, PlannedBlock, PlannedInput, PlannedTensor,
+                   revived_positions)
+from .profile import BlockInput, BlockRecord, Profile, TensorRecord
 from .rates import Rates
 
 __all__ = ["make_plan", "safe_order", "tier_orders", "cpu_charge_s", "plan_window_bytes"]
@@ -286,19 +296,74 @@ def _hinted_first(r: TensorRecord, opts: List[_Option]) -> List[_Option]:
     return sorted(opts, key=lambda o: order.index(o.tier) if o.tier in order else len(order))
 
 
+class _In:
+    """A movable input of block option ``block`` (rule 6 of NOTE [Blocks the
+    planner may checkpoint] in planner/runtime.py): ``rec`` stands for it in
+    the timeline (saved at the block's entry, needed when backward starts
+    the block's recompute), ``opts`` its moves, ``move`` the one taken."""
+
+    __slots__ = ("block", "x", "rec", "opts", "move")
+
+    def __init__(self, block: "_Block", x: BlockInput, rec: TensorRecord, opts) -> None:
+        self.block, self.x, self.rec, self.opts = block, x, rec, opts
+        self.move: Optional[_Option] = None
+
+
 class _Block:
     """A block option (NOTE [Blocks the planner may checkpoint] in
-    planner/runtime.py): checkpointing frees ``freed`` bytes for ``cost_s``."""
+    planner/runtime.py): checkpointing frees ``freed`` bytes for ``cost_s``
+    with its inputs kept; ``tier``: the tier its movable inputs go to in its
+    cheapest option per freed byte (``price``), None to keep them."""
 
-    __slots__ = ("rec", "saved", "freed", "cost_s", "chosen", "has_must")
+    __slots__ = ("rec", "saved", "freed", "cost_s", "chosen", "has_must", "need_s", "ins",
+                 "kept_in", "before_kept", "tier", "price")
 
-    def __init__(self, rec: BlockRecord, records: List[TensorRecord], must_ids: set) -> None:
+    def __init__(self, rec: BlockRecord, records: List[TensorRecord], must_ids: set,
+                 rates: Rates, has_nvme: bool, bwd_start: float, new_index) -> None:
         self.rec = rec
         self.has_must = any(i in must_ids for i in range(rec.start, rec.end))
-        self.saved = sum(r.nbytes for r in records[rec.start:rec.end])
-        self.freed = self.saved - rec.input_bytes
+        inside = records[rec.start:rec.end]
+        self.saved = sum(r.nbytes for r in inside)
+        # The recompute starts at the first unpack of a tensor saved inside.
+        uses = [r._use for r in inside if r.first_use_s is not None]
+        self.need_s = min(uses) if uses else bwd_start
+        self.ins: List[_In] = []
+        #: Args of ``"before"`` inputs counted kept (their saver checkpointed).
+        self.before_kept: set = set()
+        if rec.inputs:
+            self.kept_in = sum(x.nbytes for x in rec.inputs if x.kind in _KEPT_KINDS)
+            for x in rec.inputs:
+                if x.kind != "movable":
+                    continue
+                r = TensorRecord(new_index(), rec.module, None, x.shape, x.dtype, x.device,
+                                 x.nbytes, rec.start_s, first_use_s=self.need_s)
+                r._use = self.need_s
+                opts = [o for o in _options(r, rates, has_nvme, bwd_start)
+                        if o.tier is not Tier.RECOMPUTE]
+                self.ins.append(_In(self, x, r, opts))
+        else:   # not recorded (a made-up profile): every input kept
+            self.kept_in = rec.input_bytes
+        self.freed = self.saved + rec.fixed_bytes - self.kept_in
         self.cost_s = rec.forward_s
         self.chosen = False
+        self.tier: Optional[Tier] = None
+        self.price = self.cost_s / self.freed if self.freed > 0 else float("inf")
+        for tier in (Tier.CPU, Tier.NVME):
+            moves = [next((o for o in i.opts if o.tier is tier), None) for i in self.ins]
+            if not moves or None in moves:
+                continue
+            freed = self.freed + sum(i.x.nbytes for i in self.ins)
+            price = (self.cost_s + sum(o.cost_s for o in moves)) / freed if freed > 0 else None
+            if price is not None and price < self.price:
+                self.price, self.tier = price, tier
+
+    def moved_bytes(self) -> int:
+        return sum(i.x.nbytes for i in self.ins if i.move is not None)
+
+
+#: Input kinds a checkpoint keeps and the kept bytes count (``"before"``
+#: only when its saver is not saved: see ``_Block.before_kept``).
+_KEPT_KINDS = ("movable", "small", "unmovable", "after")
 
 
 def _hint_group(r: TensorRecord) -> int:
@@ -312,19 +377,24 @@ def _choose(records, options, blocks, need: int, freed: int, room: dict, choice:
             costs: dict, reasons: dict, checkpointed: dict, hint_end: dict, must_ids: set,
             has_nvme: bool) -> Tuple[int, int]:
     """Step 2 of NOTE [Planner cost model]: take the cheapest options per freed
-    byte, tensors' and blocks', until ``need`` bytes are freed (``freed``:
-    already freed by the MUST answers, which are never revisited). Fills
-    ``choice``, ``costs``, ``reasons``, ``checkpointed`` and ``hint_end``;
-    returns (bytes freed, recipe and checkpoint input bytes the choices keep
-    beyond those of the MUST answers)."""
+    byte, tensors', blocks' and checkpointed blocks' inputs', until ``need``
+    bytes are freed (``freed``: already freed by the MUST answers, which are
+    never revisited). Fills ``choice``, ``costs``, ``reasons``,
+    ``checkpointed`` and ``hint_end``, and the blocks' ``chosen`` and their
+    inputs' ``move``; returns (bytes freed, recipe and checkpoint input bytes
+    the choices keep beyond those of the MUST answers)."""
     cands = [((_hint_group(r), options[r.index][0].cost_s / options[r.index][0].freed, 0,
                -(r._use - r.pack_s), r.index), r)
              for r in records if options[r.index] and r.index not in must_ids]
-    cands += [((1, b.cost_s / b.freed, 1, 0.0, b.rec.index), b) for b in blocks
-              if b.freed > 0 and not b.has_must]
-    cands.sort(key=lambda c: c[0])
+    cands += [((1, b.price, 1, 0.0, b.rec.index), b) for b in blocks
+              if b.price != float("inf") and not b.has_must]
+    order = itertools.count()
+    heap = [(key, next(order), c) for key, c in cands]
+    heapq.heapify(heap)
     extra_kept = 0
-    for _, c in cands:
+    refused = []   # (key, record): no room when their turn came
+    while heap:
+        key, _, c = heapq.heappop(heap)
         if freed >= need:
             break
         if isinstance(c, _Block):
@@ -345,7 +415,40 @@ def _choose(records, options, blocks, need: int, freed: int, room: dict, choice:
                                    "checkpointed")
             b.chosen = True
             freed += b.freed
-            extra_kept += b.rec.input_bytes
+            extra_kept += b.kept_in
+            # "before" inputs whose saver is no longer saved are kept anew
+            # (rule 6 of the NOTE), this block's and earlier chosen ones'.
+            for o in blocks:
+                for x in o.rec.inputs if o.chosen else ():
+                    if (x.kind == "before" and x.arg not in o.before_kept
+                            and x.saved_as in checkpointed):
+                        o.before_kept.add(x.arg)
+                        freed -= x.nbytes
+                        extra_kept += x.nbytes
+            for i in b.ins:
+                move = next((o for o in i.opts if o.tier is b.tier), None)
+                if move is not None and room[move.tier] >= i.x.nbytes:
+                    room[move.tier] -= i.x.nbytes
+                    i.move = move
+                    freed += i.x.nbytes
+                    extra_kept -= i.x.nbytes
+                elif i.opts:   # kept for now; moving it is one more option
+                    o = i.opts[0]
+                    heapq.heappush(heap, ((1, o.cost_s / o.freed, 2, -(i.rec._use - i.rec.pack_s),
+                                           i.rec.index), next(order), i))
+            for key, r in refused:   # the block gave room back: their turn again
+                reasons.pop(r.index, None)
+                heapq.heappush(heap, (key, next(order), r))
+            refused.clear()
+            continue
+        if isinstance(c, _In):
+            for o in c.opts:
+                if room[o.tier] >= c.x.nbytes:
+                    room[o.tier] -= c.x.nbytes
+                    c.move = o
+                    freed += c.x.nbytes
+                    extra_kept -= c.x.nbytes
+                    break
             continue
         r = c
         if r.index in checkpointed:
@@ -368,6 +471,7 @@ def _choose(records, options, blocks, need: int, freed: int, room: dict, choice:
             break
         else:
             reasons[r.index] = "kept: host and disk budgets full"
+            refused.append((key, r))
         group = _hint_group(r)
         if r.hint is not None and group == 2 and choice[r.index] is not Tier.KEEP:
             hint_end[r.index] = (f"; hint {r.hint[1]} overridden: the budget was still "
@@ -384,28 +488,103 @@ def _choose(records, options, blocks, need: int, freed: int, room: dict, choice:
     return freed, extra_kept
 
 
-def _planned_block(b: _Block, need: int, kept_all: int, budget_bytes: int) -> PlannedBlock:
+def _planned_block(b: _Block, need: int, kept_all: int, budget_bytes: int, stalls: dict,
+                   has_nvme: bool, met: bool) -> PlannedBlock:
     """The plan's entry for block ``b``, with the reason of its choice."""
     rec = b.rec
+    small = f" + {format_bytes(rec.fixed_bytes)} small" if rec.fixed_bytes else ""
     what = (f"{rec.forward_s * 1e3:.2f} ms more forward in backward to free "
-            f"{format_bytes(max(0, b.freed))} (saved {format_bytes(b.saved)} less inputs "
-            f"{format_bytes(rec.input_bytes)})")
+            f"{format_bytes(max(0, b.freed))} (saved {format_bytes(b.saved)}{small} less inputs "
+            f"{format_bytes(b.kept_in)})")
+    inputs = []
     if b.chosen:
-        reason = f"checkpoint: {what}; {b.cost_s / b.freed * 1e9:.3f} s per GB freed"
+        moved = b.moved_bytes()
+        tiers = sorted({i.move.tier.value for i in b.ins if i.move is not None})
+        head = ("checkpoint" if not moved else
+                f"checkpoint, inputs moved to {'/'.join(tiers)}")
+        what = (f"{rec.forward_s * 1e3:.2f} ms more forward in backward to free "
+                f"{format_bytes(b.freed + moved)} (saved {format_bytes(b.saved)}{small}, inputs "
+                f"{format_bytes(b.kept_in)}" + (f", {format_bytes(moved)} of them moved"
+                                                if moved else " kept") + ")")
+        cost = b.cost_s + sum(i.move.cost_s for i in b.ins if i.move is not None)
+        reason = (f"{head}: {what}" + (f" and {(cost - b.cost_s) * 1e3:.2f} ms to move them "
+                                       "(stall + CPU)" if moved else "")
+                  + f"; {cost / max(1, b.freed + moved) * 1e9:.3f} s per GB freed")
+        inputs = _planned_inputs(b, stalls, has_nvme, met)
     elif need <= 0:
         reason = (f"no checkpoint: everything fits in the device budget "
                   f"({format_bytes(kept_all)} <= {format_bytes(budget_bytes)})")
     elif b.has_must:
         reason = ("no checkpoint: it saves tensors with MUST answers (hints), which "
                   "checkpointing would not obey")
-    elif b.freed <= 0:
-        reason = (f"no checkpoint: its inputs ({format_bytes(rec.input_bytes)}) are as large "
+    elif b.price == float("inf"):
+        reason = (f"no checkpoint: its inputs ({format_bytes(b.kept_in)}) are as large "
                   f"as what it saves ({format_bytes(b.saved)})")
     else:
         reason = (f"no checkpoint: the budget is met by cheaper options (a checkpoint: "
-                  f"{what}; {b.cost_s / b.freed * 1e9:.3f} s per GB freed)")
+                  f"{what}" + (f", or its inputs moved to {b.tier.value} too" if b.tier else "")
+                  + f"; {b.price * 1e9:.3f} s per GB freed)")
     return PlannedBlock(rec.index, rec.module, rec.start, rec.end, rec.start_pos, rec.end_pos,
-                        b.saved, rec.input_bytes, rec.forward_s, b.chosen, reason)
+                        b.saved, rec.input_bytes, rec.forward_s, b.chosen, reason, inputs)
+
+
+_KIND_REASON = {
+    "param": "a parameter (or a leaf that requires grad): never moved, not counted",
+    "small": "smaller than min_offload_bytes: kept",
+    "unmovable": "not a plain cpu or cuda tensor: kept",
+    "after": ("kept: the rest of the step saves it again after the block (moving it "
+              "would not free it)"),
+}
+
+
+def _planned_inputs(b: _Block, stalls: dict, has_nvme: bool, met: bool) -> List[PlannedInput]:
+    """What the checkpoint of chosen block ``b`` saves, per tensor argument
+    (``met``: the plan meets its budget)."""
+    rec = b.rec
+    head = f"block #{rec.index} checkpointed; its input"
+    moves = {i.x.arg: i for i in b.ins}
+    out = []
+    for x in rec.inputs:
+        dev = "cuda" if x.device.startswith("cuda") else "cpu"
+        tier, kept, cost, cpu, shared = Tier.KEEP, x.nbytes, 0.0, 0.0, None
+        window_s = b.need_s - rec.start_s
+        i = moves.get(x.arg)
+        if i is not None and i.move is not None:
+            o = i.move
+            tier, kept, cost, cpu = o.tier, 0, stalls[i.rec.index], o.cpu_s
+            cmp = ">=" if window_s >= o.out_s + o.back_s else "<"
+            reason = (f"{head} moved to {tier.value}: window {window_s * 1e3:.1f} ms (to the "
+                      f"start of its recompute) {cmp} copy {(o.out_s + o.back_s) * 1e3:.1f} ms "
+                      f"(predicted stall {cost * 1e3:.2f} ms"
+                      + (f", CPU {cpu * 1e3:.2f} ms" if cpu else "") + ")")
+        elif i is not None:
+            if not i.opts:
+                why = ("the cpu tier would hold a CPU tensor in the same RAM"
+                       if dev == "cpu" else "no move measured") + (
+                           "" if has_nvme else "; no nvme_dir")
+                reason = f"{head} kept: no tier frees its memory here ({why})"
+            elif not met:
+                reason = f"{head} kept: host and disk budgets full"
+            else:
+                o = i.opts[0]
+                reason = (f"{head} kept: the budget is met without moving it (a "
+                          f"{o.tier.value} move would cost {o.cost_s * 1e3:.2f} ms: stall + CPU)")
+        elif x.kind == "before":
+            if x.arg in b.before_kept:
+                reason = (f"{head} kept: a dedup hit of #{x.saved_as} in a plain step, "
+                          "whose block is checkpointed too")
+            else:
+                kept, shared = 0, x.saved_as
+                reason = (f"{head} shares the handle of #{x.saved_as} (saved before the "
+                          "block; counted there)")
+        else:
+            kept = 0 if x.kind == "param" else x.nbytes
+            reason = f"{head} {_KIND_REASON[x.kind]}"
+        order = (tier_orders(dev, has_nvme)[tier] if tier is not Tier.KEEP else (Tier.KEEP,))
+        out.append(PlannedInput(x.arg, tuple(x.shape), x.dtype, x.device, x.nbytes, x.kind,
+                                tier.value, tuple(t.value for t in order), kept, reason,
+                                window_s, cost, cpu, shared))
+    return out
 
 
 def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting: str, *,
@@ -455,7 +634,9 @@ def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting:
         if r.hint is not None and not r.hint[0].must and is_move_hint(r.hint[0]):
             options[r.index] = _hinted_first(r, options[r.index])
     must_ids = {r.index for r in musts}
-    blocks = [_Block(b, records, must_ids) for b in profile.blocks]
+    synthetic = itertools.count(len(records))   # timeline indexes of block inputs
+    blocks = [_Block(b, records, must_ids, rates, has_nvme, bwd_start,
+                     functools.partial(next, synthetic)) for b in profile.blocks]
     checkpointed: dict = {}   # record index -> its checkpointed _Block
     if need <= freed:
         for r in records:
@@ -494,18 +675,31 @@ def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting:
             hint_end[r.index] = f"; hint {r.hint[1]} followed"
     chosen = [(r, costs[r.index]) for r in records
               if choice[r.index] in (Tier.CPU, Tier.NVME)]
-    kept = profile.fixed_kept_bytes + extra_kept + same_ram + sum(
+    chosen += [(i.rec, i.move) for b in blocks if b.chosen for i in b.ins if i.move is not None]
+    # Small tensors saved inside checkpointed blocks are saved no more.
+    fixed_kept = profile.fixed_kept_bytes - sum(b.rec.fixed_bytes for b in blocks if b.chosen)
+    kept = fixed_kept + extra_kept + same_ram + sum(
         r.nbytes for r in records
         if choice[r.index] is Tier.KEEP and r.index not in checkpointed)
-    planned_blocks = [_planned_block(b, need, kept_all, budget_bytes)
-                      for b in blocks]
-    kept += sum(records[i].nbytes for i in {   # rule 5 of the NOTE
-        ~profile.positions[pos] for pos in revived_positions(planned_blocks, profile.positions)})
+    # Rule 5 of the NOTE: saved again after a checkpointed block, new there;
+    # but an input's own later save shares the input's handle (rule 6).
+    spans = [SimpleNamespace(checkpoint=b.chosen, start=b.rec.start, end=b.rec.end,
+                             start_pos=b.rec.start_pos, end_pos=b.rec.end_pos) for b in blocks]
+    shared_later = {x.saved_as for b in blocks if b.chosen for x in b.rec.inputs
+                    if x.kind == "after"}
+    kept += sum(records[i].nbytes for i in {
+        ~profile.positions[pos] for pos in revived_positions(spans, profile.positions)}
+        - shared_later)
     window = plan_window_bytes(budget_bytes, kept, sum(r.nbytes for r, _ in chosen),
                                prefetch_bytes)
     kick = _kick(records, choice, checkpointed, chosen)
     stalls, stall_total, _ = _simulate(chosen, bwd_start, window,
                                        None if kick is None else kick.first_use_s)
+    planned_blocks = [_planned_block(b, need, kept_all, budget_bytes, stalls, has_nvme,
+                                     freed >= need) for b in blocks]
+    inside_of = {x.saved_as: (pb, px) for b, pb in zip(blocks, planned_blocks) if b.chosen
+                 for x, px in zip(b.rec.inputs, pb.inputs)
+                 if x.kind in ("movable", "after") and x.saved_as is not None}
     recompute_total = cpu_total = 0.0
     tensors = []
     orders = {}
@@ -527,7 +721,8 @@ def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting:
                 r.index, r.module, r.op, r.shape, r.dtype, r.nbytes, CHECKPOINTED,
                 tuple(t.value for t in order[Tier.RECOMPUTE]),
                 f"checkpointed with its block (#{b.rec.index} {b.rec.module}): saved only "
-                "in backward's recompute" + hint_end.get(r.index, ""), window_s, 0.0,
+                "in backward's recompute" + _as_input(inside_of.get(r.index))
+                + hint_end.get(r.index, ""), window_s, 0.0,
                 None if r.hint is None else r.hint[1], pack_s=r.pack_s))
             continue
         if tier is Tier.RECOMPUTE:
@@ -567,8 +762,9 @@ def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting:
             None if r.hint is None else r.hint[1], must, cpu_s=cpu, pack_s=r.pack_s,
             input_kept_bytes=r.input_kept_bytes if tier is Tier.RECOMPUTE else 0))
     recompute_total += sum(b.cost_s for b in blocks if b.chosen)
+    cpu_total += sum(x.cpu_s for b in planned_blocks for x in b.inputs)
     return Plan(profile.signature, tensors, budget_bytes, budget_setting,
-                profile.baseline_bytes, profile.fixed_kept_bytes, kept, stall_total,
+                profile.baseline_bytes, fixed_kept, kept, stall_total,
                 recompute_total, window, rates.as_dict(), time.perf_counter() - t0,
                 replans, replan_reason, notes=notes, blocks=planned_blocks,
                 predicted_cpu_s=cpu_total, kick_index=None if kick is None else kick.index)
@@ -584,6 +780,15 @@ def _kick(records, choice, checkpointed, chosen) -> Optional[TensorRecord]:
     kept = [r for r in records if choice[r.index] is Tier.KEEP and r.index not in checkpointed
             and r.first_use_s is not None and r.first_use_s < first_move]
     return min(kept, key=lambda r: (r.first_use_s, r.index), default=None)
+
+
+def _as_input(found) -> str:
+    """The end of a checkpointed tensor's reason when it is its block's input."""
+    if found is None:
+        return ""
+    b, x = found
+    where = "kept" if x.tier == Tier.KEEP.value else f"moved to {x.tier}"
+    return f"; its storage is the block's input {x.arg}, which the checkpoint saves: {where}"
 
 
 def _per_mib(seconds: float, freed: int) -> str:
