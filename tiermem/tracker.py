@@ -164,18 +164,26 @@ def current_module() -> str:
 # backward] in paramcheck.py) rather than copied before the write.
 
 
+_NOTHING: frozenset = frozenset()
+
+
 class TrackingScope:
     """Enters ``mode`` (a dispatch mode) on this thread only while the innermost
     running module is named in ``names``, or (``blocks``) while a wrapped
     block whose policy recomputes runs. See NOTE [Scoped tracking].
-    Registered by :class:`ModuleStack`."""
+    ``ops``: ``None``, or per module of ``names`` the op names the mode is to
+    record there (set as ``mode.wanted`` at each module boundary; every
+    recomputable op inside a block): NOTE [Recording only what recipes use]
+    in producers.py. Registered by :class:`ModuleStack`."""
 
-    __slots__ = ("mode", "names", "blocks", "active", "entries", "in_blocks")
+    __slots__ = ("mode", "names", "blocks", "active", "entries", "in_blocks", "ops")
 
-    def __init__(self, mode, names=frozenset(), blocks: bool = False) -> None:
+    def __init__(self, mode, names=frozenset(), blocks: bool = False,
+                 ops: Optional[dict] = None) -> None:
         self.mode = mode
         self.names = frozenset(names)
         self.blocks = blocks
+        self.ops = ops
         self.active = False
         #: Times the mode was entered (tests, benchmarks).
         self.entries = 0
@@ -185,6 +193,9 @@ class TrackingScope:
     def update(self, innermost: str) -> None:
         """The innermost running module is now ``innermost`` (``""``: none)."""
         want = self.in_blocks > 0 or innermost in self.names
+        ops = self.ops
+        if want and ops is not None:
+            self.mode.wanted = None if self.in_blocks > 0 else ops.get(innermost, _NOTHING)
         if want is self.active:
             return
         if want:
