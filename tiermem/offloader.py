@@ -81,11 +81,12 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         must_blocks = blocks_need_full_tracking()
         # Whether anything reads the names of ops that are not recomputable:
         # TensorInfo.op (a callable policy, the profile, hints), the reasons in
-        # stats.recompute_fallback_reasons and a MUST_RECOMPUTE error; not a
-        # step of an auto Offloader without hints that follows a plan or the
-        # safe order (NOTE [Recording only what recipes use] in producers.py).
+        # stats.recompute_fallback_reasons (fixed policies, wrapped blocks) and
+        # a MUST_RECOMPUTE error; not a step of an auto Offloader without hints
+        # that follows a plan or the safe order (NOTE [Recording only what
+        # recipes use] in producers.py).
         op_names = (planning is None or must_blocks or planning.recorder is not None
-                    or planner.hints is not None)
+                    or planner.hints is not None or blocks_need_producers())
         if (placement.tracks_producers if planning is None else (
                 planning.tracks and names is None)) or must_blocks:
             self.producers = ProducerMode(

@@ -150,7 +150,9 @@ def current_module() -> str:
 # reads ``TensorInfo.op`` off the plan) track the whole forward.
 # The scope is fixed when the step starts: a step that switches to another
 # cached plan midway (NOTE [Following a plan] in planner/runtime.py) keeps
-# the first plan's scope.
+# the first plan's scope. Inside the scope, a step following a plan records
+# only the ops its recipes use (``ops``: NOTE [Recording only what recipes
+# use] in producers.py); the mode is still called for every op there.
 # Exactness does not rest on the scope: an op that ran outside it has no
 # record, so a recipe that reaches its output stores that tensor as an input
 # (NOTE [What a recipe holds], case 4: the tensor itself, as it was at the
