@@ -392,11 +392,14 @@ class ProducerMode(TorchDispatchMode):
     # recomputable ops: to it, a record whose ``func`` is ``None`` and no
     # record at all both mean "no recipe from here" (the tensor is stored as a
     # recipe input, or not recomputed). So:
-    # 1. A mode made with ``names=False`` (a fixed policy; a step of an auto
-    #    Offloader without hints that follows a plan or the safe order: no one
-    #    reads ``TensorInfo.op``) records no op that is not recomputable: the
-    #    op just runs. Its writes are still seen (NOTE [Writes to dropped
-    #    tensors], NOTE [Writes to recipe inputs]).
+    # 1. A mode made with ``names=False`` (a step of an auto Offloader without
+    #    hints that follows a plan or the safe order, no wrapped block that may
+    #    recompute being live: no one reads ``TensorInfo.op`` or the names in
+    #    ``stats.recompute_fallback_reasons``) records no op that is not
+    #    recomputable: the op just runs. Its writes are still seen (NOTE
+    #    [Writes to dropped tensors], NOTE [Writes to recipe inputs]). A
+    #    tensor it does not record falls back with the reason "no recorded
+    #    producer" rather than "op X is not recomputable".
     # 2. In a step following a plan, the TrackingScope sets ``wanted`` at each
     #    module boundary to the names of the ops the plan's recipes ran in
     #    that module, as its profile recorded them (``Plan.tracking_ops``,
