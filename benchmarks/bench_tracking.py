@@ -11,13 +11,19 @@ order rotated each round), warm-up discarded, medians:
   ``TorchDispatchMode``-based tool, such as selective checkpointing);
 - ``producer_mode``: :class:`~tiermem.producers.ProducerMode` around the
   whole forward; ``full_tracking``: the same with the module tracker (what a
-  step whose plan recomputed cost before scoping);
+  step whose plan recomputed cost before scoping); ``producer_mode_nonames``:
+  the mode made with ``names=False`` (ops that are not recomputable run
+  unrecorded: NOTE [Recording only what recipes use] in tiermem/producers.py);
 - ``scoped_plan``, ``scoped_all_blocks``, ``scoped_1_block``: the module
   tracker with a :class:`~tiermem.tracker.TrackingScope` over the modules of
   a real ``auto`` plan's recipes (``--budget``: on the CPU without an NVMe
   dir the plan recomputes everything it can), over those inside the blocks,
   and over those of block 0 only (the scope of a plan that recomputes one
-  block's tensors);
+  block's tensors); these record every recomputable op in scope, as steps
+  did before NOTE [Recording only what recipes use];
+- ``scoped_plan_ops``, ``scoped_all_blocks_ops``: the same scopes as a step
+  following the plan tracks them now: ``names=False`` and, per module, only
+  the ops its recipes ran there (``plan.tracking_ops``);
 - ``auto_scoped`` / ``auto_whole_forward``: the forward of a step of a real
   ``Offloader(policy="auto")`` following that plan, with its scope, and with
   whole-forward tracking forced (each round also runs the backward, untimed).
@@ -77,12 +83,27 @@ class ModuleOfEachOp(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _scoped(names):
+def _scoped(names, ops=None, names_too=True):
     def ctx():
         stack = contextlib.ExitStack()
-        stack.enter_context(ModuleStack(scope=TrackingScope(ProducerMode(), names)))
+        mode = ProducerMode(names=names_too)
+        stack.enter_context(ModuleStack(scope=TrackingScope(mode, names, ops=ops)))
+        stack.mode = mode
         return stack
     return ctx
+
+
+def _nonames():
+    return ProducerMode(names=False)
+
+
+def records_made(ctx_factory, model, x) -> int:
+    """Records one forward under ``ctx_factory()`` leaves (outputs recorded)."""
+    ctx = ctx_factory()
+    with ctx:
+        model(x, x)
+    mode = ctx if isinstance(ctx, ProducerMode) else ctx.mode
+    return len(mode._records)
 
 
 def _full():
@@ -175,8 +196,9 @@ def grad_fn_feasibility(model, x) -> dict:
 
 def per_op_cost(n: int = 4000, repeats: int = 7) -> dict:
     """Microseconds per op added by each mode, on ops whose kernel is tiny (a
-    small ``add``: the cost is the mode's), and per enter+leave of a scope's
-    mode (one module boundary each way); min of ``repeats``."""
+    small ``add``: the cost is the mode's; ``producer_mode_unrecorded``: an op
+    the mode does not record), and per enter+leave of a scope's mode (one
+    module boundary each way); min of ``repeats``."""
     a = torch.ones(4)
 
     def ops():
@@ -193,8 +215,14 @@ def per_op_cost(n: int = 4000, repeats: int = 7) -> dict:
         return best
 
     plain = timed(contextlib.nullcontext)
+    def unrecorded():
+        mode = ProducerMode(names=False)
+        mode.wanted = frozenset()   # add is not among the ops to record
+        return mode
+
     out = {"noop_mode": (timed(NoopMode) - plain) / n * 1e6,
-           "producer_mode": (timed(ProducerMode) - plain) / n * 1e6}
+           "producer_mode": (timed(ProducerMode) - plain) / n * 1e6,
+           "producer_mode_unrecorded": (timed(unrecorded) - plain) / n * 1e6}
     mode = ProducerMode()
     best = float("inf")
     for _ in range(repeats):
@@ -248,14 +276,23 @@ def main(argv=None) -> int:
     block0 = frozenset(n for n in in_blocks if n.startswith("TinyGPT.blocks.0."))
     scopes = {"scoped_plan": plan_scope, "scoped_all_blocks": in_blocks,
               "scoped_1_block": block0}
+    plan_ops = plan.tracking_ops
+    if plan_ops is None:
+        sys.exit("bench_tracking: the plan records every op in its scope; no filter to measure")
     configs = {
         "none": contextlib.nullcontext,
         "module_hooks": ModuleStack,
         "noop_mode": NoopMode,
         "producer_mode": ProducerMode,
+        "producer_mode_nonames": _nonames,
         "full_tracking": _full,
     }
     configs.update({k: _scoped(v) for k, v in scopes.items()})
+    configs["scoped_plan_ops"] = _scoped(plan_scope, plan_ops, names_too=False)
+    configs["scoped_all_blocks_ops"] = _scoped(
+        in_blocks, {m: n for m, n in plan_ops.items() if m in in_blocks}, names_too=False)
+    recorded = {k: records_made(configs[k], model, x) for k in configs
+                if k.startswith(("producer_mode", "scoped_"))}
     runners = {k: (lambda c: (lambda m, i: _under(c, m, i)))(c) for k, c in configs.items()}
     if not a.no_auto:
         off_full, _ = _plan_scope(model, x, a.budget)
@@ -291,6 +328,8 @@ def main(argv=None) -> int:
            "scopes": {k: {"modules": sorted(v),
                           "ops_tracked": sum(counter.by_module[m] for m in v)}
                       for k, v in scopes.items()},
+           "plan_tracking_ops": {m: sorted(n) for m, n in sorted(plan_ops.items())},
+           "records_per_forward": recorded,
            "torch_threads": torch.get_num_threads(), "clock": a.clock,
            "forward_seconds": {k: summarize(v) for k, v in times.items()},
            "forward_wall_seconds": {k: summarize(v) for k, v in walls.items()}}
@@ -299,9 +338,11 @@ def main(argv=None) -> int:
     res["paired_ratio_vs_none"] = {
         k: statistics.median(t / b for t, b in zip(times[k], times["none"]))
         for k in times if k != "none"}
+    scoped_rows = ("full_tracking", "scoped_plan", "scoped_all_blocks", "scoped_1_block",
+                   "scoped_plan_ops", "scoped_all_blocks_ops")
     res["paired_ratio_vs_module_hooks"] = {
         k: statistics.median(t / b for t, b in zip(times[k], times["module_hooks"]))
-        for k in ("full_tracking", "scoped_plan", "scoped_all_blocks", "scoped_1_block")}
+        for k in scoped_rows}
     if not a.no_auto:
         res["paired_ratio_auto_scoped_vs_whole_forward"] = statistics.median(
             t / b for t, b in zip(times["auto_scoped"], times["auto_whole_forward"]))
@@ -311,10 +352,9 @@ def main(argv=None) -> int:
     base = med["none"]
     res["overhead_vs_none"] = {k: med[k] / base - 1 for k in med if k != "none"}
     res["tracking_cost_vs_module_hooks"] = {
-        k: med[k] / med["module_hooks"] - 1
-        for k in ("full_tracking", "scoped_plan", "scoped_all_blocks", "scoped_1_block")}
+        k: med[k] / med["module_hooks"] - 1 for k in scoped_rows}
     res["overhead_per_op_us"] = {k: (med[k] - base) / n_ops * 1e6
-                                 for k in ("noop_mode", "producer_mode")}
+                                 for k in ("noop_mode", "producer_mode", "producer_mode_nonames")}
     if not a.no_auto:
         res["auto_scoped_vs_whole_forward"] = med["auto_scoped"] / med["auto_whole_forward"] - 1
     if a.grad_fn:

@@ -78,15 +78,27 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         #: tracker.py); ``None``: the whole forward, or not at all.
         self.tracking: Optional[TrackingScope] = None
         names = None if planning is None else planning.scope
+        must_blocks = blocks_need_full_tracking()
+        # Whether anything reads the names of ops that are not recomputable:
+        # TensorInfo.op (a callable policy, the profile, hints), the reasons in
+        # stats.recompute_fallback_reasons (fixed policies, wrapped blocks) and
+        # a MUST_RECOMPUTE error; not a step of an auto Offloader without hints
+        # that follows a plan or the safe order (NOTE [Recording only what
+        # recipes use] in producers.py).
+        op_names = (planning is None or must_blocks or planning.recorder is not None
+                    or planner.hints is not None or blocks_need_producers())
         if (placement.tracks_producers if planning is None else (
-                planning.tracks and names is None)) or blocks_need_full_tracking():
+                planning.tracks and names is None)) or must_blocks:
             self.producers = ProducerMode(
-                module_names=planning is not None and planning.recorder is not None)
+                module_names=planning is not None and planning.recorder is not None,
+                names=op_names)
         else:
             blocks = blocks_need_producers()
             if names or blocks:
-                self.producers = ProducerMode()
-                self.tracking = TrackingScope(self.producers, names or (), blocks)
+                self.producers = ProducerMode(names=op_names)
+                self.tracking = TrackingScope(
+                    self.producers, names or (), blocks,
+                    ops=None if planning is None else planning.scope_ops)
         prefetch_bytes = offloader.config.prefetch_bytes
         if (prefetch_bytes is None and self.planning is not None
                 and self.planning.plan is not None):

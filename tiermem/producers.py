@@ -139,13 +139,28 @@ def storage_key(t: torch.Tensor, storage=None) -> tuple:
             t._version, t.is_conj(), t.is_neg())
 
 
+class _StorageRef:
+    """A weak reference to a storage: pins the storage object's identity (its
+    ``cdata`` address cannot be reused while held), not its memory. What
+    ``StorageWeakRef`` holds, made for half its cost (one made per tensor
+    argument of each recorded op)."""
+
+    __slots__ = ("cdata",)
+
+    def __init__(self, storage) -> None:
+        self.cdata = storage._weak_ref()
+
+    def __del__(self, _free=torch.UntypedStorage._free_weak_ref) -> None:
+        _free(self.cdata)
+
+
 class Ref:
     """A tensor argument of a recorded op, held weakly (NOTE [Records hold no tensor]).
 
-    ``key`` and ``storage`` (a weak reference to the storage) find the handle
-    of the same values later even when this Python object is gone: the pack
-    hook often stores a different object (``t.detach()``, a copy) than the one
-    the op received.
+    ``key`` and ``storage`` (a weak reference to the storage; only its
+    ``cdata`` is read) find the handle of the same values later even when
+    this Python object is gone: the pack hook often stores a different object
+    (``t.detach()``, a copy) than the one the op received.
     """
 
     __slots__ = ("tensor_ref", "version", "record", "nbytes", "key", "storage")
@@ -154,10 +169,10 @@ class Ref:
         self.tensor_ref = weakref.ref(t)
         self.version = t._version
         self.record = record
-        self.nbytes = t.numel() * t.element_size()
+        self.nbytes = t.nbytes
         storage = t.untyped_storage()
         self.key = storage_key(t, storage)
-        self.storage = StorageWeakRef(storage)
+        self.storage = _StorageRef(storage)
 
     def alive(self) -> Optional[torch.Tensor]:
         """The argument if it is still alive and unchanged since the op ran.
@@ -228,11 +243,13 @@ _UNSUPPORTED = _Unsupported()
 
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_STRIDED = torch.strided
+_inference_mode = torch.is_inference_mode_enabled
 
 
 def _plain(t: torch.Tensor) -> bool:
     """A dense tensor (or parameter) of the base class with a version counter."""
-    return type(t) in _PLAIN_TYPES and t.layout == torch.strided and not t.is_inference()
+    return type(t) in _PLAIN_TYPES and t.layout is _STRIDED and not t.is_inference()
 
 
 def _generator_for(device: torch.device, explicit) -> Optional[torch.Generator]:
@@ -254,11 +271,23 @@ class ProducerMode(TorchDispatchMode):
     op ran in (``Record.module``; the planner's profile uses it to scope the
     tracking of the steps that follow its plan: NOTE [Scoped tracking] in
     tracker.py). It may be entered and left several times in one forward (the
-    records made so far stay valid)."""
+    records made so far stay valid).
 
-    def __init__(self, module_names: bool = False) -> None:
+    ``names``: also record the ops that are not recomputable (name only), so
+    that :meth:`op_name` answers for every tensor (``TensorInfo.op``). With
+    ``names=False`` (a step whose policy never reads ``TensorInfo.op``) they
+    run unrecorded, and :meth:`op_name` is not to be asked (it answers only
+    for recorded ops, without looking through views). ``wanted``: ``None``,
+    or the op names (``aten`` packet names) to record; a
+    :class:`~tiermem.tracker.TrackingScope` sets it per module. See NOTE
+    [Recording only what recipes use]."""
+
+    def __init__(self, module_names: bool = False, names: bool = True) -> None:
         super().__init__()
         self.module_names = module_names
+        self.names = names
+        #: Op names to record (``None``: every recomputable op).
+        self.wanted: Optional[frozenset] = None
         self._records: dict = {}    # id(tensor) -> (weakref to tensor, Record)
         self._ops: dict = {}        # OpOverload -> _OpInfo
         #: storage cdata -> [weakref to a dropped tensor's handle]: see NOTE
@@ -356,51 +385,114 @@ class ProducerMode(TorchDispatchMode):
         rec = hit[1] if hit is not None and hit[0]() is t else None
         return Ref(t, rec)
 
+    # NOTE [Recording only what recipes use]
+    # Records have two readers: ``op_name`` (``TensorInfo.op``: a callable
+    # policy, the profile's table, hints) and the recompute tier
+    # (``record_of``, ``Ref.record``), which uses only the records of
+    # recomputable ops: to it, a record whose ``func`` is ``None`` and no
+    # record at all both mean "no recipe from here" (the tensor is stored as a
+    # recipe input, or not recomputed). So:
+    # 1. A mode made with ``names=False`` (a step of an auto Offloader without
+    #    hints that follows a plan or the safe order, no wrapped block that may
+    #    recompute being live: no one reads ``TensorInfo.op`` or the names in
+    #    ``stats.recompute_fallback_reasons``) records no op that is not
+    #    recomputable: the op just runs. Its writes are still seen (NOTE
+    #    [Writes to dropped tensors], NOTE [Writes to recipe inputs]). A
+    #    tensor it does not record falls back with the reason "no recorded
+    #    producer" rather than "op X is not recomputable".
+    # 2. In a step following a plan, the TrackingScope sets ``wanted`` at each
+    #    module boundary to the names of the ops the plan's recipes ran in
+    #    that module, as its profile recorded them (``Plan.tracking_ops``,
+    #    gathered from ``RecomputeHandle.ops``: every node a recipe built), and
+    #    the other ops run unrecorded. A recipe of the profile is built from
+    #    records of those (module, op) pairs only, so the step finds again every
+    #    record its recipes used, given the same forward; more records than
+    #    that (the same op name elsewhere in the module) change nothing a
+    #    recipe chooses that the profile did not consider.
+    # Exactness does not rest on either (as for the scope, NOTE [Scoped
+    # tracking] in tracker.py): a record is made in full or not at all, and a
+    # missing one only makes a recipe store that tensor (bytes, which the
+    # closed loop measures) or decline. Records of an in-place op's output are
+    # not needed either: the tensor's version moved on (NOTE [Version of a
+    # record]), so its old record no longer describes it.
+    # Cost (TinyGPT, per op): see benchmarks/results/2026-12-01-cpu-tracking-fast.md.
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if torch.is_inference_mode_enabled():   # inference tensors: nothing to record
+        if kwargs is None:
+            kwargs = {}
+        if _inference_mode():   # inference tensors: nothing to record
             return _run_as_without_mode(func, types, args, kwargs)
         info = self._ops.get(func)
         if info is None:
             info = self._ops[func] = _OpInfo(func)
-        rng = None
-        recomputable = info.recomputable
-        if recomputable:
-            # Arguments are captured before the op runs (their versions then).
-            rargs = tuple(self._capture(a) for a in args)
-            rkwargs = {k: self._capture(v) for k, v in kwargs.items()}
-            if any(a is _UNSUPPORTED for a in rargs) or any(
-                    v is _UNSUPPORTED for v in rkwargs.values()):
-                recomputable = False
-            elif info.random:
-                rng = self._capture_rng(args, kwargs)
         if info.written and (self._watched or self._watched_inputs):
             self._note_writes(info, args, kwargs)
+        recomputable = info.recomputable
+        if recomputable:
+            wanted = self.wanted
+            if wanted is not None and info.name not in wanted:
+                recomputable = False
+        if not recomputable and not self.names:   # NOTE [Recording only what recipes use]
+            return _run_as_without_mode(func, types, args, kwargs)
+        rng = None
+        if recomputable:
+            # Arguments are captured before the op runs (their versions then).
+            captured = self._capture_all(args, kwargs)
+            if captured is None:
+                recomputable = False
+            else:
+                rargs, rkwargs = captured
+                if info.random:
+                    rng = self._capture_rng(args, kwargs)
+                    if rng is None:
+                        recomputable = False
         out = _run_as_without_mode(func, types, args, kwargs)
         values_op = info.name
-        if info.view and args and isinstance(args[0], torch.Tensor):
+        if self.names and info.view and args and isinstance(args[0], torch.Tensor):
             base = self._records.get(id(args[0]))
             if base is not None and base[0]() is args[0]:
                 values_op = base[1].values_op
         multi = isinstance(out, (tuple, list))
         outs = out if multi else (out,)
+        records = self._records
         for i, o in enumerate(outs):
-            if not isinstance(o, torch.Tensor) or not _plain(o):
-                continue
+            if type(o) not in _PLAIN_TYPES or o.layout is not _STRIDED or o.is_inference():
+                continue   # not a tensor, or one the recompute tier cannot hold
             rec = Record(info.name, values_op)
             rec.version = o._version
-            if recomputable and (not info.random or rng is not None):
+            if recomputable:
                 rec.func, rec.args, rec.kwargs, rec.rng = func, rargs, rkwargs, rng
                 rec.out_index = i if multi else None
                 rec.is_view = info.view
                 if self.module_names:
                     rec.module = current_module()
-            self._records[id(o)] = (weakref.ref(o), rec)
+            records[id(o)] = (weakref.ref(o), rec)
         return out
 
+    def _capture_all(self, args, kwargs) -> Optional[tuple]:
+        """``(args, kwargs)`` as a record holds them, or ``None`` if an
+        argument cannot be held (then the op is not recomputable)."""
+        capture = self._capture
+        rargs = []
+        for a in args:
+            c = capture(a)
+            if c is _UNSUPPORTED:
+                return None
+            rargs.append(c)
+        rkwargs = {}
+        for k, v in kwargs.items():
+            c = capture(v)
+            if c is _UNSUPPORTED:
+                return None
+            rkwargs[k] = c
+        return tuple(rargs), rkwargs
+
     def _capture(self, a: Any) -> Any:
-        if isinstance(a, torch.Tensor):
-            return self._ref(a) if _plain(a) else _UNSUPPORTED
+        t = type(a)
+        if t is torch.Tensor or t is torch.nn.Parameter:
+            return self._ref(a) if a.layout is _STRIDED and not a.is_inference() else _UNSUPPORTED
+        if isinstance(a, torch.Tensor):   # a subclass
+            return _UNSUPPORTED
         if isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a):
             if not all(_plain(x) for x in a if isinstance(x, torch.Tensor)):
                 return _UNSUPPORTED

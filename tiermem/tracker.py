@@ -150,7 +150,9 @@ def current_module() -> str:
 # reads ``TensorInfo.op`` off the plan) track the whole forward.
 # The scope is fixed when the step starts: a step that switches to another
 # cached plan midway (NOTE [Following a plan] in planner/runtime.py) keeps
-# the first plan's scope.
+# the first plan's scope. Inside the scope, a step following a plan records
+# only the ops its recipes use (``ops``: NOTE [Recording only what recipes
+# use] in producers.py); the mode is still called for every op there.
 # Exactness does not rest on the scope: an op that ran outside it has no
 # record, so a recipe that reaches its output stores that tensor as an input
 # (NOTE [What a recipe holds], case 4: the tensor itself, as it was at the
@@ -164,18 +166,26 @@ def current_module() -> str:
 # backward] in paramcheck.py) rather than copied before the write.
 
 
+_NOTHING: frozenset = frozenset()
+
+
 class TrackingScope:
     """Enters ``mode`` (a dispatch mode) on this thread only while the innermost
     running module is named in ``names``, or (``blocks``) while a wrapped
     block whose policy recomputes runs. See NOTE [Scoped tracking].
-    Registered by :class:`ModuleStack`."""
+    ``ops``: ``None``, or per module of ``names`` the op names the mode is to
+    record there (set as ``mode.wanted`` at each module boundary; every
+    recomputable op inside a block): NOTE [Recording only what recipes use]
+    in producers.py. Registered by :class:`ModuleStack`."""
 
-    __slots__ = ("mode", "names", "blocks", "active", "entries", "in_blocks")
+    __slots__ = ("mode", "names", "blocks", "active", "entries", "in_blocks", "ops")
 
-    def __init__(self, mode, names=frozenset(), blocks: bool = False) -> None:
+    def __init__(self, mode, names=frozenset(), blocks: bool = False,
+                 ops: Optional[dict] = None) -> None:
         self.mode = mode
         self.names = frozenset(names)
         self.blocks = blocks
+        self.ops = ops
         self.active = False
         #: Times the mode was entered (tests, benchmarks).
         self.entries = 0
@@ -185,6 +195,9 @@ class TrackingScope:
     def update(self, innermost: str) -> None:
         """The innermost running module is now ``innermost`` (``""``: none)."""
         want = self.in_blocks > 0 or innermost in self.names
+        ops = self.ops
+        if want and ops is not None:
+            self.mode.wanted = None if self.in_blocks > 0 else ops.get(innermost, _NOTHING)
         if want is self.active:
             return
         if want:

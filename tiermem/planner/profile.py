@@ -94,6 +94,9 @@ class TensorRecord:
     input_kept_bytes: int = 0
     #: Modules that ran its recipe's ops (NOTE [Scoped tracking] in tracker.py).
     recipe_modules: Tuple[str, ...] = ()
+    #: (module, op name) of each op of its recipe (NOTE [Recording only what
+    #: recipes use] in producers.py).
+    recipe_ops: Tuple[Tuple[str, str], ...] = ()
     #: Host seconds its regeneration took in the profile's backward.
     recompute_s: Optional[float] = None
     #: Seconds from the step's start to its first unpack (``None``: never unpacked).
@@ -248,6 +251,7 @@ class Recorder:
             rec.recomputable = True
             rec.input_kept_bytes = kept_delta   # its recipe's inputs left on the device
             rec.recipe_modules = handle.modules
+            rec.recipe_ops = handle.ops
             self._recompute_handles.add(id(handle))
         elif type(handle) is Kept:
             rec.profile_tier = Tier.KEEP.value

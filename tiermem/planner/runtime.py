@@ -168,7 +168,7 @@ from .profile import Profile, Recorder
 from .rates import default_device_budget_bytes, measure_rates
 from .solver import make_plan, safe_order
 
-__all__ = ["Planner", "StepPlanning", "tracking_scope", "MAX_REPLANS", "MAX_PLANS", "PROFILED_SIZES",
+__all__ = ["Planner", "StepPlanning", "tracking_scope", "tracking_ops", "MAX_REPLANS", "MAX_PLANS", "PROFILED_SIZES",
            "KEPT_TOLERANCE", "STALL_TOLERANCE_S"]
 
 _log = logging.getLogger("tiermem")
@@ -232,7 +232,7 @@ class StepPlanning:
 
     __slots__ = ("planner", "plan", "recorder", "safe", "off_plan", "count", "tracks", "pos",
                  "kept_at", "step", "blocks_seen", "block_depth", "in_checkpoint", "revived",
-                 "scope", "kick", "checkpoint_inputs")
+                 "scope", "scope_ops", "kick", "checkpoint_inputs")
 
     def __init__(self, planner: "Planner", plan: Optional[Plan],
                  recorder: Optional[Recorder]) -> None:
@@ -273,6 +273,11 @@ class StepPlanning:
         #: ``TensorInfo.op`` needs every op recorded.
         self.scope = (None if plan is None or planner.hints is not None
                       else getattr(plan, "tracking_scope", None))
+        #: With ``scope``: the op names to record per module of it (NOTE
+        #: [Recording only what recipes use] in producers.py), or ``None``:
+        #: every recomputable op.
+        self.scope_ops = (None if self.scope is None
+                          else getattr(plan, "tracking_ops", None))
 
     def order(self, index: int, t, nbytes: int, module: str, producers) -> tuple:
         """The tier order of tensor ``index`` (NOTE [Following a plan])."""
@@ -578,6 +583,7 @@ class Planner:
                          prefetch_bytes=self.cfg.prefetch_bytes)
         plan.budget_bytes = budget
         plan.tracking_scope = tracking_scope(plan, profile)
+        plan.tracking_ops = tracking_ops(plan, profile)
         plan.follow(profile.keys, profile.positions)
         plan.rate_factor = rate_factor
         plan.target_bytes = budget if target is None else target
@@ -635,3 +641,19 @@ def tracking_scope(plan: Plan, profile: Profile) -> Optional[frozenset]:
             return None
         names.update(modules)
     return frozenset(names)
+
+
+def tracking_ops(plan: Plan, profile: Profile) -> Optional[dict]:
+    """Per module of :func:`tracking_scope`, the names of the ops the recipes
+    of the tensors ``plan`` recomputes ran there, as its profile recorded them;
+    ``None`` (every recomputable op) when one was not recorded. NOTE
+    [Recording only what recipes use] in producers.py."""
+    ops: dict = {}
+    for record, order in zip(profile.records, plan.orders):
+        if order[0] is not Tier.RECOMPUTE:
+            continue
+        if not record.recipe_ops:
+            return None
+        for module, name in record.recipe_ops:
+            ops.setdefault(module, set()).add(name)
+    return {m: frozenset(n) for m, n in ops.items()}

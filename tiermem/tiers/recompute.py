@@ -123,7 +123,7 @@ class RecomputeHandle:
 
     __slots__ = ("store", "step", "entry", "plan", "size", "stride", "dtype", "module",
                  "nbytes", "version", "src_ref", "data_ptr", "cached", "tainted", "depth",
-                 "modules", "__weakref__")
+                 "modules", "ops", "__weakref__")
 
 
 class _Plan:
@@ -198,11 +198,14 @@ class RecomputeStore(TierStore):
         step.recipe_inputs_stored(plan.cost_bytes)
         h = RecomputeHandle()
         as_is: list = []
-        modules: set = set()
-        h.plan = self._build(rec, step, stored, as_is, modules)
-        #: Modules that ran the recipe's ops (recorded by a mode with
-        #: module_names; NOTE [Scoped tracking] in tracker.py), else ().
-        h.modules = () if None in modules else tuple(sorted(modules))
+        ops: set = set()
+        h.plan = self._build(rec, step, stored, as_is, ops)
+        #: (module, op name) of each op of the recipe, and the modules alone
+        #: (recorded by a mode with module_names: NOTE [Scoped tracking] in
+        #: tracker.py, NOTE [Recording only what recipes use] in
+        #: producers.py), else ().
+        h.ops = () if any(m is None for m, _ in ops) else tuple(sorted(ops))
+        h.modules = tuple(sorted({m for m, _ in h.ops}))
         h.store, h.step, h.module = self, step, module
         h.size, h.stride, h.dtype = t.size(), t.stride(), t.dtype
         h.nbytes = nbytes
@@ -258,8 +261,8 @@ class RecomputeStore(TierStore):
 
     def _build(self, rec: Record, step, stored: dict, as_is: list, modules: set) -> _Node:
         """Materialise the plan chosen by :meth:`_check` (same order of choices);
-        adds to ``modules`` the module each op ran in."""
-        modules.add(rec.module)
+        adds to ``modules`` the (module, op name) of each op it runs."""
+        modules.add((rec.module, rec.name))
         node = _Node()
         node.func, node.out_index, node.rng = rec.func, rec.out_index, rec.rng
         node.args = tuple(self._arg(a, step, stored, as_is, modules) for a in rec.args)
