@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 from typing import Any, Dict, Optional, Tuple
 
 import psutil

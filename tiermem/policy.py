@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Tuple, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
