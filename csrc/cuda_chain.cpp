@@ -413,7 +413,6 @@ void check_not_forked(const ChainState& state, const char* op,
 // ---------------------------------------------------------------- CudaChain
 
 CudaChain::CudaChain() : state_(std::make_shared<ChainState>()) {
-  BlockAsyncSignals blocked;  // the threads inherit it: NOTE [Signals go to the main thread]
   out_ = std::thread(out_main, state_);
   in_ = std::thread(in_main, state_);
 }

@@ -486,7 +486,6 @@ Engine::Engine(int threads) : threads_(threads), pool_(std::make_shared<Pool>())
   if (threads < 1) throw std::invalid_argument("tiermem: threads must be >= 1");
   pool_->workers = static_cast<std::size_t>(threads);
   workers_.reserve(static_cast<std::size_t>(threads));
-  BlockAsyncSignals blocked;  // the workers inherit it: NOTE [Signals go to the main thread]
   for (int i = 0; i < threads; ++i) workers_.emplace_back(worker_main, pool_);
 }
 

@@ -75,8 +75,6 @@
 //   close() does nothing and ~CudaChain leaks its threads and state.
 #pragma once
 
-#include <pthread.h>
-#include <signal.h>
 #include <sys/types.h>
 
 #include <condition_variable>
@@ -92,30 +90,6 @@
 #include <vector>
 
 namespace tiermem {
-
-// Blocks the asynchronous signals in the calling thread while it lives, so
-// that the threads made meanwhile (which inherit the mask) never take a
-// signal sent to the process: NOTE [Signals go to the main thread] in
-// tiermem/threads.py. Faults (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGTRAP,
-// SIGABRT, SIGSYS) stay unblocked.
-class BlockAsyncSignals {
- public:
-  BlockAsyncSignals() {
-    sigset_t set;
-    sigfillset(&set);
-    for (int s : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGTRAP, SIGABRT, SIGSYS}) sigdelset(&set, s);
-    ok_ = pthread_sigmask(SIG_BLOCK, &set, &old_) == 0;
-  }
-  ~BlockAsyncSignals() {
-    if (ok_) pthread_sigmask(SIG_SETMASK, &old_, nullptr);
-  }
-  BlockAsyncSignals(const BlockAsyncSignals&) = delete;
-  BlockAsyncSignals& operator=(const BlockAsyncSignals&) = delete;
-
- private:
-  sigset_t old_;
-  bool ok_ = false;
-};
 
 constexpr std::size_t kAlignBytes = 4096;
 // Requests are split in chunks of at least this size (except a smaller request).

@@ -70,7 +70,6 @@ from typing import Callable, Optional
 import torch
 
 from .jobs import CudaJob, Job, ThreadJob
-from .threads import block_async_signals
 
 __all__ = ["ThreadCopier", "CudaCopier", "copier_for"]
 
@@ -108,7 +107,6 @@ class _Worker:
         return not self._thread.is_alive()
 
     def _run(self) -> None:
-        block_async_signals()   # NOTE [Signals go to the main thread]
         while True:
             item = self._queue.get()
             if item is None:

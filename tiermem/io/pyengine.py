@@ -24,7 +24,6 @@ from typing import Callable, Optional
 
 import torch
 
-from ..threads import block_async_signals
 from .base import (ALIGN_BYTES, IOEngine, IOFile, IOFuture, check_request, chunk_bytes,
                    io_error, short_read_detail)
 
@@ -322,7 +321,6 @@ class PythonEngine(IOEngine):
             t.start()
 
     def _worker(self) -> None:
-        block_async_signals()   # NOTE [Signals go to the main thread]
         while True:
             item = self._queue.get()
             if item is None:

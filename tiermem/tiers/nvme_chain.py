@@ -20,7 +20,6 @@ import torch
 
 from ..errors import TierMemError
 from ..jobs import ChainJob, EventJob, Job, ReadCopyJob
-from ..threads import block_async_signals
 
 __all__ = ["PythonChain", "ReadThenCopy", "crc32"]
 
@@ -135,8 +134,7 @@ class PythonChain:
 
     def __init__(self, io_threads: int) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=io_threads, thread_name_prefix="tiermem-nvme",
-            initializer=block_async_signals)   # NOTE [Signals go to the main thread]
+            max_workers=io_threads, thread_name_prefix="tiermem-nvme")
 
     def _submit(self, fn: Callable[[], Optional[object]], what: str, **job_args) -> ChainJob:
         def run():
