@@ -117,11 +117,17 @@ def test_a_terminating_signal_removes_the_private_directory(tmp_path, signame):
     import subprocess
     import sys
 
+    sig = getattr(signal, signame)
+    # The child starts with the signal's default action even when this run
+    # inherited it ignored (``nohup`` ignores SIGHUP): tiermem leaves an
+    # ignored signal alone (NOTE [Cleanup on SIGTERM]), so the child would
+    # sleep on and the test would time out for a reason of its launcher.
     p = subprocess.Popen([sys.executable, "-c", _SLEEPER, str(tmp_path)],
-                         stdout=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(sig, signal.SIG_DFL))
     assert p.stdout.readline().strip() == "ready"
     assert os.listdir(tmp_path)
-    p.send_signal(getattr(signal, signame))
+    p.send_signal(sig)
     assert p.wait(30) == -getattr(signal, signame), "the process must end as the signal says"
     assert os.listdir(tmp_path) == []
 
