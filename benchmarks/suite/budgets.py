@@ -6,8 +6,9 @@
 # the same budget". On a shared 2-core machine one configuration's steps
 # range over 2x within a run, so two medians differing by 3% say nothing.
 # The interleaved run times every configuration once per round, one after
-# another (in an order rotated each round: ``role_interleaved``), so a slow
-# spell of the machine slows every configuration of that round alike. The
+# another (in an order balanced over the rounds: NOTE [Order of the
+# interleaved steps] in roles.py), so a slow spell of the machine slows
+# every configuration of that round alike. The
 # ratio auto / other is taken per round (rounds both ran and measured), and
 # its median is reported with a bootstrap confidence interval (rounds
 # resampled with replacement, seeded: the same JSON always gives the same
@@ -87,7 +88,7 @@ def _verdict(pairs: list) -> str:
 def _rounds_of(e: dict) -> Optional[tuple]:
     """(times, rounds) of a configuration's interleaved run; rounds are
     numbered 0.. over the measured rounds when the run did not record them
-    (a run before rotation was added: every configuration measured every
+    (a run before rounds were recorded: every configuration measured every
     round until it stopped)."""
     inter = e.get("interleaved") or {}
     times = inter.get("times")

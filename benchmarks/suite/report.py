@@ -63,7 +63,9 @@ def finalize(res: dict, out_dir: str, name: str, no_plots: bool = False) -> None
         "CPU-only machine: the cpu tier, save_on_cpu and the peers move host memory to host "
         "memory; they cost time and save nothing here. Peak memory is the process RSS."
         if not cuda else None,
-        "Timing: " + ("interleaved (round-robin in one process)" if s["interleave"] else
+        "Timing: " + ("interleaved (round-robin in one process, each round's order from a "
+                      "Williams design: NOTE [Order of the interleaved steps])"
+                      if s["interleave"] else
                       "each configuration alone in its own process, one after another "
                       "(a per-process device budget cannot be shared)")):
         if n and n not in notes:

@@ -10,7 +10,7 @@ import gc
 import json
 import time
 import traceback
-from typing import Optional
+from typing import List, Optional, Sequence
 
 from ..common import reset_peak_rss, rss_bytes, vm_hwm_bytes
 from .machine import ceiling_cuda_links, ceiling_disk, ceiling_host_copy, machine_info
@@ -97,6 +97,44 @@ def _tiermem_step_record(stats: Optional[dict]) -> Optional[dict]:
     return {k: stats.get(k) for k in keep}
 
 
+def round_order(names: Sequence[str], i: int) -> List[str]:
+    """The order in which round ``i`` of the interleaved run steps ``names``.
+
+    # NOTE [Order of the interleaved steps]
+    # A step may pay for the step run just before it in the same process
+    # (the heap and page tables it left, work it left running). The suite
+    # used to rotate one fixed order each round; a rotation of a cycle keeps
+    # every neighbour, so each configuration ran right after the same one in
+    # every round, and any such cost fell on one configuration every time
+    # (a systematic bias that pairing by round cannot remove). The rounds
+    # follow a Williams design instead, a Latin square balanced for the
+    # immediate predecessor: over ``n`` rounds (``2n`` for an odd number
+    # ``n`` of configurations) every configuration runs once (twice) at each
+    # position and right after every other one exactly once (twice); later
+    # rounds cycle through it again. Round ``i`` depends only on
+    # ``(len(names), i)``, and the per-round pairing of NOTE [Paired step
+    # ratios] in budgets.py is unchanged. Why it was looked at:
+    # benchmarks/results/2026-12-01-cpu-keep-overhead.md.
+    """
+    n = len(names)
+    if n <= 1:
+        return list(names)
+    first = [0]
+    lo, hi = 1, n - 1
+    while len(first) < n:   # 0, 1, n-1, 2, n-2, ...
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    period = n if n % 2 == 0 else 2 * n
+    k = i % period
+    row = [(j + k) % n for j in first]
+    if k >= n:   # odd n: the second square is the first one reversed
+        row = [(j + k - n) % n for j in reversed(first)]
+    return [names[j] for j in row]
+
+
 def _slow_limit(opts: dict, i: int) -> float:
     """A warm-up step slower than this drops the configuration. The first step
     gets 3x: it pays one-time costs (pinned allocations, extension loads)."""
@@ -136,12 +174,10 @@ def role_interleaved(opts: dict) -> dict:
     done_rounds = 0
     for i in range(rounds):
         r0 = time.perf_counter()
-        # The order rotates each round, so that no configuration always runs
-        # right after the same one (NOTE [Paired step ratios] in budgets.py).
-        order = list(runners.items())
-        if order:
-            k = i % len(order)
-            order = order[k:] + order[:k]
+        # A balanced order (NOTE [Order of the interleaved steps]), over the
+        # configurations still running: names keeps the requested order.
+        live = [n for n in names if n in runners]
+        order = [(n, runners[n]) for n in round_order(live, i)]
         for name, r in order:
             rec = out[name]
             x, y = batches[i]
