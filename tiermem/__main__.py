@@ -32,8 +32,7 @@ def _add_demo(sub) -> None:
 
     p = sub.add_parser(
         "demo", help="train a tiny GPT with tiermem and check gradients bit-for-bit",
-        description=demo.__doc__.split("\n\n")[0].strip(),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        description=demo.__doc__.split("\n\n")[0].strip())
     demo.add_arguments(p)
 
     def handler(args: argparse.Namespace) -> int:

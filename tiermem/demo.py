@@ -32,7 +32,8 @@ import torch
 
 from .config import Config, parse_size
 from .errors import ConfigError
-from .models import GPTConfig, TinyGPT
+from .blocks import wrap_blocks
+from .models import Block, GPTConfig, TinyGPT
 from .offloader import Offloader
 from .telemetry import format_bytes
 
@@ -50,13 +51,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=("keep", "cpu", "nvme", "recompute", "recompute,cpu",
                                         "recompute,nvme", "auto"),
                    default=None, help="tiermem policy of the offloaded run (default: "
-                   "TIERMEM_POLICY if set, else cpu; nvme needs TIERMEM_NVME_DIR)")
+                   "TIERMEM_POLICY if set, else cpu; nvme needs --nvme-dir or TIERMEM_NVME_DIR)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: cuda if torch.cuda.is_available(), else cpu (default: auto)")
     p.add_argument("--device-budget", default=None, metavar="BUDGET",
                    help="policy auto: device_budget, e.g. 50%% or 12GiB (default: "
                    "TIERMEM_DEVICE_BUDGET, else the device's free memory); the plan is "
                    "printed at the end")
+    p.add_argument("--nvme-dir", default=None, metavar="DIR",
+                   help="the nvme tier's directory, e.g. a path on an NVMe drive "
+                   "(default: TIERMEM_NVME_DIR, else no nvme tier)")
+    p.add_argument("--checkpoint-blocks", choices=("auto", "off"), default="auto",
+                   help="auto: the model's blocks are wrapped with wrap_blocks(..., "
+                   "checkpoint='auto'), so policy auto may checkpoint a whole block; other "
+                   "policies run them plainly (default: auto)")
     p.add_argument("--seed", type=int, default=0, help="base random seed (default: 0)")
     p.add_argument("--batch", type=int, default=DEMO_BATCH,
                    help=f"sequences per batch (default: {DEMO_BATCH})")
@@ -171,29 +179,36 @@ def run_demo(steps: int = 5, policy: str = "cpu", device: str = "auto", seed: in
              model_cfg: GPTConfig = DEMO_MODEL,
              on_start: Optional[Callable[[TinyGPT, torch.device, Offloader], None]] = None,
              on_step: Optional[Callable[[StepReport], None]] = None,
-             progress: bool = True, device_budget=None) -> DemoResult:
+             progress: bool = True, device_budget=None, nvme_dir: Optional[str] = None,
+             checkpoint_blocks: bool = False) -> DemoResult:
     """Train ``steps`` steps; see the module docstring. ``on_start`` is called
     with the model, device and Offloader once they exist, ``on_step`` with each
     :class:`StepReport` as it is measured. ``device_budget``: the Offloader's
-    (policy auto), ``None`` for the environment's."""
+    (policy auto), ``None`` for the environment's; ``nvme_dir`` likewise.
+    ``checkpoint_blocks``: wrap the tiermem model's blocks with
+    ``wrap_blocks(model, Block, checkpoint="auto")`` (the planner may then
+    checkpoint whole blocks; any other policy runs them plainly). The
+    reference model is never wrapped."""
     dev = pick_device(device)
     restore_determinism = _enable_determinism(dev)
     try:
         return _train(steps, policy, dev, seed, batch, min_offload_bytes, model_cfg,
-                      on_start, on_step, progress, device_budget)
+                      on_start, on_step, progress, device_budget, nvme_dir, checkpoint_blocks)
     finally:
         restore_determinism()
 
 
 def _train(steps, policy, dev, seed, batch, min_offload_bytes, model_cfg, on_start, on_step,
-           progress, device_budget=None) -> DemoResult:
+           progress, device_budget=None, nvme_dir=None, checkpoint_blocks=False) -> DemoResult:
     torch.manual_seed(seed)
     model = TinyGPT(model_cfg).to(dev)
     ref = copy.deepcopy(model)
+    if checkpoint_blocks:
+        wrap_blocks(model, Block, checkpoint="auto")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     off = Offloader(policy=policy, min_offload_bytes=min_offload_bytes,
-                    device_budget=device_budget)
+                    device_budget=device_budget, nvme_dir=nvme_dir)
     data_gen = torch.Generator().manual_seed(seed + 1)
     if on_start is not None:
         on_start(model, dev, off)
@@ -283,9 +298,9 @@ def run(args: argparse.Namespace) -> int:
             parse_device_budget(args.device_budget, name="--device-budget")
         if args.policy is None:   # the environment's, as every Offloader would take it
             args.policy = Config.from_env().policy or "cpu"
-        if "nvme" in args.policy and not Config.from_env().nvme_dir:
+        if "nvme" in args.policy and not (args.nvme_dir or Config.from_env().nvme_dir):
             raise ConfigError(f"tiermem demo: --policy {args.policy} needs an NVMe directory: "
-                              "set TIERMEM_NVME_DIR")
+                              "pass --nvme-dir DIR or set TIERMEM_NVME_DIR")
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
@@ -322,7 +337,8 @@ def run(args: argparse.Namespace) -> int:
     result = run_demo(steps=args.steps, policy=args.policy, device=dev.type, seed=args.seed,
                       batch=args.batch, min_offload_bytes=min_bytes, on_start=start,
                       on_step=lambda r: emit(format_step(r)), progress=progress,
-                      device_budget=args.device_budget)
+                      device_budget=args.device_budget, nvme_dir=args.nvme_dir,
+                      checkpoint_blocks=args.checkpoint_blocks == "auto")
     plan = offs[0].plan if offs else None
     if plan is not None:
         emit(str(plan))
