@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import re
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
@@ -30,7 +32,7 @@ from ..tiers.keep import Kept
 from ..tiers.recompute import RecomputeHandle
 
 __all__ = ["TensorRecord", "BlockInput", "BlockRecord", "Profile", "Recorder", "signature_key",
-           "signature_hash", "INPUT_KINDS"]
+           "signature_hash", "INPUT_KINDS", "pool_repeated"]
 
 #: What a checkpoint of an auto block would do with one of its tensor
 #: arguments (``BlockInput.kind``; rule 6 of NOTE [Blocks the planner may
@@ -71,6 +73,61 @@ def signature_hash(keys) -> str:
     for shape, dtype, device in keys:
         h.update(f"{tuple(shape)}|{dtype}|{device};".encode())
     return h.hexdigest()[:12]
+
+
+# NOTE [Repeated layers share their timings]
+# A profile times each auto block's forward and each recomputed tensor's
+# regeneration once, in one step, on a host that may be busy with other work:
+# the four identical blocks of the demo's TinyGPT measured 56, 117, 82 and
+# 53 ms in one profile (2026-12-02, loaded machine), and the plan
+# checkpointed blocks 0 and 3 for it; another run would have picked others.
+# Repeated layers do the same work, so ``Recorder.finish`` gives each such
+# time the median of the times of its kind (``pool_repeated``):
+# - blocks: the same module path once layer indexes are removed
+#   (``blocks.3`` -> ``blocks.#``), the same saved tensors (shape, dtype, op,
+#   in order; not the op of a saved argument: it ran before the block) and
+#   the same arguments (shape, dtype, kind);
+# - recomputed tensors: the same module path without indexes, op, shape,
+#   dtype, recipe ops (paths without indexes) and recipe input bytes kept.
+# Only these durations are pooled, the costs the solver compares; the
+# timeline (``pack_s``, ``first_use_s``, ``start_s``) and every byte count
+# stay as measured. A kind seen once keeps its own time. Exactness does not
+# depend on it: a time only decides which option a tensor or block gets.
+_LAYER_INDEX = re.compile(r"\.\d+(?=\.|$)")
+
+
+def _layer_kind(module: str) -> str:
+    """``module`` with its layer indexes removed: ``m.blocks.3.mlp`` -> ``m.blocks.#.mlp``."""
+    return _LAYER_INDEX.sub(".#", module)
+
+
+def pool_repeated(records: List["TensorRecord"], blocks: List["BlockRecord"]) -> None:
+    """Give repeated layers' measured durations the median of their kind, in
+    place (NOTE [Repeated layers share their timings])."""
+    kinds: Dict[tuple, List[int]] = {}
+    for i, r in enumerate(records):
+        if r.recompute_s is not None:
+            key = (_layer_kind(r.module), r.op, tuple(r.shape), r.dtype, r.input_kept_bytes,
+                   tuple((_layer_kind(m), o) for m, o in r.recipe_ops))
+            kinds.setdefault(key, []).append(i)
+    for members in kinds.values():
+        if len(members) > 1:
+            mid = statistics.median(records[i].recompute_s for i in members)
+            for i in members:
+                records[i].recompute_s = mid
+    kinds = {}
+    for i, b in enumerate(blocks):
+        inputs = {x.saved_as for x in b.inputs}   # made before the block: their ops differ
+        key = (_layer_kind(b.module),
+               tuple((tuple(r.shape), r.dtype, None if i in inputs else r.op)
+                     for i, r in enumerate(records[b.start:b.end], b.start)),
+               tuple((tuple(x.shape), x.dtype, x.kind) for x in b.inputs))
+        kinds.setdefault(key, []).append(i)
+    for members in kinds.values():
+        if len(members) > 1:
+            mid = statistics.median(blocks[i].forward_s for i in members)
+            for i in members:
+                blocks[i] = dataclasses.replace(blocks[i], forward_s=mid)
 
 
 @dataclass
@@ -378,6 +435,7 @@ class Recorder:
                 self.blocks[i], forward_s=start.elapsed_time(end) / 1e3)
         self._block_events = {}
         self._mark_saved_after()
+        pool_repeated(self.records, self.blocks)
         return Profile(self.records, tuple(self.keys), self.fixed_kept_bytes,
                        self.forward_end_s, self.first_unpack_s, self.last_unpack_s,
                        self.measured_kept_bytes, self.stats.as_dict(),
