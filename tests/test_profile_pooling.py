@@ -5,7 +5,6 @@ times; the timeline and the bytes stay as measured."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 import tiermem
