@@ -30,7 +30,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 import tiermem
-from helpers import compare_records, moved_count, offloader, train_steps
+from helpers import compare_records, moved_count, offloader, run_step, train_steps
 import models
 from models import Case, make_case
 from tiermem.models import Block, GPTConfig, TinyGPT
@@ -690,3 +690,42 @@ def test_gpu_checkpoint_inputs_moved_to_the_cpu_tier():
     moved = _moved_inputs(plan)
     assert moved and all(x.tier == "cpu" for x in moved), str(plan)
     assert off.stats.bytes_by_tier["keep"] <= plan.budget_bytes * (1 + KEPT_TOLERANCE)
+
+
+@pytest.mark.parametrize("budget", [TIGHT, dict(device_budget="12KiB", nvme_budget="192KiB")])
+def test_steps_of_other_sizes_move_the_inputs_their_resized_plan_moves(nvme_dir, budget):
+    """After PROFILED_SIZES sizes, a step of another batch size follows a
+    resized view of a plan (NOTE [Plans across sizes]); the checkpointed
+    blocks' inputs that plan moves are moved in that step too (they were
+    kept: their shapes differ from the planned ones), and the step is exact.
+    With a size budget only a plan for larger tensors is followed."""
+    from tiermem.planner.runtime import PROFILED_SIZES
+    sizes = [6, 6, 6, 5, 5, 5, 4, 4, 4, 3, 3, 2, 2]
+    assert PROFILED_SIZES == 3
+    cases = {n: _gpt_case(batch=n) for n in set(sizes)}
+    ref_cases = {n: _gpt_case(batch=n) for n in set(sizes)}
+    model, ref_model = cases[6].model, ref_cases[6].model
+    _wrap(Case("gpt", model, (), None))
+    off = offloader("auto", nvme_dir=nvme_dir, **budget)
+    log = []
+    for i, n in enumerate(sizes):
+        got = run_step(model, cases[n].inputs, _Log(off, log), seed=30 + i,
+                       loss_fn=cases[n].loss_fn)
+        ref = run_step(ref_model, ref_cases[n].inputs, contextlib.nullcontext(), seed=30 + i,
+                       loss_fn=ref_cases[n].loss_fn)
+        assert torch.equal(got[0], ref[0]), (i, n)
+        for name in ref[1]:
+            assert torch.equal(got[1][name], ref[1][name]), (i, n, name)
+    planner = off._placement.planner
+    assert planner.profiles == PROFILED_SIZES
+    # Batches 3 and 2 follow the batch-4 plan resized (the closest, and with
+    # a size budget the closest for tensors no smaller): the same tiers as
+    # its own last step, block inputs included.
+    own = log[8]
+    plan4 = planner.plans[next(k for k in planner.plans if k[0][0][0] == 4)]
+    moved = _moved_inputs(plan4)
+    assert moved and own.count_by_tier["nvme"] >= len(moved), str(plan4)
+    for i in (9, 10, 11, 12):
+        assert log[i].count_by_tier == own.count_by_tier, (i, log[i].count_by_tier)
+        assert log[i].bytes_by_tier["nvme"] < own.bytes_by_tier["nvme"]   # smaller tensors
+    off.close()

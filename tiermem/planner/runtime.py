@@ -63,7 +63,9 @@ follows, and the closed loop that corrects a plan from measurement.
 # there (larger tensors would keep more than the budget), and none if every
 # cached one is smaller: that step goes to the safe order and the next one
 # profiles its size. With a size budget a resized plan is followed only by
-# tensors no larger than the ones it was made for, position by position. A resized plan has no closed loop of its own (its
+# tensors no larger than the ones it was made for, position by position;
+# the same rule matches the inputs of the blocks it checkpoints, which it
+# moves as planned (``_input_orders``). A resized plan has no closed loop of its own (its
 # budget was priced for other sizes); its tier per tensor is exact like any
 # plan's. The caches are bounded: at most MAX_PLANS plans (and their
 # profiles), the least recently used dropped first.
@@ -328,7 +330,9 @@ class StepPlanning:
                     or self.count != pb.start or self.pos != pb.start_pos):
                 return plain()
             self.kept_at = ()
-            self.checkpoint_inputs = _input_orders(pb, args, self.step.key_of)
+            resized = (isinstance(self.planner.cfg.device_budget, BudgetShare)
+                       if _is_resized(plan) else None)
+            self.checkpoint_inputs = _input_orders(pb, args, self.step.key_of, resized)
             self.in_checkpoint = True
             try:
                 out = checkpointed()
@@ -345,19 +349,28 @@ class StepPlanning:
             self.block_depth = 0
 
 
-def _input_orders(pb, args: tuple, key_of) -> dict:
+def _input_orders(pb, args: tuple, key_of, resized: Optional[bool] = None) -> dict:
     """Dedup key -> tier order (``None``: a dedup hit counted with its saver)
     of the planned inputs of checkpointed block ``pb`` that are moved or
     shared, for the arguments ``args`` that match the plan's (shape, dtype,
     device); every other input is kept (rule 6 of NOTE [Blocks the planner
-    may checkpoint])."""
+    may checkpoint]). ``resized``: ``None`` for the plan made for these
+    sizes; for a resized view of it (NOTE [Plans across sizes]) an argument
+    of the same rank matches, of any size with a percentage budget
+    (``True``), of no more elements than planned with a size budget
+    (``False``), as the view's tensors do."""
     out = {}
     for x in pb.inputs:
         if x.tier == Tier.KEEP.value and x.shared_with is None:
             continue
         a = args[x.arg] if x.arg < len(args) else None
-        if (type(a) is not torch.Tensor or tuple(a.shape) != x.shape
-                or str(a.dtype) != "torch." + x.dtype or str(a.device) != x.device):
+        if (type(a) is not torch.Tensor or str(a.dtype) != "torch." + x.dtype
+                or str(a.device) != x.device):
+            continue
+        if resized is None:
+            if tuple(a.shape) != x.shape:
+                continue
+        elif a.dim() != len(x.shape) or (not resized and a.numel() > _numel(x.shape)):
             continue
         out[key_of(a)] = (None if x.shared_with is not None
                           else tuple(Tier(t) for t in x.order))
