@@ -2,8 +2,11 @@
 whole-forward and scoped (NOTE [Scoped tracking] in tiermem/tracker.py), and a
 feasibility measurement of recipes read from the autograd graph.
 
-Times the forward pass of TinyGPT (loss included) under, round-robin (the
-order rotated each round), warm-up discarded, medians:
+Times the forward pass of TinyGPT (loss included) under, round-robin (each
+round in the order of a Williams design: NOTE [Order of the interleaved
+steps] in benchmarks/suite/roles.py), warm-up discarded, medians, and paired
+ratios per round with a 90% bootstrap interval of their median (NOTE [Paired
+step ratios] in benchmarks/suite/budgets.py):
 
 - ``none``: no mode, no hooks; ``module_hooks``: tiermem's module tracker
   alone (every Offloader step installs it);
@@ -56,7 +59,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import emit, machine, pick_device, summarize, sync  # noqa: E402
+from benchmarks.suite.budgets import median_ci  # noqa: E402
+from benchmarks.suite.roles import round_order  # noqa: E402
 
 import tiermem  # noqa: E402
 from tiermem.models import GPTConfig, TinyGPT  # noqa: E402
@@ -252,6 +258,9 @@ def main(argv=None) -> int:
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="cpu: the main thread's CPU time (time.thread_time), for a machine "
                         "shared with other jobs; with --threads 1 every op runs in it")
+    p.add_argument("--configs", default=None,
+                   help="comma-separated subset of the rows to time (none and module_hooks "
+                        "are always in: the ratios are taken against them); default: all")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if a.threads:
@@ -298,13 +307,21 @@ def main(argv=None) -> int:
         off_full, _ = _plan_scope(model, x, a.budget)
         runners["auto_scoped"] = _auto_forward(off, False)
         runners["auto_whole_forward"] = _auto_forward(off_full, True)
+    if a.configs:
+        keep = {"none", "module_hooks"} | set(a.configs.split(","))
+        unknown = keep - set(runners)
+        if unknown:
+            sys.exit(f"bench_tracking: --configs: unknown rows {sorted(unknown)}; "
+                     f"known: {sorted(runners)}")
+        runners = {k: v for k, v in runners.items() if k in keep}
     times = {k: [] for k in runners}
     walls = {k: [] for k in runners}
     names = list(runners)
     for r in range(a.warmup + a.rounds):
-        # Rotated each round: no configuration always runs after the same one
-        # (the auto rows' backward leaves caches cold for the next).
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        # A Williams design: every row runs right after every other one
+        # equally often (the auto rows' backward leaves caches cold for the
+        # next), so no row always pays for the same predecessor.
+        for name in round_order(names, r):
             run = runners[name]
             sync(dev)
             c0, t0 = time.thread_time(), time.perf_counter()
@@ -335,17 +352,22 @@ def main(argv=None) -> int:
            "forward_wall_seconds": {k: summarize(v) for k, v in walls.items()}}
     # Paired per round (adjacent in time, so a shared machine's slow drift
     # cancels): median over rounds of each configuration's time / none's.
+    def paired(k, base):
+        return [t / b for t, b in zip(times[k], times[base])]
     res["paired_ratio_vs_none"] = {
-        k: statistics.median(t / b for t, b in zip(times[k], times["none"]))
-        for k in times if k != "none"}
-    scoped_rows = ("full_tracking", "scoped_plan", "scoped_all_blocks", "scoped_1_block",
-                   "scoped_plan_ops", "scoped_all_blocks_ops")
+        k: statistics.median(paired(k, "none")) for k in times if k != "none"}
+    res["paired_ratio_vs_none_ci"] = {
+        k: median_ci(paired(k, "none")) for k in times if k != "none"}
+    scoped_rows = tuple(k for k in ("full_tracking", "scoped_plan", "scoped_all_blocks",
+                                    "scoped_1_block", "scoped_plan_ops",
+                                    "scoped_all_blocks_ops") if k in times)
     res["paired_ratio_vs_module_hooks"] = {
-        k: statistics.median(t / b for t, b in zip(times[k], times["module_hooks"]))
-        for k in scoped_rows}
-    if not a.no_auto:
+        k: statistics.median(paired(k, "module_hooks")) for k in scoped_rows}
+    res["paired_ratio_vs_module_hooks_ci"] = {
+        k: median_ci(paired(k, "module_hooks")) for k in scoped_rows}
+    if "auto_scoped" in times and "auto_whole_forward" in times:
         res["paired_ratio_auto_scoped_vs_whole_forward"] = statistics.median(
-            t / b for t, b in zip(times["auto_scoped"], times["auto_whole_forward"]))
+            paired("auto_scoped", "auto_whole_forward"))
     res["samples"] = times
     res["per_op_us"] = per_op_cost()
     med = {k: v["median"] for k, v in res["forward_seconds"].items()}
@@ -354,8 +376,9 @@ def main(argv=None) -> int:
     res["tracking_cost_vs_module_hooks"] = {
         k: med[k] / med["module_hooks"] - 1 for k in scoped_rows}
     res["overhead_per_op_us"] = {k: (med[k] - base) / n_ops * 1e6
-                                 for k in ("noop_mode", "producer_mode", "producer_mode_nonames")}
-    if not a.no_auto:
+                                 for k in ("noop_mode", "producer_mode", "producer_mode_nonames")
+                                 if k in med}
+    if "auto_scoped" in med and "auto_whole_forward" in med:
         res["auto_scoped_vs_whole_forward"] = med["auto_scoped"] / med["auto_whole_forward"] - 1
     if a.grad_fn:
         res["grad_fn_feasibility"] = grad_fn_feasibility(model, x)
