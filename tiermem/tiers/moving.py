@@ -124,6 +124,7 @@ import torch
 
 from ..copier import copier_for
 from ..jobs import CudaJob
+from ..prefetch import HELD
 from ..errors import TierMemError
 from .base import Layout, TierStore
 from .keep import check_version
@@ -488,15 +489,16 @@ class MovingStore(TierStore):
         return layout.rebuild(dev), CudaJob(done, layout.device, stream, stream)
 
     # -- backward -----------------------------------------------------------
-    def prefetch(self, h: MovedHandle) -> Optional[bool]:
+    def prefetch(self, h: MovedHandle):
         """Start restoring ``h``: ``True`` if started; ``False`` if it needs none
         (on its way, failed or tainted); ``None`` if its move out has not landed
-        yet (the prefetcher waits there rather than skipping it)."""
+        yet (the prefetcher waits there rather than skipping it);
+        :data:`~tiermem.prefetch.HELD` if its source is held by the tail hold."""
         if h.failed or h.tainted or h.restore is not None or h.cached is not None:
             return False
         tail = h.tail
         if tail is not None and tail._version == h.version:
-            return True   # held: in the window until taken (NOTE [Tail hold], 4)
+            return HELD   # in the window until taken (NOTE [Tail hold], 4)
         if h.src is not None or h.host is not None:
             return None
         h.restore = self._restore(h)
