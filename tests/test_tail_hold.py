@@ -161,18 +161,15 @@ def test_a_bad_bound_is_a_config_error():
 def test_gradients_stay_exact(name, policy, hold, nvme_dir):
     # A bound that holds part of the moves, and one that holds every move.
     ref = reference_steps(name)
-    offs = []
-
-    def make():
-        off = _off(policy, nvme_dir, tail_hold_bytes=hold, min_offload_bytes=0)
-        offs.append(off)
-        return off
     case = make_case(name)
-    off = make()
+    off = _off(policy, nvme_dir, tail_hold_bytes=hold, min_offload_bytes=0)
     records = train_steps(case, lambda: off)
     compare_records(records, ref, f"{name}/{policy}/{hold}")
     assert off.stats.peak_tail_hold_bytes <= hold
     assert off.stats.tail_hits > 0, off.stats
+    if hold == 16 * MiB:   # every move held: nothing restored, nothing counted as one
+        assert off.stats.prefetched_bytes == 0 and off.stats.prefetch_hits == 0, off.stats
+        assert off.stats.prefetch_misses == 0
     off.close()
 
 
