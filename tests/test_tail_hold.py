@@ -269,6 +269,34 @@ def test_bytes_held_never_exceed_the_bound(nvme_dir, monkeypatch):
     off.close()
 
 
+def test_backward_starts_with_no_more_in_memory_than_the_window(nvme_dir, monkeypatch):
+    # Held sources count in the prefetch window (NOTE [Tail hold], 4): at the
+    # first unpack, restores started ahead plus sources held are no more than,
+    # without the hold, the restores started ahead plus the log-softmax
+    # output read on demand (a miss, not counted in prefetched_bytes).
+    from tiermem.prefetch import Prefetcher
+    window = 2 * LOGPROBS_BYTES
+    first = {}
+    original = Prefetcher._fill
+
+    def fill(self):
+        original(self)
+        first.setdefault("bytes", self._stats.prefetched_bytes + held())
+    monkeypatch.setattr(Prefetcher, "_fill", fill)
+    model, tokens = _gpt()
+    in_memory = {}
+    for hold in (0, window):
+        off = _off("nvme", f"{nvme_dir}{hold}", tail_hold_bytes=hold, prefetch_bytes=window)
+        held = lambda: tiermem.testing.tail_held_bytes(off)   # noqa: E731
+        first.clear()
+        _gpt_step(model, tokens, off, land=lambda: land_moves(off))
+        assert off.stats.bytes_by_tier["nvme"] > 2 * window   # the window is a part
+        in_memory[hold] = first["bytes"]
+        off.close()
+    assert in_memory[window] <= in_memory[0] + LOGPROBS_BYTES, in_memory
+    assert in_memory[0] > 0
+
+
 def test_a_tensor_larger_than_the_bound_is_not_held_and_pushes_out_the_rest(nvme_dir):
     off = offloader("cpu", tail_hold_bytes=100 * KiB)
     x = torch.randn(64, 64, requires_grad=True)   # 16 KiB
