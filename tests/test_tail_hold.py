@@ -94,6 +94,7 @@ def test_the_losss_first_unpack_is_not_read_on_demand(policy, nvme_dir):
             assert s.prefetch_misses == 0, s
             assert s.tail_hits >= 1 and s.prefetch_hits > 0, s   # held, and restored ones
             assert 0 < s.peak_tail_hold_bytes <= hold
+            assert f"tail hold {s.tail_hits} taken" in str(s)
         else:
             assert s.prefetch_misses == 1 and s.tail_hits == 0, s
             assert s.peak_tail_hold_bytes == 0

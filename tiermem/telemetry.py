@@ -119,6 +119,11 @@ class StepStats:
             f"dedup {self.dedup_hits}",
             f"prefetched {format_bytes(self.prefetched_bytes)} ({self.prefetch_hits}/{restores} on time)",
             f"stall {self.stall_seconds * 1e3:.2f} ms",
+        ]
+        if self.tail_hits:
+            parts.append(f"tail hold {self.tail_hits} taken "
+                         f"(held {format_bytes(self.peak_tail_hold_bytes)})")
+        parts += [
             f"host peak {format_bytes(self.peak_host_bytes)}",
         ]
         if self.peak_disk_bytes:

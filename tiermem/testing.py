@@ -34,7 +34,6 @@ __all__ = [
     "set_move_window",
     "slow_copies",
     "planner_of",
-    "tail_hold",
     "tail_held_bytes",
 ]
 
@@ -175,13 +174,6 @@ def planner_of(off):
     (``profiles``: profiled steps so far; ``plans``: plans by step signature),
     ``None`` for other policies."""
     return off._placement.planner
-
-
-def tail_hold(off):
-    """The :class:`~tiermem.tailhold.TailHold` of ``off`` (NOTE [Tail hold]
-    in tailhold.py): ``add`` is called at each move of a step that follows
-    no plan."""
-    return off._tail
 
 
 def tail_held_bytes(off) -> int:
