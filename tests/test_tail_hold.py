@@ -359,6 +359,26 @@ def test_holds_die_with_their_graph(nvme_dir):
     off.close()
 
 
+def test_steps_whose_graphs_are_dropped_leave_nothing_held(nvme_dir, default_hold):
+    # Many steps, some backwarded, some dropped unused: the held bytes and
+    # the stores' host and disk bytes go back to zero.
+    model, tokens = _gpt()
+    off = _off("nvme", nvme_dir)
+    for i in range(6):
+        with off:
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        assert tiermem.testing.tail_held_bytes(off) > 0
+        if i % 2:
+            loss.backward()
+        del logits, loss
+        gc.collect()
+        assert tiermem.testing.tail_held_bytes(off) == 0
+    land_moves(off)
+    assert off.host_bytes_in_use == 0 and off.disk_bytes_in_use == 0
+    off.close()
+
+
 def test_holds_are_released_when_the_forward_raises(nvme_dir):
     x = torch.randn(128, 128, requires_grad=True)
     off = offloader("nvme", nvme_dir=nvme_dir, tail_hold_bytes=4 * MiB)

@@ -521,7 +521,8 @@ class MovingStore(TierStore):
         if tail is not None:   # NOTE [Tail hold] in tailhold.py, 3
             if more_uses <= 0:
                 h.tail = None
-            if tail._version == h.version and not h.tainted:
+            if (tail._version == h.version and not h.tainted
+                    and not h.step.params_may_be_freed):   # rule 6: none after all
                 h.step.tail_taken()
                 return (h.layout.dense(tail) if h.layout.compact else tail), None
             h.tail = None
