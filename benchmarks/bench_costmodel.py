@@ -10,7 +10,9 @@ the head and the loss kept, the rest to nvme), ``auto@50%``, ``auto@25%``
 (with the same nvme dir). A name ending in ``/nokick`` runs its
 configuration with every KickKept made a plain Kept (NOTE [Restores start
 with backward] in tiermem/hooks.py), in the same process and rounds: the
-kick's effect, like for like. Per measured step and configuration:
+kick's effect, like for like. A name ending in ``/nohold`` runs it with
+``tail_hold_bytes=0`` (no tail hold: NOTE [Tail hold] in
+tiermem/tailhold.py). Per measured step and configuration:
 
 - forward / backward wall seconds, the main thread's CPU seconds in each
   (``time.thread_time``; on the CPU autograd runs the backward in the calling
@@ -87,8 +89,10 @@ class Runner:
         self.name = name
         self.model = model
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        kw = dict(nvme_dir=nvme_dir, engine=engine)
         base, _, variant = name.partition("/")
+        kw = dict(nvme_dir=nvme_dir, engine=engine)
+        if variant == "nohold":
+            kw["tail_hold_bytes"] = 0
         self.base = base
         self.kick = variant != "nokick"
         if base == "keep":
@@ -142,6 +146,8 @@ class Runner:
                "stall_s": stats.stall_seconds, "late_restores": stats.late_restores,
                "host_waits": stats.host_waits, "restores": len(_restores),
                "prefetch_hits": stats.prefetch_hits, "prefetch_misses": stats.prefetch_misses,
+               "tail_hits": stats.tail_hits,
+               "peak_tail_hold_bytes": stats.peak_tail_hold_bytes,
                "moved_bytes": stats.offloaded_bytes,
                "kept_bytes": stats.bytes_by_tier["keep"],
                "stall_in_first_10pct_s": 0.0, "waits_ms": waits[:40]}

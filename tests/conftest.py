@@ -5,7 +5,8 @@ tiers, engines and models.
   Tests marked ``slow`` (over ~1.5 s here) run by default; ``-m "not slow"``
   leaves them out for a quick round.
 - ``clean_env`` (autouse): no ``TIERMEM_*`` variable is set while a test runs,
-  so that a developer's settings cannot change what it checks. A test that
+  so that a developer's settings cannot change what it checks, except
+  ``TIERMEM_TAIL_HOLD_BYTES=0`` (see the fixture). A test that
   needs one sets it with ``monkeypatch.setenv`` (applied after the clearing).
 - ``tier``: each policy string of :data:`helpers.TIERS` (keep, cpu, nvme,
   recompute, recompute,cpu); ``storage_tier``: keep, cpu, nvme.
@@ -73,10 +74,16 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
-    """Every ``TIERMEM_*`` variable removed for the test (restored after it)."""
+    """Every ``TIERMEM_*`` variable removed for the test (restored after it),
+    but ``TIERMEM_TAIL_HOLD_BYTES=0``: tests written for the restore paths
+    (prefetch counts, restores from disk after landing, in-place checks of
+    copies) keep exercising them on models small enough that the default
+    tail hold would keep every moved source (NOTE [Tail hold] in
+    tiermem/tailhold.py). tests/test_tail_hold.py turns it on explicitly."""
     for key in list(os.environ):
         if key.startswith("TIERMEM_"):
             monkeypatch.delenv(key)
+    monkeypatch.setenv("TIERMEM_TAIL_HOLD_BYTES", "0")
 
 
 @pytest.fixture(params=helpers.TIERS)

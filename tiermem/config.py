@@ -226,6 +226,14 @@ class Config:
         "Most bytes brought back ahead of need in backward (restored but not yet "
         "used). Unset: a quarter of the bytes the step moved (cpu + nvme), at least "
         "16MiB and at most 256MiB.", default_doc="auto", minimum=0)
+    tail_hold_bytes: Optional[int] = _setting(
+        "TIERMEM_TAIL_HOLD_BYTES", _size,
+        "Fixed and callable policies: the sources of the last moved tensors, up to this many "
+        "bytes in packing order, stay in memory after their move lands, so that backward's "
+        "first unpacks take them without a read (NOTE [Tail hold]); device memory from the "
+        "forward to those unpacks is higher by at most this. 0: off. Unset: the prefetch "
+        "window (`prefetch_bytes`, else a quarter of the bytes moved so far, 16MiB to "
+        "256MiB). Not used by steps that follow an auto plan.", default_doc="auto", minimum=0)
     engine: str = _setting(
         "TIERMEM_ENGINE", _choice(ENGINE_NAMES),
         "NVMe I/O engine: auto (C++, else Python with a warning), cpp, python.",

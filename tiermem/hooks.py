@@ -110,8 +110,10 @@ lock. Nothing else lives here.
 # plain Kept. When backward needs a moved tensor before any kept one (a
 # loss whose first node saves a moved tensor: cross-entropy's log-softmax
 # output), nothing of the step's graph runs before that unpack: it is read
-# on demand and leads the rest, as without a kick. Measured:
-# benchmarks/results/2026-12-01-cpu-fixed-kick.md.
+# on demand and leads the rest, as without a kick (measured:
+# benchmarks/results/2026-12-01-cpu-fixed-kick.md), unless its source is
+# still held by the tail hold (NOTE [Tail hold] in tailhold.py), which such
+# steps have by default: then it is taken from memory and its unpack leads.
 # Exactness does not depend on any of it: a kick only starts restores earlier.
 """
 

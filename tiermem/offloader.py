@@ -41,6 +41,7 @@ from .hooks import Packer, keep_pack, opaque, unpack
 from .placement import Placement, default_cpu_budget_bytes, default_nvme_budget_bytes
 from .producers import ProducerMode
 from .step import Step
+from .tailhold import TailHold
 from .telemetry import StepStats
 from .tracker import ModuleStack, TrackingScope
 
@@ -109,6 +110,11 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
                          offloader.config.min_offload_bytes, self.producers, unpack,
                          check_params=offloader.config.check_params)
         self.stats = self.step.stats
+        tail_hold_bytes = offloader.config.tail_hold_bytes
+        limit = tail_hold_bytes if tail_hold_bytes is not None else prefetch_bytes
+        if self.planning is None and limit != 0:   # NOTE [Tail hold] in tailhold.py
+            self.step.tail = offloader._tail
+            self.step.tail_hold_bytes = tail_hold_bytes
         self._packer = Packer(self.step, placement)
         self._modules = ModuleStack(on_root=self._packer.note_root, scope=self.tracking)
         unpack_hook = _hidden("unpack", unpack)
@@ -221,6 +227,8 @@ class Offloader:
         if cfg.disable:
             return
         self._placement = Placement(cfg, hints)
+        #: NOTE [Tail hold] in tailhold.py: the sources of the last moves.
+        self._tail = TailHold()
         self.cpu_budget_bytes = self._placement.cpu_budget_bytes
         # Steps whose saved tensors may still be unpacked (a handle, or the
         # context, holds each): see ``in_use``.
@@ -276,6 +284,7 @@ class Offloader:
         if failed:
             # The forward pass is abandoned: finish copies now so that the
             # partial graph's handles free their buffers when it is dropped.
+            self._tail.release_step(ctx.step)
             self._placement.drain()
         else:
             self._placement.launch()
@@ -360,6 +369,7 @@ class Offloader:
         self.closed = True
         if self.config.disable:
             return
+        self._tail.release_all()
         self._placement.close()
 
     def __repr__(self) -> str:

@@ -52,10 +52,18 @@ import threading
 import weakref
 from typing import Optional
 
-__all__ = ["Prefetcher", "Entry", "AUTO_MIN_BYTES", "AUTO_MAX_BYTES", "auto_window_bytes"]
+__all__ = ["Prefetcher", "Entry", "AUTO_MIN_BYTES", "AUTO_MAX_BYTES", "auto_window_bytes",
+           "HELD"]
 
 AUTO_MIN_BYTES = 16 << 20
 AUTO_MAX_BYTES = 256 << 20
+
+
+#: What ``store.prefetch(handle)`` answers for a tensor still in memory, held
+#: for its unpack (NOTE [Tail hold] in tailhold.py): no restore to start, but
+#: counted in the window until taken, like a restore in flight (not in
+#: ``stats.prefetched_bytes``).
+HELD = 2
 
 
 def auto_window_bytes(moved_bytes: int) -> int:
@@ -91,7 +99,7 @@ class Entry(weakref.ref):
 class Prefetcher:
     """Prefetch state of one step. A prefetched handle provides ``nbytes`` and
     ``store.prefetch(handle)`` (``True``: restore started, ``False``: none
-    needed, ``None``: not ready)."""
+    needed, ``None``: not ready, :data:`HELD`: in memory, held for its unpack)."""
 
     def __init__(self, budget_bytes, moved_bytes=None, stats=None) -> None:
         #: ``None`` until backward starts when unset (see the module docstring).
@@ -206,6 +214,6 @@ class Prefetcher:
                 if started:
                     e.inflight = True
                     self.inflight_bytes += e.nbytes
-                    if self._stats is not None:
+                    if self._stats is not None and started is True:
                         self._stats.prefetched_bytes += e.nbytes
             self._cursor -= 1

@@ -41,7 +41,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .paramcheck import ParamChecks
 from .policy import Tier
-from .prefetch import Entry, Prefetcher
+from .prefetch import Entry, Prefetcher, auto_window_bytes
 from .producers import ProducerMode, Ref, storage_key
 from .telemetry import StepStats
 from .tiers.base import exact_copy
@@ -113,6 +113,13 @@ class Step:
         #: Parameters recipes hold as they are (NOTE [Parameters changed before
         #: backward] in paramcheck.py); fingerprints if ``check_params``.
         self.param_checks = ParamChecks(check_params)
+        #: The Offloader's :class:`~tiermem.tailhold.TailHold` when this step
+        #: holds the sources of its last moves (NOTE [Tail hold] in
+        #: tailhold.py), else ``None``; ``tail_hold_bytes``: its bound
+        #: (``None``: the prefetch window).
+        self.tail = None
+        self.tail_hold_bytes: Optional[int] = None
+        self._tail_release_queued = False
 
     def end_forward(self) -> None:
         """The forward pass is over: drop what only packing needed."""
@@ -150,6 +157,42 @@ class Step:
     def moved(self, handle, nbytes: int) -> Entry:
         """A move out started: schedule the handle's restore (its entry)."""
         return self.prefetcher.add(handle, nbytes)
+
+    def hold_tail(self, handle, nbytes: int) -> bool:
+        """A move out started whose source holds ``nbytes``: whether the
+        source stays held (NOTE [Tail hold] in tailhold.py, 1 and 6)."""
+        if self.params_may_be_freed or self.planning is not None:
+            return False
+        limit = self.tail_hold_bytes
+        if limit is None:
+            limit = self.prefetcher.budget_bytes
+            if limit is None:
+                limit = auto_window_bytes(_moved_bytes(self.stats))
+        held = self.tail.add(handle, nbytes, limit)
+        window = self.tail.window_bytes
+        if window > self.stats.peak_tail_hold_bytes:
+            self.stats.peak_tail_hold_bytes = window
+        return held
+
+    def tail_taken(self) -> None:
+        """An unpack took a held source (NOTE [Tail hold], 3): count it, and,
+        once per step, release the step's other held sources when this
+        backward ends (rule 5)."""
+        self.stats.tail_hits += 1
+        if self._tail_release_queued or torch._C._current_graph_task_id() == -1:
+            return
+        self._tail_release_queued = True
+        step_ref, tail = weakref.ref(self), self.tail
+
+        def release() -> None:
+            step = step_ref()
+            if step is not None:
+                step._tail_release_queued = False
+                tail.release_step(step)
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(release)
+        except RuntimeError:   # not inside the engine after all: released otherwise
+            self._tail_release_queued = False
 
     def dropped(self, handle, nbytes: int) -> Entry:
         """A tensor was dropped, to be recomputed: count its uses."""

@@ -50,6 +50,10 @@ class StepStats:
       disk not done yet, or a CPU copy), rather than only making the stream wait
       on a copy's event (NOTE [Waiting only for the read] in
       tiers/nvme_chain.py); their time is in ``stall_seconds``.
+    - ``tail_hits``: unpacks that took a moved tensor's source, still held
+      by the tail hold (NOTE [Tail hold] in tailhold.py), with no restore;
+      ``peak_tail_hold_bytes``: most bytes in the tail hold during the step
+      (an upper bound on the memory it held; at most ``tail_hold_bytes``).
     - ``peak_host_bytes``: most host bytes held by the cpu tier during the step.
     - ``peak_disk_bytes``: most bytes of the nvme tier's file in use during the step.
     - ``bytes_by_tier["recompute"]``: bytes of saved tensors dropped (to be
@@ -75,6 +79,8 @@ class StepStats:
     prefetch_misses: int = 0
     late_restores: int = 0
     host_waits: int = 0
+    tail_hits: int = 0
+    peak_tail_hold_bytes: int = 0
     peak_host_bytes: int = 0
     peak_disk_bytes: int = 0
     recompute_input_bytes: int = 0
@@ -113,6 +119,11 @@ class StepStats:
             f"dedup {self.dedup_hits}",
             f"prefetched {format_bytes(self.prefetched_bytes)} ({self.prefetch_hits}/{restores} on time)",
             f"stall {self.stall_seconds * 1e3:.2f} ms",
+        ]
+        if self.tail_hits:
+            parts.append(f"tail hold {self.tail_hits} taken "
+                         f"(held {format_bytes(self.peak_tail_hold_bytes)})")
+        parts += [
             f"host peak {format_bytes(self.peak_host_bytes)}",
         ]
         if self.peak_disk_bytes:

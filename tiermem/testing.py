@@ -34,6 +34,7 @@ __all__ = [
     "set_move_window",
     "slow_copies",
     "planner_of",
+    "tail_held_bytes",
 ]
 
 
@@ -173,3 +174,9 @@ def planner_of(off):
     (``profiles``: profiled steps so far; ``plans``: plans by step signature),
     ``None`` for other policies."""
     return off._placement.planner
+
+
+def tail_held_bytes(off) -> int:
+    """Bytes of moved tensors' sources the tail hold of ``off`` holds now
+    (each counted as its storage, if larger than the tensor)."""
+    return off._tail.held_bytes()

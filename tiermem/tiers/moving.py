@@ -124,6 +124,7 @@ import torch
 
 from ..copier import copier_for
 from ..jobs import CudaJob
+from ..prefetch import HELD
 from ..errors import TierMemError
 from .base import Layout, TierStore
 from .keep import check_version
@@ -147,7 +148,7 @@ class MovedHandle:
 
     __slots__ = ("store", "step", "entry", "layout", "nbytes", "slot", "version", "module",
                  "src", "host", "lease", "last_job", "restore", "cached", "tainted", "failed",
-                 "__weakref__")
+                 "tail", "__weakref__")
 
     def __del__(self) -> None:
         store = getattr(self, "store", None)
@@ -242,11 +243,14 @@ class MovingStore(TierStore):
         h.host = h.lease = h.last_job = None
         h.restore = h.cached = None
         h.tainted = h.failed = False
+        h.tail = None
         h.step = step
         h.store = self
         self._unlaunched.append(weakref.ref(h))
         self._unlaunched_seq = _sequence_nr()
         h.entry = step.moved(h, h.nbytes)
+        if step.tail is not None and step.hold_tail(h, max(h.nbytes, _storage_bytes(h.src))):
+            h.tail = h.src   # NOTE [Tail hold] in tailhold.py
         step.held(self.tier, self._held_bytes())
         return h
 
@@ -257,6 +261,12 @@ class MovingStore(TierStore):
             h = unlaunched.popleft()()
             if h is not None and h.last_job is None and h.src is not None and not h.failed:
                 self._launch_one(h)
+
+    @staticmethod
+    def release_source(h: MovedHandle) -> None:
+        """Drop the tail hold's reference to ``h``'s source (NOTE [Tail hold]
+        in tailhold.py); the store's own reference, if any, is untouched."""
+        h.tail = None
 
     def _launch_one(self, h: MovedHandle) -> None:
         if h.src._version != h.version:
@@ -479,12 +489,16 @@ class MovingStore(TierStore):
         return layout.rebuild(dev), CudaJob(done, layout.device, stream, stream)
 
     # -- backward -----------------------------------------------------------
-    def prefetch(self, h: MovedHandle) -> Optional[bool]:
+    def prefetch(self, h: MovedHandle):
         """Start restoring ``h``: ``True`` if started; ``False`` if it needs none
         (on its way, failed or tainted); ``None`` if its move out has not landed
-        yet (the prefetcher waits there rather than skipping it)."""
+        yet (the prefetcher waits there rather than skipping it);
+        :data:`~tiermem.prefetch.HELD` if its source is held by the tail hold."""
         if h.failed or h.tainted or h.restore is not None or h.cached is not None:
             return False
+        tail = h.tail
+        if tail is not None and tail._version == h.version:
+            return HELD   # in the window until taken (NOTE [Tail hold], 4)
         if h.src is not None or h.host is not None:
             return None
         h.restore = self._restore(h)
@@ -503,6 +517,15 @@ class MovingStore(TierStore):
         if self._unlaunched:
             self.launch()   # every op of the forward has run
         self.poll()
+        tail = h.tail
+        if tail is not None:   # NOTE [Tail hold] in tailhold.py, 3
+            if more_uses <= 0:
+                h.tail = None
+            if (tail._version == h.version and not h.tainted
+                    and not h.step.params_may_be_freed):   # rule 6: none after all
+                h.step.tail_taken()
+                return (h.layout.dense(tail) if h.layout.compact else tail), None
+            h.tail = None
         if h.src is not None and not h.failed:
             if h.src._version == h.version:
                 # Not landed yet: the original is still here and unchanged.
@@ -549,6 +572,7 @@ class MovingStore(TierStore):
 
     # -- release --------------------------------------------------------------
     def _release(self, h: MovedHandle) -> None:
+        h.tail = None
         if h.last_job is None:     # never launched (or its launch failed)
             h.src = None
             if h.slot is not None:
@@ -567,6 +591,14 @@ class MovingStore(TierStore):
             job.abandon(dev)
             h.restore = None
         self._free(h)
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s storage (what holding ``t`` holds)."""
+    try:
+        return t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        return 0
 
 
 class _Ordered:
