@@ -3,8 +3,9 @@ tiermem/planner/improve.py) against the greedy choice alone: planning time
 and what the pass changes.
 
 1. Planning time: bench_planning's deep TinyGPTs (width 64, seq 32, batch 2,
-   ``device_budget="50%"``, an nvme dir, Python engine; ``--layers``): one
-   profiled step each, then ``make_plan`` on that profile with
+   an nvme dir, Python engine; ``--layers``), plain and with
+   ``wrap_blocks(..., checkpoint="auto")``: one profiled step each, then
+   ``make_plan`` on that profile at each of ``--budgets`` with
    ``improve=False`` and ``improve=True``, ``--repeats`` times each,
    interleaved; medians.
 2. Choice: the suite's ``cpu`` TinyGPT (4 layers, width 256, seq 256, batch 4,
@@ -67,20 +68,28 @@ def _plan(profile, rates, rooms, share: float, improve: bool):
                      has_nvme=True, improve=improve, **rooms)
 
 
-def timing(layers: int, repeats: int, nvme_dir: str) -> dict:
+def timing(layers: int, repeats: int, budgets, nvme_dir: str) -> list:
     cfg = GPTConfig(vocab=256, layers=layers, width=64, heads=4, seq_len=32)
-    profile, rates, rooms = _profiled(cfg, 2, nvme_dir, blocks=False)
-    times = {False: [], True: []}
-    for _ in range(repeats):
-        for improve in (False, True):
-            t0 = time.perf_counter()
-            plan = _plan(profile, rates, rooms, 0.5, improve)
-            times[improve].append(time.perf_counter() - t0)
-    return {"layers": layers, "tensors": len(profile.records),
-            "greedy_seconds": times[False], "improved_seconds": times[True],
-            "median_greedy_seconds": statistics.median(times[False]),
-            "median_improved_seconds": statistics.median(times[True]),
-            "changed": any(n.startswith("choice: the improvement") for n in plan.notes)}
+    rows = []
+    for blocks in (False, True):
+        profile, rates, rooms = _profiled(cfg, 2, nvme_dir, blocks=blocks)
+        for share in budgets:
+            times = {False: [], True: []}
+            for _ in range(repeats):
+                for improve in (False, True):
+                    t0 = time.perf_counter()
+                    plan = _plan(profile, rates, rooms, share, improve)
+                    times[improve].append(time.perf_counter() - t0)
+            rows.append({
+                "layers": layers, "blocks": len(profile.blocks), "budget": f"{share:.0%}",
+                "tensors": len(profile.records),
+                "greedy_seconds": times[False], "improved_seconds": times[True],
+                "median_greedy_seconds": statistics.median(times[False]),
+                "median_improved_seconds": statistics.median(times[True]),
+                "changed": any(n.startswith("choice: the improvement") for n in plan.notes),
+                "greedy_priced_cost_s": plan.greedy_priced_cost_s,
+                "priced_cost_s": plan.priced_cost_s})
+    return rows
 
 
 def choices(budgets, nvme_dir: str) -> list:
@@ -111,11 +120,14 @@ def main() -> None:
     ap.add_argument("--layers", default="25,50,100")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--budgets", default="0.5,0.25,0.1")
+    ap.add_argument("--profiles", type=int, default=3,
+                    help="profiles of the suite's TinyGPT per variant (their prices vary)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    budgets = [float(x) for x in args.budgets.split(",")]
     with tempfile.TemporaryDirectory(prefix="bench-solver-opt-") as d:
-        rows = [timing(int(n), args.repeats, d) for n in args.layers.split(",")]
-        picks = choices([float(x) for x in args.budgets.split(",")], d)
+        rows = [r for n in args.layers.split(",") for r in timing(int(n), args.repeats, budgets, d)]
+        picks = [dict(r, profile=k) for k in range(args.profiles) for r in choices(budgets, d)]
     emit({"benchmark": "improvement pass of policy=auto's choice", "machine": machine(),
           "settings": vars(args), "timing": rows, "choices": picks}, args.out)
 

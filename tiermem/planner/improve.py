@@ -30,9 +30,10 @@ same budgets.
 # 4. A move: set one group to another state, then fill the shortfall from the
 #    groups at rest in the greedy's order (price per freed byte), then drop
 #    taken groups whose bytes the budget no longer needs, costliest first.
-#    Rounds try every group's every state in pack order, taking the first
-#    move that improves, until a round changes nothing (at most MAX_ROUNDS):
-#    deterministic. Where blocks may be checkpointed, a second search starts
+#    A round tries every state of every group (beyond MOVE_GROUPS groups:
+#    the half taken dearest per freed byte and the half at rest cheapest,
+#    the greedy's margin) and takes the best move; rounds run until one
+#    improves nothing (at most MAX_ROUNDS): deterministic. Where blocks may be checkpointed, a second search starts
 #    from no block checkpointed and the rest filled afresh; the better of the
 #    two stands. A local optimum, not always the global one (measured against
 #    brute force in tests/test_solver_opt.py).
@@ -56,6 +57,8 @@ __all__ = ["improve_choice", "MAX_ROUNDS", "EXACT_STATES"]
 
 #: At most this many rounds of moves (NOTE [Planner choice], 4).
 MAX_ROUNDS = 50
+#: A round of moves tries at most this many groups (NOTE [Planner choice], 4).
+MOVE_GROUPS = 256
 #: Instances with at most this many assignments are solved exactly (NOTE
 #: [Planner choice], 5): about 8 tensors of 4 states.
 EXACT_STATES = 1 << 17
@@ -179,11 +182,13 @@ class _State:
             G.cur = k
 
 
-def _fill(st: _State, ranked: list, locked: int) -> None:
+def _fill(st: _State, order: tuple, locked: int) -> None:
     """Take options of groups at rest in the greedy's order until the budget
     is met; the option that would meet it is the cheapest of those that alone
-    cover the rest (the greedy's order overshoots there)."""
-    for pos, (_, i, k) in enumerate(ranked):
+    cover the rest (the greedy's order overshoots there). ``order``: the
+    options in the greedy's order, and the tensors' and inputs' by cost."""
+    ranked, by_cost = order
+    for _, i, k in ranked:
         if st.freed >= st.need:
             return
         if not _free(st, i, k, locked):
@@ -193,9 +198,10 @@ def _fill(st: _State, ranked: list, locked: int) -> None:
         G = st.g[i]
         if G.kind != "b" and st.freed + G.opts[k][1] >= st.need:
             short = st.need - st.freed
-            i, k = min(((st.g[j].opts[m][0], j, m) for _, j, m in ranked[pos:]
-                        if st.g[j].kind != "b" and st.g[j].opts[m][1] >= short
-                        and _free(st, j, m, locked)), key=lambda e: e[0])[1:]
+            for j, m in by_cost:   # (i, k) at worst
+                if st.g[j].opts[m][1] >= short and _free(st, j, m, locked):
+                    i, k = j, m
+                    break
             st.set(i, k)
             return
         if G.kind == "b":
@@ -252,8 +258,12 @@ def _make_room(st: _State, i: int, k: int, free_only: bool = False, locked: int 
 
 def _drop(st: _State, locked: int) -> None:
     """Drop taken groups the budget does not need, costliest first."""
+    surplus = st.freed - st.need
+    if surplus < 0:
+        return
     taken = [i for i, G in enumerate(st.g)
-             if G.cur != _OFF and not G.fixed and i != locked and not st.void(i)]
+             if G.cur != _OFF and not G.fixed and i != locked
+             and (G.kind == "b" or G.opts[G.cur][1] <= surplus) and not st.void(i)]
     taken.sort(key=lambda i: (-st.taken_cost(i), i))
     for i in taken:
         if st.g[i].cur == _OFF or st.void(i):
@@ -269,7 +279,7 @@ def _better(a: tuple, b: tuple) -> bool:
     return a[1] < b[1] - 1e-12 * max(1.0, abs(b[1]))
 
 
-def _move(st: _State, ranked: list, i: int, k: int) -> bool:
+def _move(st: _State, order: tuple, i: int, k: int) -> bool:
     """One move (NOTE [Planner choice], 4); False (state unchanged) if group
     ``i`` cannot take state ``k``."""
     snap = st.snapshot()
@@ -280,32 +290,50 @@ def _move(st: _State, ranked: list, i: int, k: int) -> bool:
         _take_block(st, i, k)
     else:
         st.set(i, k)
-    _fill(st, ranked, i)
+    _fill(st, order, i)
     _drop(st, i)
     return True
 
 
-def _search(st: _State, ranked: list) -> int:
+def _candidates(st: _State) -> List[int]:
+    """The groups a round moves (NOTE [Planner choice], 4): all, or beyond
+    MOVE_GROUPS the MOVE_GROUPS / 2 taken ones dearest per freed byte and
+    the MOVE_GROUPS / 2 at rest cheapest per freed byte (the greedy's
+    margin), in group order."""
+    live = [i for i, G in enumerate(st.g) if not G.fixed and not st.void(i)]
+    if len(live) <= MOVE_GROUPS:
+        return live
+    def price(i: int, k: int) -> float:
+        cost, freed = st.g[i].opts[k][:2]
+        return cost / freed if freed > 0 else float("inf")
+    taken = sorted((i for i in live if st.g[i].cur != _OFF),
+                   key=lambda i: (-price(i, st.g[i].cur), i))
+    rest = sorted((i for i in live if st.g[i].cur == _OFF and st.g[i].opts),
+                  key=lambda i: (min(price(i, k) for k in range(len(st.g[i].opts))), i))
+    half = MOVE_GROUPS // 2
+    return sorted(taken[:half] + rest[:half])
+
+
+def _search(st: _State, order: tuple) -> int:
     """NOTE [Planner choice], 4: rounds of moves, the best of each round kept
     (first in group order on a tie); returns the moves kept."""
     _drop(st, -1)
-    _fill(st, ranked, -1)
+    _fill(st, order, -1)
     _drop(st, -1)
     for rounds in range(MAX_ROUNDS):
         best, at = st.key(), None
-        for i, G in enumerate(st.g):
-            if G.fixed or st.void(i):
-                continue
+        for i in _candidates(st):
+            G = st.g[i]
             for k in range(_OFF, len(G.opts)):
                 if k == G.cur:
                     continue
                 snap = st.snapshot()
-                if _move(st, ranked, i, k) and _better(st.key(), best):
+                if _move(st, order, i, k) and _better(st.key(), best):
                     best, at = st.key(), (i, k)
                 st.restore(snap)
         if at is None:
             return rounds
-        _move(st, ranked, *at)
+        _move(st, order, *at)
     return MAX_ROUNDS
 
 
@@ -434,8 +462,12 @@ def improve_choice(records, options, blocks, need: int, base_freed: int, room0: 
             kind = {"t": 0, "b": 1, "i": 2}[G.kind]
             ranked.append(((cost / freed, scarce[tier], kind) + tuple(G.rank[-2:]), i, k))
     ranked.sort(key=lambda e: e[0])
+    by_cost = [(i, k) for _, i, k in sorted(ranked, key=lambda e: (groups[e[1]].opts[e[2]][0],
+                                                                   e[0]))
+               if groups[i].kind != "b"]
+    order = (ranked, by_cost)
     if search:
-        _search(st, ranked)
+        _search(st, order)
         if any(G.kind == "b" and not G.fixed for G in groups):
             # A second start: no block checkpointed, the rest filled afresh
             # (the greedy's blocks can hold the search in a local optimum).
@@ -446,7 +478,7 @@ def improve_choice(records, options, blocks, need: int, base_freed: int, room0: 
             for i, G in enumerate(groups):
                 if not G.fixed and not st.void(i):
                     st.set(i, _OFF)
-            _search(st, ranked)
+            _search(st, order)
             if not _better(st.key(), first_key):
                 st.restore(first)
         if _states(groups) <= EXACT_STATES:
