@@ -13,6 +13,11 @@ and what the pass changes.
    profile each, then plans at ``--budgets`` both ways: whether the pass
    changed the plan, the priced cost (sum of lone prices) of each, and the
    predicted step cost (after the channel simulation) of each.
+3. Against brute force: the seeded random instances of
+   tests/test_solver_opt.py (at most 8 tensors, tier budgets, a block), with
+   the local search alone (``EXACT_STATES = 0``, what large instances get)
+   and as shipped (the exact pass on them): how often each is optimal, and
+   the summed priced cost against the summed optimum.
 
 Run: ``python benchmarks/bench_solver_opt.py [--out x.json]``.
 """
@@ -115,6 +120,47 @@ def choices(budgets, nvme_dir: str) -> list:
     return rows
 
 
+def brute(seeds, count: int) -> list:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), "tests"))
+    import random
+    import test_solver_opt as t
+    from tiermem.planner import improve
+    rows = []
+    for exact in (False, True):
+        saved = improve.EXACT_STATES
+        if not exact:
+            improve.EXACT_STATES = 0
+        for seed in seeds:
+            rng = random.Random(seed)
+            row = dict(exact=exact, seed=seed, instances=count, reachable=0, met=0,
+                       greedy_met=0, optimal=0, greedy_optimal=0, cost=0.0, best_cost=0.0,
+                       worst_ratio=1.0, greedy_cost_where_met=0.0, best_cost_where_greedy_met=0.0)
+            for _ in range(count):
+                case = t._random_case(rng)
+                best, _ = t.brute_force(case)
+                if best is None:
+                    continue
+                g_cost, g_freed, _ = t.plan_price(case, case.plan(improve=False))
+                cost, freed, _ = t.plan_price(case, case.plan())
+                row["reachable"] += 1
+                row["greedy_met"] += g_freed >= case.need()
+                row["greedy_optimal"] += g_freed >= case.need() and g_cost <= best[0] + 1e-12
+                if g_freed >= case.need():
+                    row["greedy_cost_where_met"] += g_cost
+                    row["best_cost_where_greedy_met"] += best[0]
+                if freed >= case.need():
+                    row["met"] += 1
+                    row["optimal"] += cost <= best[0] + 1e-12
+                    row["cost"] += cost
+                    row["best_cost"] += best[0]
+                    if best[0] > 0:
+                        row["worst_ratio"] = max(row["worst_ratio"], cost / best[0])
+            rows.append(row)
+        improve.EXACT_STATES = saved
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", default="25,50,100")
@@ -122,14 +168,18 @@ def main() -> None:
     ap.add_argument("--budgets", default="0.5,0.25,0.1")
     ap.add_argument("--profiles", type=int, default=3,
                     help="profiles of the suite's TinyGPT per variant (their prices vary)")
+    ap.add_argument("--brute-seeds", default="12,1,2")
+    ap.add_argument("--brute-count", type=int, default=300)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     budgets = [float(x) for x in args.budgets.split(",")]
     with tempfile.TemporaryDirectory(prefix="bench-solver-opt-") as d:
         rows = [r for n in args.layers.split(",") for r in timing(int(n), args.repeats, budgets, d)]
         picks = [dict(r, profile=k) for k in range(args.profiles) for r in choices(budgets, d)]
+    exact = brute([int(x) for x in args.brute_seeds.split(",")], args.brute_count)
     emit({"benchmark": "improvement pass of policy=auto's choice", "machine": machine(),
-          "settings": vars(args), "timing": rows, "choices": picks}, args.out)
+          "settings": vars(args), "timing": rows, "choices": picks, "brute_force": exact},
+         args.out)
 
 
 if __name__ == "__main__":
