@@ -12,10 +12,12 @@ same budgets.
 # simulation afterwards is unchanged):
 # 1. Objective: first the shortfall (bytes the device budget is still
 #    short), then the priced cost (the sum of the chosen options' prices). A
-#    move is kept only when it lowers that pair strictly: the pass ends, its
-#    cost never exceeds the greedy's, a met budget stays met, and the cpu and
-#    nvme budgets are checked at every step (counted, as the greedy counts
-#    them, as if everything moved were held at once).
+#    move is kept only when it lowers that pair strictly: the pass ends, a
+#    met budget stays met, the shortfall never grows, the cost never exceeds
+#    the greedy's where the greedy met the budget (where it did not, less
+#    shortfall may cost more), and the cpu and nvme budgets hold at every
+#    step (counted, as the greedy counts them, as if everything moved were
+#    held at once).
 # 2. Groups: a tensor (kept, or one of its options), a block (plain, or
 #    checkpointed) and a block's movable input (kept, or one of its moves). A
 #    checkpointed block voids its tensors (not saved: their options are
@@ -27,16 +29,19 @@ same budgets.
 # 3. Fixed (left as the greedy chose): MUST answers, tensors with a hint
 #    (hints rank by preference, not by price: NOTE [Planner hints] in
 #    planner/hints.py) and the blocks holding one, with their inputs.
-# 4. A move: set one group to another state, then fill the shortfall from the
-#    groups at rest in the greedy's order (price per freed byte), then drop
-#    taken groups whose bytes the budget no longer needs, costliest first.
-#    A round tries every state of every group (beyond MOVE_GROUPS groups:
-#    the half taken dearest per freed byte and the half at rest cheapest,
-#    the greedy's margin) and takes the best move; rounds run until one
-#    improves nothing (at most MAX_ROUNDS): deterministic. Where blocks may be checkpointed, a second search starts
-#    from no block checkpointed and the rest filled afresh; the better of the
-#    two stands. A local optimum, not always the global one (measured against
-#    brute force in tests/test_solver_opt.py).
+# 4. A move: set one group to another state (first moving the groups that
+#    hold the tier room it needs to their cheapest other option, least added
+#    cost first), then fill the shortfall from the groups at rest in the
+#    greedy's order (price per freed byte; the option that meets the budget
+#    is the cheapest one that alone covers the rest), then drop taken groups
+#    whose bytes the budget no longer needs, costliest first. A round tries
+#    every state of every group (beyond MOVE_GROUPS groups: the half taken
+#    dearest per freed byte and the half at rest cheapest, the greedy's
+#    margin) and keeps the best move; rounds run until one improves nothing
+#    (at most MAX_ROUNDS): deterministic. Where blocks may be checkpointed, a
+#    second search starts from no block checkpointed and the rest filled
+#    afresh; the better of the two stands. A local optimum, not always the
+#    global one (measured against brute force in tests/test_solver_opt.py).
 # 5. Small instances (at most EXACT_STATES assignments of the groups that
 #    are not fixed) are then solved exactly: a depth-first branch and bound
 #    over every assignment, bounded by the search's result, pruning where the
@@ -53,7 +58,7 @@ from typing import List, Optional
 
 from ..policy import Tier
 
-__all__ = ["improve_choice", "MAX_ROUNDS", "EXACT_STATES"]
+__all__ = ["improve_choice", "MAX_ROUNDS", "MOVE_GROUPS", "EXACT_STATES"]
 
 #: At most this many rounds of moves (NOTE [Planner choice], 4).
 MAX_ROUNDS = 50
