@@ -21,10 +21,10 @@ MB = 1_000_000
 
 #: The local search alone (instances too large for the exact pass) on the
 #: seeded random instances: optimal on at least this share of them, and the
-#: summed priced cost within this fraction of the summed optimum (measured
-#: 2026-12-02, seeds 12/1/2 x 120-300: 679 of 687 optimal, 0.4% over in sum,
-#: the worst single instance 46% over; one reachable budget missed, where
-#: the greedy missed 24).
+#: summed priced cost within this fraction of the summed optimum (measured:
+#: benchmarks/results/2026-12-02-cpu-solver-opt.md, seeds 12/1/2 x 300: 846
+#: of 855 met budgets optimal, +0.13-0.35% in sum, the worst instance 1.46x;
+#: one reachable budget of 856 missed, where the greedy missed it too).
 LOCAL_OPTIMAL = 0.95
 LOCAL_MARGIN = 0.02
 
