@@ -243,7 +243,8 @@ def _make_room(st: _State, i: int, k: int, free_only: bool = False, locked: int 
         return True
     moves = []
     for h, H in enumerate(st.g):
-        if h in (i, locked) or H.fixed or H.cur == _OFF or H.opts[H.cur][2] is not tier or st.void(h):
+        if (h in (i, locked) or H.fixed or H.cur == _OFF or H.opts[H.cur][2] is not tier
+                or st.void(h)):
             continue
         alts = [(H.opts[a][0], a) for a in range(len(H.opts))
                 if H.opts[a][2] is not tier and st.fits(h, a)]
@@ -395,12 +396,13 @@ def improve_choice(records, options, blocks, need: int, base_freed: int, room0: 
     ``_Block`` objects (``chosen``, inputs' ``move`` and ``before_kept`` are
     rewritten); ``base_freed`` the bytes the MUST answers free and
     ``room0`` the tiers' room after them; ``greedy_freed``, ``greedy_kept``
-    and ``greedy_room`` what the greedy counted (freed, extra kept, room). Returns ``(freed, extra_kept,
-    greedy_cost_s, cost_s, changed)``: bytes freed, recipe and checkpoint
-    input bytes kept beyond the MUST answers', the priced cost of the
-    greedy's choice and of the improved one, and how many tensors and blocks
-    changed; None, changing nothing, when the pass counts the greedy's choice
-    otherwise than the greedy did (a bug: the greedy's plan stands).
+    and ``greedy_room`` what the greedy counted (freed, extra kept, room).
+    Returns ``(freed, extra_kept, greedy_cost_s, cost_s, changed)``: bytes
+    freed, recipe and checkpoint input bytes kept beyond the MUST answers',
+    the priced cost of the greedy's choice and of the improved one, and how
+    many tensors and blocks changed; None, changing nothing, when the pass
+    counts the greedy's choice otherwise than the greedy did (a bug: the
+    greedy's plan stands).
     ``search=False``: price the greedy's choice and change nothing."""
     groups: List[_Group] = []
     tgroup = {}
@@ -512,8 +514,9 @@ def _extra_kept(groups, blocks, must_ids) -> int:
     return extra
 
 
-def _what(G: _Group, k: int, blocks_chosen: bool) -> str:
-    if blocks_chosen:
+def _what(G: _Group, k: int, was_checkpointed: bool) -> str:
+    """The greedy's choice for a tensor, in words."""
+    if was_checkpointed:
         return "checkpoint of its block"
     return "keep" if k == _OFF else G.opts[k][4].tier.value
 
