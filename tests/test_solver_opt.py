@@ -381,3 +381,35 @@ def test_the_local_search_alone_is_near_the_optimum(seed, monkeypatch):
     assert missed <= 1 and missed <= greedy_missed, (missed, greedy_missed)
     assert optimal >= LOCAL_OPTIMAL * (reachable - missed), (optimal, reachable)
     assert total <= total_best * (1 + LOCAL_MARGIN), (total, total_best)
+
+
+# -- real profiles -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("budget", [0.5, 0.25, 0.1])
+@pytest.mark.parametrize("name", ["mlp", "block", "convnet", "embed_gather"])
+def test_real_profiles_count_alike_and_never_cost_more(name, budget, nvme_dir):
+    # The test models' profiles (measured prices): the pass counts the
+    # greedy's choice as the greedy does (no "this is a bug" note), never
+    # raises its priced cost where the greedy met the budget, and meets every
+    # budget the greedy met; every tensor keeps a reason naming its tier.
+    import contextlib
+    from helpers import offloader, train_steps
+    from models import make_case
+    off = offloader("auto", device_budget="50%", nvme_dir=nvme_dir)
+    train_steps(make_case(name), contextlib.nullcontext, steps=1)   # warm-up, no hooks
+    train_steps(make_case(name), lambda: off, steps=2)
+    planner = off._placement.planner
+    profile = planner._profiles[off.plan.keys]
+    kw = dict(has_nvme=True, cpu_budget_bytes=off._placement.cpu_budget_bytes,
+              nvme_budget_bytes=None)
+    target = int(budget * profile.baseline_bytes)
+    greedy = make_plan(profile, planner.rates, target, "t", improve=False, **kw)
+    plan = make_plan(profile, planner.rates, target, "t", **kw)
+    assert not any("this is a bug" in n for n in greedy.notes + plan.notes)
+    unreached = lambda p: any(n.startswith("budget not reachable") for n in p.notes)  # noqa: E731
+    if not unreached(greedy):
+        assert not unreached(plan)
+        assert plan.priced_cost_s <= greedy.priced_cost_s + 1e-12
+    for p in plan.tensors:
+        assert p.reason.split(":")[0].split()[0] in (p.tier, "kept"), p.reason
+    off.close()
