@@ -168,6 +168,11 @@ class Plan:
     #: The kept tensor (pack index) whose first unpack starts the step's
     #: restores, or None (NOTE [Restores start with backward] in hooks.py).
     kick_index: Optional[int] = None
+    #: The choice's priced cost (the sum of its options' lone prices: NOTE
+    #: [Planner choice] in planner/improve.py) and the greedy's, before the
+    #: improvement pass; ``None`` when nothing had to move.
+    priced_cost_s: Optional[float] = None
+    greedy_priced_cost_s: Optional[float] = None
 
     @property
     def predicted_step_cost_s(self) -> float:

@@ -42,6 +42,9 @@
 #    where its inputs stay, makes moving each one more option (NOTE [Blocks
 #    the planner may checkpoint] in planner/runtime.py, rule 6). Ties go to
 #    the tensors, and to kept inputs.
+#    That greedy choice is the start of an improvement pass, which lowers its
+#    priced cost under the same budgets (NOTE [Planner choice] in
+#    planner/improve.py); steps 3 and 4 take the improved choice.
 # 3. The prefetch window (the plan's ``suggested_prefetch_bytes``, which a
 #    step following the plan uses when ``prefetch_bytes`` is unset): the room
 #    the budget leaves at the start of backward (budget - predicted kept), no
@@ -81,6 +84,7 @@ from ..policy import Tier
 from ..prefetch import AUTO_MIN_BYTES
 from ..telemetry import format_bytes
 from .hints import is_move_hint
+from .improve import improve_choice
 from .plan import (CHECKPOINTED, Plan, PlannedBlock, PlannedInput, PlannedTensor,
                    revived_positions)
 from .profile import BlockInput, BlockRecord, Profile, TensorRecord
@@ -590,10 +594,13 @@ def _planned_inputs(b: _Block, stalls: dict, has_nvme: bool, met: bool) -> List[
 def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting: str, *,
               has_nvme: bool, cpu_budget_bytes: int, nvme_budget_bytes: Optional[int],
               replans: int = 0, replan_reason: str = "",
-              prefetch_bytes: Optional[int] = None) -> Plan:
+              prefetch_bytes: Optional[int] = None, improve: bool = True) -> Plan:
     """The plan of ``profile``'s step under ``budget_bytes`` (NOTE [Planner cost
     model]; hints: NOTE [Planner hints] in planner/hints.py); ``prefetch_bytes``:
-    the window setting, ``None`` when unset (the plan then sizes it)."""
+    the window setting, ``None`` when unset (the plan then sizes it);
+    ``improve``: run the improvement pass over the greedy's choice (NOTE
+    [Planner choice] in planner/improve.py); False gives the greedy's alone
+    (tests and benchmarks compare the two)."""
     t0 = time.perf_counter()
     records = profile.records
     fwd_end = profile.forward_end_s
@@ -638,6 +645,7 @@ def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting:
     blocks = [_Block(b, records, must_ids, rates, has_nvme, bwd_start,
                      functools.partial(next, synthetic)) for b in profile.blocks]
     checkpointed: dict = {}   # record index -> its checkpointed _Block
+    priced = greedy_priced = None
     if need <= freed:
         for r in records:
             if r.index in must_ids:
@@ -646,8 +654,22 @@ def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting:
                                 f"({format_bytes(kept_all)} <= {format_bytes(budget_bytes)})"
                                 if need <= 0 else "kept: the budget is met without moving it")
     else:
+        freed0, room0 = freed, dict(room)
         freed, more_kept = _choose(records, options, blocks, need, freed, room, choice, costs,
                                    reasons, checkpointed, hint_end, must_ids, has_nvme)
+        got = improve_choice(records, options, blocks, need, freed0, room0, freed, more_kept,
+                             room, choice, costs, reasons, checkpointed, must_ids,
+                             search=improve)
+        if got is None:
+            notes.append("choice: the greedy's, unimproved: the improvement pass counted "
+                         "it otherwise than the greedy (this is a bug)")
+        else:
+            freed, more_kept, greedy_priced, priced, changed = got
+            if changed:
+                notes.append(f"choice: the improvement pass (NOTE [Planner choice] in "
+                             f"planner/improve.py) changed {changed} of the greedy's "
+                             f"tensor and block choices: priced cost "
+                             f"{greedy_priced * 1e3:.2f} -> {priced * 1e3:.2f} ms")
         extra_kept += more_kept
         if freed < need:
             notes.append(f"budget not reachable: the tiers here free at most "
@@ -730,7 +752,9 @@ def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting:
             recompute_total += cost
             reason = f"recompute: {cost * 1e3:.2f} ms to regenerate {format_bytes(r.nbytes)}"
             moves = [o for o in options[r.index] if o.tier is not Tier.RECOMPUTE]
-            if moves:
+            if r.index in reasons:   # chosen by the improvement pass
+                reason = f"{reasons[r.index]}; {reason[len('recompute: '):]}"
+            elif moves and options[r.index][0] is costs[r.index]:
                 o = moves[0]
                 reason += (f", cheaper per freed byte than {o.tier.value} "
                            f"({_per_mib(cost, costs[r.index].freed)} vs "
@@ -767,7 +791,8 @@ def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting:
                 profile.baseline_bytes, fixed_kept, kept, stall_total,
                 recompute_total, window, rates.as_dict(), time.perf_counter() - t0,
                 replans, replan_reason, notes=notes, blocks=planned_blocks,
-                predicted_cpu_s=cpu_total, kick_index=None if kick is None else kick.index)
+                predicted_cpu_s=cpu_total, kick_index=None if kick is None else kick.index,
+                priced_cost_s=priced, greedy_priced_cost_s=greedy_priced)
 
 
 def _kick(records, choice, checkpointed, chosen) -> Optional[TensorRecord]:
