@@ -725,13 +725,16 @@ def test_steps_of_other_sizes_move_the_inputs_their_resized_plan_moves(nvme_dir,
     planner = off._placement.planner
     assert planner.profiles == PROFILED_SIZES
     # Batches 3 and 2 follow the batch-4 plan resized (the closest, and with
-    # a size budget the closest for tensors no smaller): the same tiers as
-    # its own last step, block inputs included.
+    # a size budget the closest for tensors no smaller): the tiers of its own
+    # last step, block inputs included (kept before: 3 more kept tensors).
+    # Not equal counts: a move the nvme tier refuses at run time (its budget
+    # counts the step's files in use) keeps that tensor in one step only.
     own = log[8]
     plan4 = planner.plans[next(k for k in planner.plans if k[0][0][0] == 4)]
     moved = _moved_inputs(plan4)
     assert moved and own.count_by_tier["nvme"] >= len(moved), str(plan4)
     for i in (9, 10, 11, 12):
-        assert log[i].count_by_tier == own.count_by_tier, (i, log[i].count_by_tier)
+        assert log[i].count_by_tier["keep"] <= own.count_by_tier["keep"], (i, log[i])
+        assert log[i].count_by_tier["nvme"] >= own.count_by_tier["nvme"], (i, log[i])
         assert log[i].bytes_by_tier["nvme"] < own.bytes_by_tier["nvme"]   # smaller tensors
     off.close()
