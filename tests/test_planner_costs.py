@@ -96,7 +96,9 @@ def _overlap_profile(late_pack):
     # A: 100 MB saved at 0, needed first (at 0.6 s); C: 200 MB saved at
     # ``late_pack``, needed last. At 1 GB/s C's move out takes 0.2 s: saved at
     # 0.55 it is still being written while A is read back (0.6-0.7 s); saved
-    # at 0.1 it landed long before.
+    # at 0.1 it landed long before. C is packed after A: the prefetcher's
+    # cursor goes down the packing order from A, so C is read on demand at
+    # its use (0.2 s), after every write: the same in both profiles.
     recs = [_rec(0, 100 * MB, 0.0, 0.6), _rec(1, 200 * MB, late_pack, 3.0)]
     return _profile(recs, bwd_start=0.58)
 
@@ -108,10 +110,10 @@ def test_both_directions_rate_applies_only_where_directions_overlap():
     # Separate: A's read (0.1 s) overlaps no write: same prediction.
     assert (_plan(separate, both).predicted_stall_s
             == pytest.approx(_plan(separate, alone).predicted_stall_s)
-            == pytest.approx(0.1))
+            == pytest.approx(0.1 + 0.2))
     # Overlapping: A's read runs 0.1 s beside C's write, at half rate: 0.1 s more.
-    assert _plan(overlapping, alone).predicted_stall_s == pytest.approx(0.1)
-    assert _plan(overlapping, both).predicted_stall_s == pytest.approx(0.2)
+    assert _plan(overlapping, alone).predicted_stall_s == pytest.approx(0.1 + 0.2)
+    assert _plan(overlapping, both).predicted_stall_s == pytest.approx(0.2 + 0.2)
 
 
 def test_the_plan_sizes_its_prefetch_window_from_the_budget_room():
@@ -138,6 +140,51 @@ def test_a_small_window_delays_restores_in_the_prediction():
     narrow = _plan(prof, _rates(), prefetch_bytes=10 * MB)
     assert wide.predicted_stall_s == pytest.approx(0.010)
     assert narrow.predicted_stall_s > wide.predicted_stall_s + 0.02
+
+
+def _pair_profile():
+    # C (needed first, at 1.0 s) and a node's saved pair A, B (packed 0.1 and
+    # 0.2, unpacked in packing order: A at 1.5 s, B at 1.501 s), 16 MiB each,
+    # read at 1 GB/s (16.8 ms). The prefetcher restores in reverse packing
+    # order: after C's unpack it starts B; with a one-tensor window A is not
+    # started before its use and is read on demand (what the auto plans of
+    # 2026-12-02-cpu-auto-williams did: benchmarks/results/
+    # 2026-12-02-cpu-stall-predict.md).
+    mib16 = 16 << 20
+    recs = [_rec(0, mib16, 0.1, 1.5), _rec(1, mib16, 0.2, 1.501), _rec(2, mib16, 0.3, 1.0)]
+    return _profile(recs, bwd_start=1.0)
+
+
+def test_a_restore_the_prefetcher_reaches_too_late_waits_its_whole_read():
+    read = (16 << 20) / 1e9
+    plan = _plan(_pair_profile(), _rates(), prefetch_bytes=16 << 20)   # one tensor
+    a, b, c = plan.tensors
+    assert c.cost_s == pytest.approx(read)   # needed first: on demand
+    assert b.cost_s == 0.0                   # started at C's unpack
+    assert a.cost_s == pytest.approx(read)   # behind B in the window: on demand
+    start, end, need = a.restore_s
+    assert start == pytest.approx(need) and end == pytest.approx(need + read)
+    assert plan.predicted_stall_s == pytest.approx(2 * read)
+
+
+def test_the_plan_widens_its_window_to_what_packing_order_restores_need():
+    read = (16 << 20) / 1e9
+    plan = _plan(_pair_profile(), _rates())   # a 0 budget: no room, 16 MiB floor
+    assert plan.suggested_prefetch_bytes == 32 << 20    # A and B at once
+    assert [p.cost_s for p in plan.tensors] == [0.0, 0.0, pytest.approx(read)]
+    assert any(n.startswith("prefetch window raised from 16.0 MiB to 32.0 MiB")
+               for n in plan.notes)
+    # A set window is obeyed, and the prediction says what it costs.
+    assert _plan(_pair_profile(), _rates(),
+                 prefetch_bytes=16 << 20).predicted_stall_s == pytest.approx(2 * read)
+
+
+def test_a_move_not_landed_at_its_use_reads_nothing():
+    # Saved at 0.9 s, needed at 1.0 s, its write takes 0.1 s + : the unpack
+    # finds the source still there (MovingStore.take): no read, no stall.
+    recs = [_rec(0, 200 * MB, 0.9, 1.0)]
+    plan = _plan(_profile(recs, bwd_start=1.0), _rates())
+    assert plan.predicted_stall_s == 0.0
 
 
 def _tiny_step(off, x, lin):

@@ -207,50 +207,105 @@ def _overlap(a: float, b: float, spans: list) -> float:
 
 
 def _simulate(chosen, bwd_start: float, window_bytes: Optional[int] = None,
-              kick_s: Optional[float] = None):
-    """Serial channels (see NOTE [Planner cost model], 4): per-tensor stall,
-    total stall, and the most bytes restored ahead of their use at once;
-    ``kick_s``: when the kept tensor that starts the restores is unpacked
-    (None: no such tensor, restores start at the first moved unpack)."""
+              kick_s: Optional[float] = None, trace: Optional[dict] = None):
+    """Serial channels and the prefetcher's cursor (see NOTE [Planner cost
+    model], 4): per-tensor stall, total stall, and the most bytes restored
+    ahead of their use at once; ``kick_s``: when the kept tensor that starts
+    the restores is unpacked (None: no such tensor, restores start at the
+    first moved unpack); ``trace``: filled with index -> (restore start,
+    end, need), seconds (all three the need: its move out had not landed,
+    nothing is read)."""
     out_free: dict = {}
     out_end = {}
     out_spans: dict = {}
-    for r, o in sorted(chosen, key=lambda c: c[0].pack_s):
+    order = sorted(chosen, key=lambda c: (c[0].pack_s, c[0].index))   # the prefetcher's
+    for r, o in order:
         start = max(r.pack_s, out_free.get(o.tier, 0.0))
         out_end[r.index] = out_free[o.tier] = start + o.out_s
         out_spans.setdefault(o.tier, []).append((start, start + o.out_s))
+    pos = {r.index: k for k, (r, _) in enumerate(order)}
+    window = float("inf") if window_bytes is None else window_bytes
     back_free: dict = {}
-    shift = 0.0
-    stalls = {}
-    spans = []
-    inflight = []        # (need time, bytes) of restores not yet used, in use order
-    first = None         # when the first restore may start: the kick, else the first moved unpack
-    for r, o in sorted(chosen, key=lambda c: (c[0]._use, c[0].index)):
-        need = r._use + shift
-        if first is None:
-            first = need if kick_s is None else min(need, kick_s)
-        start = max(first, back_free.get(o.tier, first), out_end[r.index])
-        if window_bytes is not None:
-            # Window: earlier restores are used (freed from it) at their need.
-            inflight = [(t, n) for t, n in inflight if t > start]
-            while inflight and sum(n for _, n in inflight) + r.nbytes > window_bytes:
-                start = max(start, inflight.pop(0)[0])
+    started: dict = {}   # index -> (start, end) of restores begun
+    used: set = set()
+    st = SimpleNamespace(cursor=-1, last=-1, inflight=0)
+
+    def read(r, o, now: float) -> None:
+        start = max(now, back_free.get(o.tier, now))
         back = o.back_s
         if o.slowdown > 1.0:
             back += _overlap(start, start + back, out_spans.get(o.tier, ())) * (o.slowdown - 1.0)
-        end = start + back
-        stall = max(0.0, end - need)
+        started[r.index] = (start, start + back)
+        back_free[o.tier] = start + back
+
+    def fill(now: float) -> None:   # Prefetcher._fill
+        while st.cursor >= 0 and st.inflight < window:
+            r, o = order[st.cursor]
+            if r.index not in used and r.index not in started:
+                if out_end[r.index] > now:
+                    break   # not landed: retried at the next moved unpack
+                read(r, o, now)
+                st.inflight += r.nbytes
+            st.cursor -= 1
+
+    uses = sorted(chosen, key=lambda c: (c[0]._use, c[0].index))
+    if kick_s is not None and uses and kick_s <= uses[0][0]._use:   # Prefetcher.kick
+        st.cursor, st.last = len(order) - 1, len(order)
+        fill(kick_s)
+    shift = 0.0
+    stalls = {}
+    spans = []
+    for r, o in uses:
+        now = r._use + shift
+        used.add(r.index)
+        if r.index in started:
+            st.inflight -= r.nbytes
+        elif out_end[r.index] <= now:
+            read(r, o, now)        # on demand: take() starts it, then waits
+        p = pos[r.index]
+        if p > st.last or p <= st.cursor:   # Prefetcher.advance
+            st.cursor = p - 1
+        st.last = p
+        fill(now)
+        start, end = started.get(r.index, (now, now))   # not landed: the source, no read
+        stall = max(0.0, end - now)
         shift += stall
         stalls[r.index] = stall
-        back_free[o.tier] = end
-        inflight.append((need + stall, r.nbytes))
-        spans.append((start, need + stall, r.nbytes))
+        if trace is not None:
+            trace[r.index] = (start, end, now)
+        spans.append((start, now + stall, r.nbytes))
     events = sorted([(s, n) for s, _, n in spans] + [(e, -n) for _, e, n in spans])
     ahead = peak = 0
     for _, n in events:
         ahead += n
         peak = max(peak, ahead)
     return stalls, sum(stalls.values()), peak
+
+
+def _order_window_bytes(chosen) -> int:
+    """The bytes the prefetcher must hold at once to start every restore of
+    ``chosen`` before its use, restoring in reverse packing order (NOTE
+    [Planner cost model], 3): the most, over tensors X, of X's bytes plus
+    those of the tensors packed after X and used after it (a Fenwick tree
+    over use rank: n log n)."""
+    rank = {r.index: k for k, (r, _) in enumerate(
+        sorted(chosen, key=lambda c: (c[0]._use, c[0].index)))}
+    n = len(rank)
+    tree = [0] * (n + 1)
+    total = most = 0
+    for r, _ in sorted(chosen, key=lambda c: (c[0].pack_s, c[0].index), reverse=True):
+        k = rank[r.index] + 1
+        used_before = 0   # bytes packed after r and used before it (ranks <= r's)
+        i = k
+        while i > 0:
+            used_before += tree[i]
+            i -= i & -i
+        most = max(most, r.nbytes + total - used_before)
+        total += r.nbytes
+        while k <= n:
+            tree[k] += r.nbytes
+            k += k & -k
+    return most
 
 
 def _why_no_option(r: TensorRecord, has_nvme: bool) -> str:
@@ -690,11 +745,25 @@ def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting:
     kept += sum(records[i].nbytes for i in {
         ~profile.positions[pos] for pos in revived_positions(spans, profile.positions)}
         - shared_later)
-    window = plan_window_bytes(budget_bytes, kept, sum(r.nbytes for r, _ in chosen),
-                               prefetch_bytes)
+    moved_bytes = sum(r.nbytes for r, _ in chosen)
+    window = plan_window_bytes(budget_bytes, kept, moved_bytes, prefetch_bytes)
     kick = _kick(records, choice, checkpointed, chosen)
-    stalls, stall_total, _ = _simulate(chosen, bwd_start, window,
-                                       None if kick is None else kick.first_use_s)
+    kick_s = None if kick is None else kick.first_use_s
+    restores: dict = {}
+    stalls, stall_total, _ = _simulate(chosen, bwd_start, window, kick_s, restores)
+    if prefetch_bytes is None and stall_total > 0:
+        # NOTE [Planner cost model], 3: the least window the prefetcher's
+        # packing order needs, where it predicts less stall.
+        wider = min(moved_bytes, _order_window_bytes(chosen))
+        if wider > window:
+            trace: dict = {}
+            w_stalls, w_total, _ = _simulate(chosen, bwd_start, wider, kick_s, trace)
+            if w_total < stall_total:
+                notes.append(f"prefetch window raised from {format_bytes(window)} to "
+                             f"{format_bytes(wider)}: restores in packing order need it "
+                             f"(predicted stall {stall_total * 1e3:.2f} -> "
+                             f"{w_total * 1e3:.2f} ms)")
+                window, stalls, stall_total, restores = wider, w_stalls, w_total, trace
     planned_blocks = [_planned_block(b, need, kept_all, budget_bytes, stalls, has_nvme,
                                      freed >= need) for b in blocks]
     inside_of = {x.saved_as: (pb, px) for b, pb in zip(blocks, planned_blocks) if b.chosen
@@ -760,7 +829,8 @@ def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting:
             r.index, r.module, r.op, r.shape, r.dtype, r.nbytes, tier.value,
             tuple(t.value for t in tiers), reason + hint_end.get(r.index, ""), window_s, cost,
             None if r.hint is None else r.hint[1], must, cpu_s=cpu, pack_s=r.pack_s,
-            input_kept_bytes=r.input_kept_bytes if tier is Tier.RECOMPUTE else 0))
+            input_kept_bytes=r.input_kept_bytes if tier is Tier.RECOMPUTE else 0,
+            restore_s=_since(restores.get(r.index), bwd_start)))
     recompute_total += sum(b.cost_s for b in blocks if b.chosen)
     cpu_total += sum(x.cpu_s for b in planned_blocks for x in b.inputs)
     return Plan(profile.signature, tensors, budget_bytes, budget_setting,
@@ -780,6 +850,11 @@ def _kick(records, choice, checkpointed, chosen) -> Optional[TensorRecord]:
     kept = [r for r in records if choice[r.index] is Tier.KEEP and r.index not in checkpointed
             and r.first_use_s is not None and r.first_use_s < first_move]
     return min(kept, key=lambda r: (r.first_use_s, r.index), default=None)
+
+
+def _since(times, origin: float):
+    """``times`` (a tuple of seconds) less ``origin``; None stays None."""
+    return None if times is None else tuple(t - origin for t in times)
 
 
 def _as_input(found) -> str:
