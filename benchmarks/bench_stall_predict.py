@@ -64,7 +64,8 @@ def _unpack(handle):
     end = time.perf_counter()
     _log["in_take"] = None
     _log["last"] = end
-    _log["unpacks"].append((pos, handle.nbytes, now, end))
+    _log["unpacks"].append((pos, handle.nbytes, now, end, handle.module,
+                            tuple(handle.layout.size)))
     return out
 
 
@@ -117,8 +118,8 @@ def _step_rows(plan, stats) -> dict:
     t0 = _log["first"]
     restores = {pos: (s, e, demand) for pos, s, e, demand in _log["restores"]}
     unpacks = {}
-    for pos, nbytes, s, e in _log["unpacks"]:
-        unpacks.setdefault(pos, (nbytes, s, e))
+    for pos, nbytes, s, e, module, shape in _log["unpacks"]:
+        unpacks.setdefault(pos, (nbytes, s, e, module, shape))
     takes = {}
     for pos, sec in _log["unpacks_take"]:
         takes.setdefault(pos, sec)
@@ -133,8 +134,9 @@ def _step_rows(plan, stats) -> dict:
                "predicted_need_ms": _ms(p.restore_s[2]) if p.restore_s else None,
                "predicted_stall_ms": _ms(p.cost_s)}
         if u is not None:
-            nbytes, s, e = u
-            row.update(bytes_match=nbytes == p.nbytes, need_ms=_ms(s - t0),
+            nbytes, s, e, module, shape = u
+            row.update(match=(nbytes, module, shape) == (p.nbytes, p.module, tuple(p.shape)),
+                       need_ms=_ms(s - t0),
                        unpack_ms=_ms(e - s), take_ms=_ms(takes.get(pos, 0.0)))
         if r is not None:
             row.update(start_ms=_ms(r[0] - t0), issue_ms=_ms(r[1] - r[0]), demand=r[2])
@@ -200,6 +202,13 @@ def run_config(budget: str, model_cfg, batches, nvme_dir, steps: int, engine: st
     if prof is not None:
         out["profile_backward_span_ms"] = _ms(prof.backward_end_s - prof.backward_start_s) \
             if getattr(prof, "backward_end_s", None) is not None else None
+        b0 = prof.backward_start_s
+        out["profile_records"] = [
+            {"index": r.index, "module": r.module, "op": r.op, "tier": r.profile_tier,
+             "plan_tier": off.plan.tensors[r.index].tier,
+             "use_ms": _ms(None if r.first_use_s is None else r.first_use_s - b0),
+             "unpack_ms": _ms(getattr(r, "unpack_s", None)),
+             "recompute_ms": _ms(r.recompute_s)} for r in prof.records]
     out["rates"] = off.plan.rates if off.plan is not None else None
     off.close()
     return out

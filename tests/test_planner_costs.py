@@ -187,6 +187,59 @@ def test_a_move_not_landed_at_its_use_reads_nothing():
     assert plan.predicted_stall_s == 0.0
 
 
+def test_backward_needs_moved_tensors_earlier_than_the_profile_saw():
+    # The profile's backward read K (kept by the plan) for 0.4 s before it
+    # needed A (at 1.45 s); a followed step keeps K, so it needs A at 1.05 s.
+    # A (100 MB, 0.1 s read) starts at K's unpack (the kick, 1.0 s): it waits
+    # 0.05 s. Read from the profile's timeline it would look free.
+    k = _rec(1, 10 * MB, 0.5, 1.0)
+    k.unpack_s = 0.4
+    recs = [_rec(0, 100 * MB, 0.0, 1.45), k]
+    plan = _plan(_profile(recs, bwd_start=1.0), _rates(), budget=10 * MB)
+    assert [p.tier for p in plan.tensors] == ["nvme", "keep"]
+    assert plan.kick_index == 1
+    assert plan.tensors[0].restore_s == pytest.approx((0.0, 0.1, 0.05))
+    assert plan.predicted_stall_s == pytest.approx(0.05)
+    k.unpack_s = None   # no record of the profile's unpack: its timeline as it was
+    assert _plan(_profile(recs, bwd_start=1.0), _rates(),
+                 budget=10 * MB).predicted_stall_s == 0.0
+
+
+def test_reads_the_profile_made_and_the_plan_does_not_are_taken_off_its_timeline():
+    # The profile read K (400 MB) back from nvme; reading costs CPU the
+    # compute lost (half a round trip: 400 MB / 1 GB per CPU second / 2 =
+    # 0.2 s on one thread). The plan keeps K: A is needed 0.2 s earlier.
+    k = _rec(1, 400 * MB, 0.5, 1.0)
+    k.profile_tier = "nvme"
+    recs = [_rec(0, 100 * MB, 0.0, 1.45), k]
+    rates = _rates(move_cpu=1e9, compute_threads=1.0)
+    plan = _plan(_profile(recs, bwd_start=1.0), rates, budget=400 * MB)
+    assert [p.tier for p in plan.tensors] == ["nvme", "keep"]
+    assert plan.tensors[0].restore_s[2] == pytest.approx(0.25)
+    k.profile_tier = "keep"   # not read in the profile: its timeline as it was
+    plan = _plan(_profile(recs, bwd_start=1.0), rates, budget=400 * MB)
+    assert plan.tensors[0].restore_s[2] == pytest.approx(0.45)
+
+
+def test_the_profile_records_how_long_each_first_unpack_took(nvme_dir):
+    # Under the safe order everything movable went to nvme: each first
+    # unpack waited for a read or copied; the record keeps that time.
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 256)
+    x = torch.randn(64, 256, requires_grad=True)
+    off = tiermem.Offloader(policy="auto", device_budget="50%", nvme_dir=nvme_dir,
+                            min_offload_bytes=1024)
+    _tiny_step(off, x, lin)
+    assert off.plan is not None   # planned from the profile
+    prof = next(iter(off._placement.planner._profiles.values()))
+    used = [r for r in prof.records if r.first_use_s is not None]
+    assert used and all(r.unpack_s is not None and r.unpack_s >= 0 for r in used)
+    first = min(used, key=lambda r: r.first_use_s)
+    last = max(used, key=lambda r: r.first_use_s)
+    assert last.first_use_s >= first.first_use_s + first.unpack_s
+    off.close()
+
+
 def _tiny_step(off, x, lin):
     with off:
         y = lin(x).relu()

@@ -101,6 +101,12 @@ class TensorRecord:
     recompute_s: Optional[float] = None
     #: Seconds from the step's start to its first unpack (``None``: never unpacked).
     first_use_s: Optional[float] = None
+    #: Seconds its first unpack took in the profile (its read's wait, its
+    #: regeneration), when no other unpack was running (``None``: inside
+    #: another tensor's regeneration, or never unpacked): the profile's
+    #: backward timeline less these is the compute's (NOTE [Planner cost
+    #: model], 4, in planner/solver.py).
+    unpack_s: Optional[float] = None
     #: The ``hints`` callable's answer, ``(TierOrder, name)``, or ``None``
     #: (NOTE [Planner hints] in planner/hints.py).
     hint: Optional[tuple] = None
@@ -219,6 +225,8 @@ class Recorder:
         self._record_t = 0.0
         #: CUDA blocks: (start, end) timing events by block index.
         self._block_events: Dict[int, tuple] = {}
+        #: Unpacks running now (a regeneration unpacks its recipe's inputs).
+        self._unpacking = 0
 
     def start(self, stats) -> None:
         """The step starts now; its stats are ``stats``."""
@@ -355,12 +363,18 @@ class Recorder:
         else:
             rec = self.records[index]
             rec.first_use_s = now
+            outermost = not self._unpacking
+            self._unpacking += 1
+            start = time.perf_counter()
+            try:
+                out = self._unpack(handle)
+            finally:
+                self._unpacking -= 1
+            took = time.perf_counter() - start
             if id(handle) in self._recompute_handles:
-                start = time.perf_counter()
-                out = self._unpack(handle)
-                rec.recompute_s = time.perf_counter() - start
-            else:
-                out = self._unpack(handle)
+                rec.recompute_s = took
+            if outermost:
+                rec.unpack_s = took
         self.last_unpack_s = time.perf_counter() - self.t0
         return out
 

@@ -70,6 +70,7 @@
 
 from __future__ import annotations
 
+import bisect
 import functools
 import heapq
 import itertools
@@ -207,14 +208,18 @@ def _overlap(a: float, b: float, spans: list) -> float:
 
 
 def _simulate(chosen, bwd_start: float, window_bytes: Optional[int] = None,
-              kick_s: Optional[float] = None, trace: Optional[dict] = None):
+              kick_s: Optional[float] = None, trace: Optional[dict] = None,
+              use_s: Optional[dict] = None):
     """Serial channels and the prefetcher's cursor (see NOTE [Planner cost
     model], 4): per-tensor stall, total stall, and the most bytes restored
     ahead of their use at once; ``kick_s``: when the kept tensor that starts
     the restores is unpacked (None: no such tensor, restores start at the
     first moved unpack); ``trace``: filled with index -> (restore start,
     end, need), seconds (all three the need: its move out had not landed,
-    nothing is read)."""
+    nothing is read); ``use_s``: index -> when backward needs it (default
+    ``r._use``, the profile's)."""
+    if use_s is None:
+        use_s = {r.index: r._use for r, _ in chosen}
     out_free: dict = {}
     out_end = {}
     out_spans: dict = {}
@@ -248,15 +253,15 @@ def _simulate(chosen, bwd_start: float, window_bytes: Optional[int] = None,
                 st.inflight += r.nbytes
             st.cursor -= 1
 
-    uses = sorted(chosen, key=lambda c: (c[0]._use, c[0].index))
-    if kick_s is not None and uses and kick_s <= uses[0][0]._use:   # Prefetcher.kick
+    uses = sorted(chosen, key=lambda c: (use_s[c[0].index], c[0].index))
+    if kick_s is not None and uses and kick_s <= use_s[uses[0][0].index]:   # Prefetcher.kick
         st.cursor, st.last = len(order) - 1, len(order)
         fill(kick_s)
     shift = 0.0
     stalls = {}
     spans = []
     for r, o in uses:
-        now = r._use + shift
+        now = use_s[r.index] + shift
         used.add(r.index)
         if r.index in started:
             st.inflight -= r.nbytes
@@ -280,6 +285,45 @@ def _simulate(chosen, bwd_start: float, window_bytes: Optional[int] = None,
         ahead += n
         peak = max(peak, ahead)
     return stalls, sum(stalls.values()), peak
+
+
+def _followed_uses(records, choice, costs, blocks, chosen, kick, bwd_start: float,
+                   rates: Rates) -> dict:
+    """When a step following the plan needs each moved tensor (and the kick
+    tensor), by index (NOTE [Planner cost model], 4): the profile's first use
+    less what its earlier unpacks cost there and the plan does not pay (the
+    time they took, ``TensorRecord.unpack_s``: the safe order's reads and
+    regenerations; the CPU charge of the reads it made, half a round trip's),
+    plus what the plan adds (its recomputes' ``recompute_s``, the CPU charge
+    of its reads, a checkpointed block's forward at its recompute's start).
+    Moves add their stalls in the simulation."""
+    nvme = Tier.NVME.value
+    deltas = []   # (time, index, seconds the followed backward differs by after it)
+    for r in records:
+        if r.first_use_s is None:
+            continue
+        d = -(r.unpack_s or 0.0)
+        if choice[r.index] is Tier.RECOMPUTE:
+            d += costs[r.index].cost_s
+        read = cpu_charge_s(r.nbytes, r.device, Tier.NVME, rates) / 2
+        d += read * ((choice[r.index] is Tier.NVME) - (r.profile_tier == nvme))
+        if d:
+            deltas.append((r.first_use_s, r.index, d))
+    for b in blocks:
+        if b.chosen:
+            # After its inputs' unpacks (the recompute starts with them).
+            deltas.append((b.need_s, float("inf"), b.rec.forward_s))
+    deltas.sort()
+    times = [(t, i) for t, i, _ in deltas]
+    shift = list(itertools.accumulate((d for _, _, d in deltas), initial=0.0))
+
+    def at(r) -> float:
+        k = bisect.bisect_left(times, (r._use, r.index))   # unpacks strictly before r's
+        return max(bwd_start, r._use + shift[k])
+    out = {r.index: at(r) for r, _ in chosen}
+    if kick is not None:
+        out[kick.index] = at(kick)
+    return out
 
 
 def _order_window_bytes(chosen) -> int:
@@ -748,16 +792,17 @@ def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting:
     moved_bytes = sum(r.nbytes for r, _ in chosen)
     window = plan_window_bytes(budget_bytes, kept, moved_bytes, prefetch_bytes)
     kick = _kick(records, choice, checkpointed, chosen)
-    kick_s = None if kick is None else kick.first_use_s
+    use_s = _followed_uses(records, choice, costs, blocks, chosen, kick, bwd_start, rates)
+    kick_s = None if kick is None else use_s[kick.index]
     restores: dict = {}
-    stalls, stall_total, _ = _simulate(chosen, bwd_start, window, kick_s, restores)
+    stalls, stall_total, _ = _simulate(chosen, bwd_start, window, kick_s, restores, use_s)
     if prefetch_bytes is None and stall_total > 0:
         # NOTE [Planner cost model], 3: the least window the prefetcher's
         # packing order needs, where it predicts less stall.
         wider = min(moved_bytes, _order_window_bytes(chosen))
         if wider > window:
             trace: dict = {}
-            w_stalls, w_total, _ = _simulate(chosen, bwd_start, wider, kick_s, trace)
+            w_stalls, w_total, _ = _simulate(chosen, bwd_start, wider, kick_s, trace, use_s)
             if w_total < stall_total:
                 notes.append(f"prefetch window raised from {format_bytes(window)} to "
                              f"{format_bytes(wider)}: restores in packing order need it "
