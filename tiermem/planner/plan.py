@@ -270,6 +270,8 @@ class Plan:
         d = asdict(self)
         for t in d["tensors"]:   # lists, as JSON gives them back
             t["shape"], t["order"] = list(t["shape"]), list(t["order"])
+            if t["restore_s"] is not None:
+                t["restore_s"] = list(t["restore_s"])
         for b in d["blocks"]:
             for x in b["inputs"]:
                 x["shape"], x["order"] = list(x["shape"]), list(x["order"])
