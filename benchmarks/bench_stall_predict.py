@@ -126,12 +126,13 @@ def _step_rows(plan, stats) -> dict:
     # The waits in order of the unpacks of moved tensors that took a restore.
     rows = []
     for pos, p in enumerate(moved):
+        rs = getattr(p, "restore_s", None)   # None on a planner without it
         u = unpacks.get(pos)
         r = restores.get(pos)
         row = {"index": p.index, "module": p.module, "nbytes": p.nbytes,
-               "predicted_start_ms": _ms(p.restore_s[0]) if p.restore_s else None,
-               "predicted_end_ms": _ms(p.restore_s[1]) if p.restore_s else None,
-               "predicted_need_ms": _ms(p.restore_s[2]) if p.restore_s else None,
+               "predicted_start_ms": _ms(rs[0]) if rs else None,
+               "predicted_end_ms": _ms(rs[1]) if rs else None,
+               "predicted_need_ms": _ms(rs[2]) if rs else None,
                "predicted_stall_ms": _ms(p.cost_s)}
         if u is not None:
             nbytes, s, e, module, shape = u
@@ -150,7 +151,20 @@ def _step_rows(plan, stats) -> dict:
                     best = row
         if best is not None and "wait_ms" not in best:
             best.update(wait_ms=_ms(sec), late=late)
-    return {"rows": rows, "backward_span_ms": _ms((_log["last"] or t0) - t0)}
+    late = [r for r in rows if r.get("late")]
+    return {"rows": rows, "backward_span_ms": _ms((_log["last"] or t0) - t0),
+            "all_matched": all(r.get("match", False) for r in rows),
+            "restores_on_demand": sum(bool(r.get("demand")) for r in rows),
+            "late_on_demand": sum(bool(r.get("demand")) for r in late),
+            "late_prefetched": sum(not r.get("demand") for r in late),
+            "predicted_on_demand": sum(
+                r["predicted_start_ms"] is not None
+                and abs(r["predicted_start_ms"] - r["predicted_need_ms"]) < 1e-3
+                and r["predicted_end_ms"] > r["predicted_start_ms"] for r in rows),
+            "predicted_late": sum((r["predicted_stall_ms"] or 0) > 0 for r in rows),
+            "need_error_ms_median": statistics.median(
+                [r["need_ms"] - r["predicted_need_ms"] for r in rows
+                 if "need_ms" in r and r["predicted_need_ms"] is not None] or [0.0])}
 
 
 def run_config(budget: str, model_cfg, batches, nvme_dir, steps: int, engine: str) -> dict:
@@ -252,6 +266,12 @@ def main(argv=None) -> dict:
             "predicted_stall_ms": [s["predicted_stall_ms"] for s in followed],
             "stall_ms": [s["stall_ms"] for s in followed],
             "replans": c["steps"][-1]["replans_now"],
+            "first_replan_reason": c["steps"][-1]["replan_reason"],
+            "late_on_demand": [s.get("late_on_demand") for s in followed],
+            "late_prefetched": [s.get("late_prefetched") for s in followed],
+            "predicted_on_demand": [s.get("predicted_on_demand") for s in followed],
+            "need_error_ms_median": [s.get("need_error_ms_median") for s in followed],
+            "backward_main_cpu_ms": [s["backward_main_cpu_ms"] for s in followed],
             "median_stall_ms": statistics.median(s["stall_ms"] for s in followed)
             if followed else None}
     if tmp is not None:

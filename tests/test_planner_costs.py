@@ -240,6 +240,31 @@ def test_the_profile_records_how_long_each_first_unpack_took(nvme_dir):
     off.close()
 
 
+def test_a_regeneration_reading_a_saved_tensor_is_its_first_use_in_the_profile(nvme_dir):
+    # s (softmax: not recomputable, to nvme under the safe order) is the
+    # recipe's leaf of d = s * 2 (recomputed). Backward regenerates d first
+    # (for sin's backward), which reads s: s is first needed then, not at
+    # softmax's backward, and a followed step that recomputes d reads it
+    # there too.
+    torch.manual_seed(0)
+    x = torch.randn(64, 256, requires_grad=True)
+    w = torch.randn(256, 256, requires_grad=True)
+    off = tiermem.Offloader(policy="auto", device_budget="50%", nvme_dir=nvme_dir,
+                            min_offload_bytes=1024)
+
+    def forward():   # no reference to s or d outlives it
+        s = (x @ w).softmax(-1)
+        return (s * 2.0).sin().sum()
+    with off:
+        loss = forward()
+    loss.backward()
+    assert off.plan is not None
+    s, d = next(iter(off._placement.planner._profiles.values())).records
+    assert (s.profile_tier, d.profile_tier) == ("nvme", "recompute")
+    assert d.first_use_s <= s.first_use_s <= d.first_use_s + d.recompute_s
+    off.close()
+
+
 def _tiny_step(off, x, lin):
     with off:
         y = lin(x).relu()

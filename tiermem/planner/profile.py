@@ -227,6 +227,8 @@ class Recorder:
         self._block_events: Dict[int, tuple] = {}
         #: Unpacks running now (a regeneration unpacks its recipe's inputs).
         self._unpacking = 0
+        #: Records whose first unpack by autograd was timed.
+        self._timed: set = set()
 
     def start(self, stats) -> None:
         """The step starts now; its stats are ``stats``."""
@@ -358,11 +360,13 @@ class Recorder:
         if self.first_unpack_s is None:
             self.first_unpack_s = now
         index = self._by_handle.get(id(handle))
-        if index is None or self.records[index].first_use_s is not None:
+        if index is None or index in self._timed:
             out = self._unpack(handle)
         else:
+            self._timed.add(index)
             rec = self.records[index]
-            rec.first_use_s = now
+            if rec.first_use_s is None:
+                rec.first_use_s = now
             outermost = not self._unpacking
             self._unpacking += 1
             start = time.perf_counter()
@@ -377,6 +381,16 @@ class Recorder:
                 rec.unpack_s = took
         self.last_unpack_s = time.perf_counter() - self.t0
         return out
+
+    def leaf_unpack(self, handle: Any):
+        """The unpack of a recipe's leaf in a profiled step (``Step.unpack``):
+        a regeneration needing a saved tensor is its first use when autograd
+        has not unpacked it yet (a followed step that recomputes that
+        regeneration needs it then; the plain unpack, not timed)."""
+        index = self._by_handle.get(id(handle))
+        if index is not None and self.records[index].first_use_s is None:
+            self.records[index].first_use_s = time.perf_counter() - self.t0
+        return self._unpack(handle)
 
     @property
     def backward_seen(self) -> bool:

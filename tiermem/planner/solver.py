@@ -46,26 +46,59 @@
 #    step following the plan uses when ``prefetch_bytes`` is unset): the room
 #    the budget leaves at the start of backward (budget - predicted kept), no
 #    more than the bytes moved, and at least AUTO_MIN_BYTES (restores need
-#    some lead); ``prefetch_bytes`` when set.
-# 4. The chosen moves are then simulated on serial channels, one per
-#    direction and tier (moves queue in pack order out, in first-use order
-#    back, each stall delaying later needs): that gives the predicted stall.
-#    Restores start at the first unpack of a moved tensor (the prefetcher
-#    advances on those: tiermem/prefetch.py), or earlier, at the first use
-#    of the plan's kick tensor: the kept tensor the profile saw unpacked
-#    first, before every moved one (NOTE [Restores start with backward] in
-#    hooks.py); without one (backward needs a moved tensor first) the first
-#    restore waits its whole read (measured: 91-99% of the stalls predicted
-#    0 in 2026-12-01-cpu-costmodel-before were that one wait); a
-#    restore starts when its move out has landed, its channel is free and the window has room (bytes
-#    restored and not yet used + its own <= window; one at least); a restore
-#    that overlaps moves out of its tier runs at the measured both-directions
-#    rate for the overlap (``disk_both`` / ``link_both``: its time there is
-#    stretched by single rate / both rate; no penalty without overlap).
+#    some lead); ``prefetch_bytes`` when set. Unset, it is raised to the
+#    bytes the prefetcher's packing order needs in flight at once
+#    (``_order_window_bytes``: for each moved tensor X, X plus the moved
+#    tensors packed after X and used after it, which the cursor reaches
+#    first) when the simulation (4) predicts less stall with that window
+#    (by at most the largest moved tensor, and no more than the bytes moved:
+#    a backward that unpacks far from reverse packing order must not get
+#    every moved byte restored at once; the plan's notes say so). Measured: one
+#    node unpacking its saved pair in packing order (attention's softmax
+#    output, then its dropout's) under a one-tensor window read the first of
+#    them on demand, and that was every late restore of the auto plans in
+#    2026-12-02-cpu-stall-predict. The raise may hold that one tensor more
+#    restored ahead than the budget's room at the start of backward, as the
+#    AUTO_MIN_BYTES floor may.
+# 4. The chosen moves are then simulated: that gives the predicted stall
+#    (per tensor ``PlannedTensor.restore_s``: its read's start and end and
+#    its need, from the start of backward). Rules:
+#    a. Moves out queue in pack order on one serial channel per tier.
+#    b. Restores run on one serial channel per tier, issued as the
+#       prefetcher issues them (tiermem/prefetch.py), not in use order: at
+#       the kick (the first use of the plan's kick tensor, the kept tensor
+#       the profile saw unpacked first, before every moved one: NOTE
+#       [Restores start with backward] in hooks.py) from the last packed
+#       moved tensor down, and at each moved tensor's unpack from the cursor
+#       (just below it when it is above the last one, or at or below the
+#       cursor), down the packing order while the bytes restored and not yet
+#       used are below the window; a move out not landed by then stops the
+#       cursor until the next moved unpack. A tensor not started by its use
+#       is read on demand then (its unpack waits its whole read, e.g. the
+#       first one backward needs when there is no kick), ahead of what that
+#       unpack's refill issues; one whose move out has not landed at its use
+#       is not read (the unpack takes the source: ``MovingStore.take``).
+#    c. A restore that overlaps moves out of its tier runs at the measured
+#       both-directions rate for the overlap (``disk_both`` / ``link_both``:
+#       its time there is stretched by single rate / both rate).
+#    d. Each stall delays every later need.
+#    e. The needs are the followed step's, not the profile's: the profile
+#       ran under the safe order (NOTE [Profile under the safe order] in
+#       planner/runtime.py), whose backward read or regenerated nearly every
+#       tensor. Each record's first use is moved earlier by what the unpacks
+#       before it cost in the profile and the plan does not pay (their time,
+#       ``TensorRecord.unpack_s``: read waits and regenerations; and, for each
+#       read from nvme, half the CPU charge of a round trip: its read's share,
+#       which the compute lost as in 2), and later by what the plan adds
+#       (its recomputes' ``recompute_s``, half the CPU charge of each of its
+#       reads, a checkpointed block's forward at the start of its recompute):
+#       ``_followed_uses``. Measured on a 4-layer TinyGPT (2026-12-02-cpu-
+#       stall-predict): a followed step needed its moved tensors hundreds of
+#       ms before the profile had (the profile's first read alone waited
+#       185-540 ms).
 # Budgets the tiers cannot meet leave the rest kept, and the plan says so.
-# Times come from the profile's timeline, which ran under the safe order
-# (NOTE [Profile under the safe order] in planner/runtime.py): its backward
-# includes regenerations a plan may not make.
+# The options' prices (2) read the profile's timeline as it is; only the
+# prediction reads the followed step's (4e).
 """
 
 from __future__ import annotations
@@ -799,7 +832,8 @@ def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting:
     if prefetch_bytes is None and stall_total > 0:
         # NOTE [Planner cost model], 3: the least window the prefetcher's
         # packing order needs, where it predicts less stall.
-        wider = min(moved_bytes, _order_window_bytes(chosen))
+        wider = min(moved_bytes, _order_window_bytes(chosen),
+                    window + max(r.nbytes for r, _ in chosen))
         if wider > window:
             trace: dict = {}
             w_stalls, w_total, _ = _simulate(chosen, bwd_start, wider, kick_s, trace, use_s)
