@@ -240,12 +240,11 @@ def test_the_profile_records_how_long_each_first_unpack_took(nvme_dir):
     off.close()
 
 
-def test_a_regeneration_reading_a_saved_tensor_is_its_first_use_in_the_profile(nvme_dir):
+def test_the_profile_records_a_regeneration_reading_a_saved_tensor_first(nvme_dir):
     # s (softmax: not recomputable, to nvme under the safe order) is the
     # recipe's leaf of d = s * 2 (recomputed). Backward regenerates d first
-    # (for sin's backward), which reads s: s is first needed then, not at
-    # softmax's backward, and a followed step that recomputes d reads it
-    # there too.
+    # (for sin's backward), which reads s before softmax's backward unpacks
+    # it: a followed step that recomputes d needs s then.
     torch.manual_seed(0)
     x = torch.randn(64, 256, requires_grad=True)
     w = torch.randn(256, 256, requires_grad=True)
@@ -261,8 +260,27 @@ def test_a_regeneration_reading_a_saved_tensor_is_its_first_use_in_the_profile(n
     assert off.plan is not None
     s, d = next(iter(off._placement.planner._profiles.values())).records
     assert (s.profile_tier, d.profile_tier) == ("nvme", "recompute")
-    assert d.first_use_s <= s.first_use_s <= d.first_use_s + d.recompute_s
+    assert d.first_use_s <= s.leaf_use_s <= d.first_use_s + d.recompute_s < s.first_use_s
+    assert s.leaf_reader == d.index and d.leaf_use_s is None
     off.close()
+
+
+def test_a_tensor_read_by_a_planned_regeneration_is_needed_then():
+    # A (moved) was read at 1.05 s by the regeneration of R, before its own
+    # unpack at 1.4 s. Recomputed by the plan, R reads it then: A's read
+    # (0.1 s, started at K's unpack, the kick, at 1.0 s) is 0.05 s late.
+    a = _rec(0, 100 * MB, 0.0, 1.4)
+    a.leaf_use_s, a.leaf_reader = 1.05, 1
+    r = _rec(1, 10 * MB, 0.2, 1.05, recompute_s=0.001)
+    k = _rec(2, 10 * MB, 0.3, 1.0)
+    prof = _profile([a, r, k], bwd_start=1.0)
+    rates = _rates(move_cpu=1e9, compute_threads=1.0)   # a move costs CPU: R recomputed
+    plan = _plan(prof, rates, budget=10 * MB)
+    assert [p.tier for p in plan.tensors] == ["nvme", "recompute", "keep"]
+    assert plan.tensors[0].restore_s == pytest.approx((0.0, 0.1, 0.05))
+    a.leaf_reader = 2   # read by a tensor the plan keeps: needed at its unpack
+    plan = _plan(prof, rates, budget=10 * MB)
+    assert plan.tensors[0].restore_s[2] == pytest.approx(0.4 + 0.001)   # after R's regeneration
 
 
 def _tiny_step(off, x, lin):

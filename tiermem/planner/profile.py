@@ -107,6 +107,12 @@ class TensorRecord:
     #: backward timeline less these is the compute's (NOTE [Planner cost
     #: model], 4, in planner/solver.py).
     unpack_s: Optional[float] = None
+    #: When a regeneration first read it as its recipe's input, if that came
+    #: before its ``first_use_s`` (``None``: it did not), and the index of the
+    #: tensor being regenerated: a followed step that recomputes that tensor
+    #: needs this one then (NOTE [Planner cost model], 4e).
+    leaf_use_s: Optional[float] = None
+    leaf_reader: Optional[int] = None
     #: The ``hints`` callable's answer, ``(TierOrder, name)``, or ``None``
     #: (NOTE [Planner hints] in planner/hints.py).
     hint: Optional[tuple] = None
@@ -225,10 +231,9 @@ class Recorder:
         self._record_t = 0.0
         #: CUDA blocks: (start, end) timing events by block index.
         self._block_events: Dict[int, tuple] = {}
-        #: Unpacks running now (a regeneration unpacks its recipe's inputs).
-        self._unpacking = 0
-        #: Records whose first unpack by autograd was timed.
-        self._timed: set = set()
+        #: Records whose first unpack is running now, innermost last (a
+        #: regeneration unpacks its recipe's inputs).
+        self._reading: List[int] = []
 
     def start(self, stats) -> None:
         """The step starts now; its stats are ``stats``."""
@@ -360,20 +365,18 @@ class Recorder:
         if self.first_unpack_s is None:
             self.first_unpack_s = now
         index = self._by_handle.get(id(handle))
-        if index is None or index in self._timed:
+        if index is None or self.records[index].first_use_s is not None:
             out = self._unpack(handle)
         else:
-            self._timed.add(index)
             rec = self.records[index]
-            if rec.first_use_s is None:
-                rec.first_use_s = now
-            outermost = not self._unpacking
-            self._unpacking += 1
+            rec.first_use_s = now
+            outermost = not self._reading
+            self._reading.append(index)
             start = time.perf_counter()
             try:
                 out = self._unpack(handle)
             finally:
-                self._unpacking -= 1
+                self._reading.pop()
             took = time.perf_counter() - start
             if id(handle) in self._recompute_handles:
                 rec.recompute_s = took
@@ -384,12 +387,14 @@ class Recorder:
 
     def leaf_unpack(self, handle: Any):
         """The unpack of a recipe's leaf in a profiled step (``Step.unpack``):
-        a regeneration needing a saved tensor is its first use when autograd
-        has not unpacked it yet (a followed step that recomputes that
-        regeneration needs it then; the plain unpack, not timed)."""
+        the plain unpack; a saved tensor that a regeneration reads before
+        autograd first unpacks it gets ``leaf_use_s`` and ``leaf_reader``."""
         index = self._by_handle.get(id(handle))
-        if index is not None and self.records[index].first_use_s is None:
-            self.records[index].first_use_s = time.perf_counter() - self.t0
+        if index is not None and self._reading:
+            rec = self.records[index]
+            if rec.first_use_s is None and rec.leaf_use_s is None:
+                rec.leaf_use_s = time.perf_counter() - self.t0
+                rec.leaf_reader = self._reading[-1]
         return self._unpack(handle)
 
     @property

@@ -92,7 +92,11 @@
 #       which the compute lost as in 2), and later by what the plan adds
 #       (its recomputes' ``recompute_s``, half the CPU charge of each of its
 #       reads, a checkpointed block's forward at the start of its recompute):
-#       ``_followed_uses``. Measured on a 4-layer TinyGPT (2026-12-02-cpu-
+#       ``_followed_uses``. A tensor that a regeneration read as its recipe's
+#       input before autograd unpacked it (``TensorRecord.leaf_use_s``, by
+#       ``leaf_reader``) is needed then when the plan recomputes that reader
+#       (attention's softmax output, read by the regeneration of its
+#       dropout's output), else at its own first unpack. Measured on a 4-layer TinyGPT (2026-12-02-cpu-
 #       stall-predict): a followed step needed its moved tensors hundreds of
 #       ms before the profile had (the profile's first read alone waited
 #       185-540 ms).
@@ -351,8 +355,12 @@ def _followed_uses(records, choice, costs, blocks, chosen, kick, bwd_start: floa
     shift = list(itertools.accumulate((d for _, _, d in deltas), initial=0.0))
 
     def at(r) -> float:
-        k = bisect.bisect_left(times, (r._use, r.index))   # unpacks strictly before r's
-        return max(bwd_start, r._use + shift[k])
+        use = r._use
+        reader = getattr(r, "leaf_reader", None)
+        if reader is not None and choice.get(reader) is Tier.RECOMPUTE:
+            use = min(use, r.leaf_use_s)   # read by a regeneration the plan makes
+        k = bisect.bisect_left(times, (use, r.index))   # unpacks strictly before
+        return max(bwd_start, use + shift[k])
     out = {r.index: at(r) for r, _ in chosen}
     if kick is not None:
         out[kick.index] = at(kick)
