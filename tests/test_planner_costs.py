@@ -167,7 +167,7 @@ def test_a_restore_the_prefetcher_reaches_too_late_waits_its_whole_read():
     assert plan.predicted_stall_s == pytest.approx(2 * read)
 
 
-def test_the_plan_widens_its_window_to_what_packing_order_restores_need():
+def test_the_plan_widens_its_window_where_packing_order_reads_on_demand():
     read = (16 << 20) / 1e9
     plan = _plan(_pair_profile(), _rates())   # a 0 budget: no room, 16 MiB floor
     assert plan.suggested_prefetch_bytes == 32 << 20    # A and B at once
@@ -177,6 +177,24 @@ def test_the_plan_widens_its_window_to_what_packing_order_restores_need():
     # A set window is obeyed, and the prediction says what it costs.
     assert _plan(_pair_profile(), _rates(),
                  prefetch_bytes=16 << 20).predicted_stall_s == pytest.approx(2 * read)
+
+
+def test_the_plan_widens_its_window_where_slower_reads_would_stall():
+    # K (kept, the kick) at 1.0 s; X then Y needed 20 ms apart (1.2, 1.22 s),
+    # 16 MiB each (a read: 16.8 ms). A one-tensor window starts Y at X's use:
+    # in time at the measured rate, 13.55 ms late at half of it. Two tensors
+    # start both at the kick: the plan takes that, and predicts no stall.
+    mib16 = 16 << 20
+    recs = [_rec(0, mib16, 0.1, 1.22), _rec(1, mib16, 0.2, 1.2), _rec(2, mib16, 0.3, 1.0)]
+    plan = _plan(_profile(recs, bwd_start=1.0), _rates(), budget=mib16)
+    assert [p.tier for p in plan.tensors] == ["nvme", "nvme", "keep"]
+    assert plan.suggested_prefetch_bytes == 2 * mib16
+    assert plan.predicted_stall_s == 0.0
+    assert any("with reads at 1/2 of the measured rate: predicted stall 13.55 -> 0.00 ms"
+               in n for n in plan.notes)
+    narrow = _plan(_profile(recs, bwd_start=1.0), _rates(), budget=mib16,
+                   prefetch_bytes=mib16)
+    assert narrow.predicted_stall_s == 0.0 and not narrow.notes
 
 
 def test_a_move_not_landed_at_its_use_reads_nothing():

@@ -46,20 +46,18 @@
 #    step following the plan uses when ``prefetch_bytes`` is unset): the room
 #    the budget leaves at the start of backward (budget - predicted kept), no
 #    more than the bytes moved, and at least AUTO_MIN_BYTES (restores need
-#    some lead); ``prefetch_bytes`` when set. Unset, it is raised to the
-#    bytes the prefetcher's packing order needs in flight at once
-#    (``_order_window_bytes``: for each moved tensor X, X plus the moved
-#    tensors packed after X and used after it, which the cursor reaches
-#    first) when the simulation (4) predicts less stall with that window
-#    (by at most the largest moved tensor, and no more than the bytes moved:
-#    a backward that unpacks far from reverse packing order must not get
-#    every moved byte restored at once; the plan's notes say so). Measured: one
-#    node unpacking its saved pair in packing order (attention's softmax
-#    output, then its dropout's) under a one-tensor window read the first of
-#    them on demand, and that was every late restore of the auto plans in
-#    2026-12-02-cpu-stall-predict. The raise may hold that one tensor more
-#    restored ahead than the budget's room at the start of backward, as the
-#    AUTO_MIN_BYTES floor may.
+#    some lead); ``prefetch_bytes`` when set. Unset, it is raised by the
+#    largest moved tensor (no more than the bytes moved) where the
+#    simulation (4) predicts less stall with it, or the same stall at the
+#    measured rates and less with reads SLOW_READS times slower (the plan's
+#    notes say which). Measured (2026-12-02-cpu-stall-predict): with a
+#    one-tensor window the prefetcher starts a restore only when the moved
+#    tensor before it is used, so a moved tensor needed soon after another
+#    (attention's softmax output after its dropout's) has only the compute
+#    between them to be read in; on the shared machine single reads ran up
+#    to 15x slower than the rates' probe, and those restores were the late
+#    ones. The raise may hold that one tensor more restored ahead than the
+#    budget's room at the start of backward, as the AUTO_MIN_BYTES floor may.
 # 4. The chosen moves are then simulated: that gives the predicted stall
 #    (per tensor ``PlannedTensor.restore_s``: its read's start and end and
 #    its need, from the start of backward). Rules:
@@ -127,6 +125,9 @@ from .rates import Rates
 __all__ = ["make_plan", "safe_order", "tier_orders", "cpu_charge_s", "plan_window_bytes"]
 
 _PREF = {Tier.RECOMPUTE: 0, Tier.CPU: 1, Tier.NVME: 2}
+#: How much slower than measured the reads a plan's window is sized to
+#: absorb (NOTE [Planner cost model], 3).
+SLOW_READS = 2.0
 
 
 def safe_order(device_type: str, has_nvme: bool) -> Tuple[Tier, ...]:
@@ -367,30 +368,11 @@ def _followed_uses(records, choice, costs, blocks, chosen, kick, bwd_start: floa
     return out
 
 
-def _order_window_bytes(chosen) -> int:
-    """The bytes the prefetcher must hold at once to start every restore of
-    ``chosen`` before its use, restoring in reverse packing order (NOTE
-    [Planner cost model], 3): the most, over tensors X, of X's bytes plus
-    those of the tensors packed after X and used after it (a Fenwick tree
-    over use rank: n log n)."""
-    rank = {r.index: k for k, (r, _) in enumerate(
-        sorted(chosen, key=lambda c: (c[0]._use, c[0].index)))}
-    n = len(rank)
-    tree = [0] * (n + 1)
-    total = most = 0
-    for r, _ in sorted(chosen, key=lambda c: (c[0].pack_s, c[0].index), reverse=True):
-        k = rank[r.index] + 1
-        used_before = 0   # bytes packed after r and used before it (ranks <= r's)
-        i = k
-        while i > 0:
-            used_before += tree[i]
-            i -= i & -i
-        most = max(most, r.nbytes + total - used_before)
-        total += r.nbytes
-        while k <= n:
-            tree[k] += r.nbytes
-            k += k & -k
-    return most
+def _slower(o: _Option, factor: float) -> _Option:
+    """``o`` with its restore ``factor`` times longer (NOTE [Planner cost
+    model], 3)."""
+    return _Option(o.tier, o.cost_s, o.freed, o.out_s, o.back_s * factor, o.cpu_s,
+                   o.slowdown)
 
 
 def _why_no_option(r: TensorRecord, has_nvme: bool) -> str:
@@ -837,20 +819,26 @@ def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting:
     kick_s = None if kick is None else use_s[kick.index]
     restores: dict = {}
     stalls, stall_total, _ = _simulate(chosen, bwd_start, window, kick_s, restores, use_s)
-    if prefetch_bytes is None and stall_total > 0:
-        # NOTE [Planner cost model], 3: the least window the prefetcher's
-        # packing order needs, where it predicts less stall.
-        wider = min(moved_bytes, _order_window_bytes(chosen),
-                    window + max(r.nbytes for r, _ in chosen))
-        if wider > window:
-            trace: dict = {}
-            w_stalls, w_total, _ = _simulate(chosen, bwd_start, wider, kick_s, trace, use_s)
-            if w_total < stall_total:
-                notes.append(f"prefetch window raised from {format_bytes(window)} to "
-                             f"{format_bytes(wider)}: restores in packing order need it "
-                             f"(predicted stall {stall_total * 1e3:.2f} -> "
-                             f"{w_total * 1e3:.2f} ms)")
-                window, stalls, stall_total, restores = wider, w_stalls, w_total, trace
+    wider = min(moved_bytes, window + max((r.nbytes for r, _ in chosen), default=0))
+    if prefetch_bytes is None and wider > window:
+        # NOTE [Planner cost model], 3: one tensor more where that predicts
+        # less stall, at the measured read rates or at half of them.
+        trace: dict = {}
+        w_stalls, w_total, _ = _simulate(chosen, bwd_start, wider, kick_s, trace, use_s)
+        slow = [(r, _slower(o, SLOW_READS)) for r, o in chosen]
+        why = ""
+        if w_total < stall_total:
+            why = (f"predicted stall {stall_total * 1e3:.2f} -> {w_total * 1e3:.2f} ms")
+        elif w_total == stall_total:
+            at_half = _simulate(slow, bwd_start, window, kick_s, None, use_s)[1]
+            w_half = _simulate(slow, bwd_start, wider, kick_s, None, use_s)[1]
+            if w_half < at_half:
+                why = (f"with reads at 1/{SLOW_READS:g} of the measured rate: predicted "
+                       f"stall {at_half * 1e3:.2f} -> {w_half * 1e3:.2f} ms")
+        if why:
+            notes.append(f"prefetch window raised from {format_bytes(window)} to "
+                         f"{format_bytes(wider)} ({why})")
+            window, stalls, stall_total, restores = wider, w_stalls, w_total, trace
     planned_blocks = [_planned_block(b, need, kept_all, budget_bytes, stalls, has_nvme,
                                      freed >= need) for b in blocks]
     inside_of = {x.saved_as: (pb, px) for b, pb in zip(blocks, planned_blocks) if b.chosen
