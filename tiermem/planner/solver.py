@@ -241,8 +241,18 @@ def _options(r: TensorRecord, rates: Rates, has_nvme: bool, bwd_start: float) ->
 
 
 def _overlap(a: float, b: float, spans: list) -> float:
-    """Seconds of [a, b] covered by the (disjoint, sorted) ``spans``."""
-    return sum(max(0.0, min(b, e) - max(a, s)) for s, e in spans)
+    """Seconds of [a, b] covered by the (disjoint, sorted) ``spans``: a
+    binary search to the first span ending after ``a``, then the few that
+    start before ``b``."""
+    total = 0.0
+    k = bisect.bisect_right(spans, (a, float("inf")))
+    if k and spans[k - 1][1] > a:
+        k -= 1
+    while k < len(spans) and spans[k][0] < b:
+        s, e = spans[k]
+        total += max(0.0, min(b, e) - max(a, s))
+        k += 1
+    return total
 
 
 def _simulate(chosen, bwd_start: float, window_bytes: Optional[int] = None,
