@@ -42,12 +42,14 @@ import tiermem  # noqa: E402
 import tiermem.offloader  # noqa: E402
 from common import emit, machine  # noqa: E402
 from tiermem.models import GPTConfig, TinyGPT  # noqa: E402
+from tiermem.step import Step  # noqa: E402
 from tiermem.tiers.moving import MovedHandle, MovingStore  # noqa: E402
 
 _log: dict = {"first": None, "last": None, "unpacks": [], "restores": [], "in_take": None}
 _orig_unpack = tiermem.offloader.unpack
 _orig_restore = MovingStore._restore
 _orig_take = MovingStore.take
+_orig_restored = Step.restored
 
 
 def _unpack(handle):
@@ -90,10 +92,6 @@ _waits: list = []
 def _restored(self, prefetched, seconds, late, host_wait=False):
     _waits.append((time.perf_counter(), seconds, late))
     return _orig_restored(self, prefetched, seconds, late, host_wait)
-
-
-from tiermem.step import Step  # noqa: E402
-_orig_restored = Step.restored
 
 
 def _install() -> None:
@@ -179,7 +177,7 @@ def run_config(budget: str, model_cfg, batches, nvme_dir, steps: int, engine: st
         opt.zero_grad(set_to_none=True)
         plan_before = off.plan   # the plan this step follows (None: profiled)
         _reset()
-        c0, t0 = time.thread_time(), time.perf_counter()
+        t0 = time.perf_counter()
         with off:
             logits = model(tokens[:, :-1])
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1),

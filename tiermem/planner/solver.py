@@ -56,8 +56,9 @@
 #    (attention's softmax output after its dropout's) has only the compute
 #    between them to be read in (13-30 ms predicted); on the loaded shared
 #    machine such reads took 3-22x the probe's time, and those restores were
-#    the only late ones left. The raise may hold that one tensor more restored ahead than the
-#    budget's room at the start of backward, as the AUTO_MIN_BYTES floor may.
+#    the only late ones left. The raise may hold that one tensor more
+#    restored ahead than the budget's room at the start of backward, as the
+#    AUTO_MIN_BYTES floor may.
 # 4. The chosen moves are then simulated: that gives the predicted stall
 #    (per tensor ``PlannedTensor.restore_s``: its read's start and end and
 #    its need, from the start of backward). Rules:
@@ -129,7 +130,8 @@ from .plan import (CHECKPOINTED, Plan, PlannedBlock, PlannedInput, PlannedTensor
 from .profile import BlockInput, BlockRecord, Profile, TensorRecord
 from .rates import Rates
 
-__all__ = ["make_plan", "safe_order", "tier_orders", "cpu_charge_s", "plan_window_bytes"]
+__all__ = ["make_plan", "safe_order", "tier_orders", "cpu_charge_s", "plan_window_bytes",
+           "SLOW_READS"]
 
 _PREF = {Tier.RECOMPUTE: 0, Tier.CPU: 1, Tier.NVME: 2}
 #: How much slower than measured the reads a plan's window is sized to
