@@ -96,7 +96,9 @@ def _overlap_profile(late_pack):
     # A: 100 MB saved at 0, needed first (at 0.6 s); C: 200 MB saved at
     # ``late_pack``, needed last. At 1 GB/s C's move out takes 0.2 s: saved at
     # 0.55 it is still being written while A is read back (0.6-0.7 s); saved
-    # at 0.1 it landed long before.
+    # at 0.1 it landed long before. C is packed after A: the prefetcher's
+    # cursor goes down the packing order from A, so C is read on demand at
+    # its use (0.2 s), after every write: the same in both profiles.
     recs = [_rec(0, 100 * MB, 0.0, 0.6), _rec(1, 200 * MB, late_pack, 3.0)]
     return _profile(recs, bwd_start=0.58)
 
@@ -108,10 +110,10 @@ def test_both_directions_rate_applies_only_where_directions_overlap():
     # Separate: A's read (0.1 s) overlaps no write: same prediction.
     assert (_plan(separate, both).predicted_stall_s
             == pytest.approx(_plan(separate, alone).predicted_stall_s)
-            == pytest.approx(0.1))
+            == pytest.approx(0.1 + 0.2))
     # Overlapping: A's read runs 0.1 s beside C's write, at half rate: 0.1 s more.
-    assert _plan(overlapping, alone).predicted_stall_s == pytest.approx(0.1)
-    assert _plan(overlapping, both).predicted_stall_s == pytest.approx(0.2)
+    assert _plan(overlapping, alone).predicted_stall_s == pytest.approx(0.1 + 0.2)
+    assert _plan(overlapping, both).predicted_stall_s == pytest.approx(0.2 + 0.2)
 
 
 def test_the_plan_sizes_its_prefetch_window_from_the_budget_room():
@@ -138,6 +140,165 @@ def test_a_small_window_delays_restores_in_the_prediction():
     narrow = _plan(prof, _rates(), prefetch_bytes=10 * MB)
     assert wide.predicted_stall_s == pytest.approx(0.010)
     assert narrow.predicted_stall_s > wide.predicted_stall_s + 0.02
+
+
+def _pair_profile():
+    # C (needed first, at 1.0 s) and a node's saved pair A, B (packed 0.1 and
+    # 0.2, unpacked in packing order: A at 1.5 s, B at 1.501 s), 16 MiB each,
+    # read at 1 GB/s (16.8 ms). The prefetcher restores in reverse packing
+    # order: after C's unpack it starts B; with a one-tensor window A is not
+    # started before its use and is read on demand (what the auto plans of
+    # 2026-12-02-cpu-auto-williams did: benchmarks/results/
+    # 2026-12-02-cpu-stall-predict.md).
+    mib16 = 16 << 20
+    recs = [_rec(0, mib16, 0.1, 1.5), _rec(1, mib16, 0.2, 1.501), _rec(2, mib16, 0.3, 1.0)]
+    return _profile(recs, bwd_start=1.0)
+
+
+def test_a_restore_the_prefetcher_reaches_too_late_waits_its_whole_read():
+    read = (16 << 20) / 1e9
+    plan = _plan(_pair_profile(), _rates(), prefetch_bytes=16 << 20)   # one tensor
+    a, b, c = plan.tensors
+    assert c.cost_s == pytest.approx(read)   # needed first: on demand
+    assert b.cost_s == 0.0                   # started at C's unpack
+    assert a.cost_s == pytest.approx(read)   # behind B in the window: on demand
+    start, end, need = a.restore_s
+    assert start == pytest.approx(need) and end == pytest.approx(need + read)
+    assert plan.predicted_stall_s == pytest.approx(2 * read)
+
+
+def test_the_plan_widens_its_window_where_packing_order_reads_on_demand():
+    read = (16 << 20) / 1e9
+    plan = _plan(_pair_profile(), _rates())   # a 0 budget: no room, 16 MiB floor
+    assert plan.suggested_prefetch_bytes == 32 << 20    # A and B at once
+    assert [p.cost_s for p in plan.tensors] == [0.0, 0.0, pytest.approx(read)]
+    assert any(n.startswith("prefetch window raised from 16.0 MiB to 32.0 MiB")
+               for n in plan.notes)
+    # A set window is obeyed, and the prediction says what it costs.
+    assert _plan(_pair_profile(), _rates(),
+                 prefetch_bytes=16 << 20).predicted_stall_s == pytest.approx(2 * read)
+
+
+def test_the_plan_widens_its_window_where_slower_reads_would_stall():
+    # K (kept, the kick) at 1.0 s; X then Y needed 20 ms apart (1.2, 1.22 s),
+    # 16 MiB each (a read: 16.8 ms). A one-tensor window starts Y at X's use:
+    # in time at the measured rate, 13.55 ms late at half of it. Two tensors
+    # start both at the kick: the plan takes that, and predicts no stall.
+    mib16 = 16 << 20
+    recs = [_rec(0, mib16, 0.1, 1.22), _rec(1, mib16, 0.2, 1.2), _rec(2, mib16, 0.3, 1.0)]
+    plan = _plan(_profile(recs, bwd_start=1.0), _rates(), budget=mib16)
+    assert [p.tier for p in plan.tensors] == ["nvme", "nvme", "keep"]
+    assert plan.suggested_prefetch_bytes == 2 * mib16
+    assert plan.predicted_stall_s == 0.0
+    assert any("with reads at 1/2 of the measured rate: predicted stall 13.55 -> 0.00 ms"
+               in n for n in plan.notes)
+    narrow = _plan(_profile(recs, bwd_start=1.0), _rates(), budget=mib16,
+                   prefetch_bytes=mib16)
+    assert narrow.predicted_stall_s == 0.0 and not narrow.notes
+
+
+def test_a_move_not_landed_at_its_use_reads_nothing():
+    # Saved at 0.9 s, needed at 1.0 s, its write takes 0.1 s + : the unpack
+    # finds the source still there (MovingStore.take): no read, no stall.
+    recs = [_rec(0, 200 * MB, 0.9, 1.0)]
+    plan = _plan(_profile(recs, bwd_start=1.0), _rates())
+    assert plan.predicted_stall_s == 0.0
+
+
+def test_backward_needs_moved_tensors_earlier_than_the_profile_saw():
+    # The profile's backward read K (kept by the plan) for 0.4 s before it
+    # needed A (at 1.45 s); a followed step keeps K, so it needs A at 1.05 s.
+    # A (100 MB, 0.1 s read) starts at K's unpack (the kick, 1.0 s): it waits
+    # 0.05 s. Read from the profile's timeline it would look free.
+    k = _rec(1, 10 * MB, 0.5, 1.0)
+    k.unpack_s = 0.4
+    recs = [_rec(0, 100 * MB, 0.0, 1.45), k]
+    plan = _plan(_profile(recs, bwd_start=1.0), _rates(), budget=10 * MB)
+    assert [p.tier for p in plan.tensors] == ["nvme", "keep"]
+    assert plan.kick_index == 1
+    assert plan.tensors[0].restore_s == pytest.approx((0.0, 0.1, 0.05))
+    assert plan.predicted_stall_s == pytest.approx(0.05)
+    k.unpack_s = None   # no record of the profile's unpack: its timeline as it was
+    assert _plan(_profile(recs, bwd_start=1.0), _rates(),
+                 budget=10 * MB).predicted_stall_s == 0.0
+
+
+def test_reads_the_profile_made_and_the_plan_does_not_are_taken_off_its_timeline():
+    # The profile read K (400 MB) back from nvme; reading costs CPU the
+    # compute lost (half a round trip: 400 MB / 1 GB per CPU second / 2 =
+    # 0.2 s on one thread). The plan keeps K: A is needed 0.2 s earlier.
+    k = _rec(1, 400 * MB, 0.5, 1.0)
+    k.profile_tier = "nvme"
+    recs = [_rec(0, 100 * MB, 0.0, 1.45), k]
+    rates = _rates(move_cpu=1e9, compute_threads=1.0)
+    plan = _plan(_profile(recs, bwd_start=1.0), rates, budget=400 * MB)
+    assert [p.tier for p in plan.tensors] == ["nvme", "keep"]
+    assert plan.tensors[0].restore_s[2] == pytest.approx(0.25)
+    k.profile_tier = "keep"   # not read in the profile: its timeline as it was
+    plan = _plan(_profile(recs, bwd_start=1.0), rates, budget=400 * MB)
+    assert plan.tensors[0].restore_s[2] == pytest.approx(0.45)
+
+
+def test_the_profile_records_how_long_each_first_unpack_took(nvme_dir):
+    # Under the safe order everything movable went to nvme: each first
+    # unpack waited for a read or copied; the record keeps that time.
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 256)
+    x = torch.randn(64, 256, requires_grad=True)
+    off = tiermem.Offloader(policy="auto", device_budget="50%", nvme_dir=nvme_dir,
+                            min_offload_bytes=1024)
+    _tiny_step(off, x, lin)
+    assert off.plan is not None   # planned from the profile
+    prof = next(iter(off._placement.planner._profiles.values()))
+    used = [r for r in prof.records if r.first_use_s is not None]
+    assert used and all(r.unpack_s is not None and r.unpack_s >= 0 for r in used)
+    first = min(used, key=lambda r: r.first_use_s)
+    last = max(used, key=lambda r: r.first_use_s)
+    assert last.first_use_s >= first.first_use_s + first.unpack_s
+    off.close()
+
+
+def test_the_profile_records_a_regeneration_reading_a_saved_tensor_first(nvme_dir):
+    # s (softmax: not recomputable, to nvme under the safe order) is the
+    # recipe's leaf of d = s * 2 (recomputed). Backward regenerates d first
+    # (for sin's backward), which reads s before softmax's backward unpacks
+    # it: a followed step that recomputes d needs s then.
+    torch.manual_seed(0)
+    x = torch.randn(64, 256, requires_grad=True)
+    w = torch.randn(256, 256, requires_grad=True)
+    off = tiermem.Offloader(policy="auto", device_budget="50%", nvme_dir=nvme_dir,
+                            min_offload_bytes=1024)
+
+    def forward():   # no reference to s or d outlives it
+        s = (x @ w).softmax(-1)
+        return (s * 2.0).sin().sum()
+    with off:
+        loss = forward()
+    loss.backward()
+    assert off.plan is not None
+    s, d = next(iter(off._placement.planner._profiles.values())).records
+    assert (s.profile_tier, d.profile_tier) == ("nvme", "recompute")
+    assert d.first_use_s <= s.leaf_use_s <= d.first_use_s + d.recompute_s < s.first_use_s
+    assert s.leaf_reader == d.index and d.leaf_use_s is None
+    off.close()
+
+
+def test_a_tensor_read_by_a_planned_regeneration_is_needed_then():
+    # A (moved) was read at 1.05 s by the regeneration of R, before its own
+    # unpack at 1.4 s. Recomputed by the plan, R reads it then: A's read
+    # (0.1 s, started at K's unpack, the kick, at 1.0 s) is 0.05 s late.
+    a = _rec(0, 100 * MB, 0.0, 1.4)
+    a.leaf_use_s, a.leaf_reader = 1.05, 1
+    r = _rec(1, 10 * MB, 0.2, 1.05, recompute_s=0.001)
+    k = _rec(2, 10 * MB, 0.3, 1.0)
+    prof = _profile([a, r, k], bwd_start=1.0)
+    rates = _rates(move_cpu=1e9, compute_threads=1.0)   # a move costs CPU: R recomputed
+    plan = _plan(prof, rates, budget=10 * MB)
+    assert [p.tier for p in plan.tensors] == ["nvme", "recompute", "keep"]
+    assert plan.tensors[0].restore_s == pytest.approx((0.0, 0.1, 0.05))
+    a.leaf_reader = 2   # read by a tensor the plan keeps: needed at its unpack
+    plan = _plan(prof, rates, budget=10 * MB)
+    assert plan.tensors[0].restore_s[2] == pytest.approx(0.4 + 0.001)   # after R's regeneration
 
 
 def _tiny_step(off, x, lin):

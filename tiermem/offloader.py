@@ -106,8 +106,10 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
             # A step that follows a plan uses the plan's window (NOTE [Planner
             # cost model], 3, in planner/solver.py).
             prefetch_bytes = self.planning.plan.suggested_prefetch_bytes
+        recorder = None if self.planning is None else self.planning.recorder
         self.step = Step(placement, prefetch_bytes,
-                         offloader.config.min_offload_bytes, self.producers, unpack,
+                         offloader.config.min_offload_bytes, self.producers,
+                         unpack if recorder is None else recorder.leaf_unpack,
                          check_params=offloader.config.check_params)
         self.stats = self.step.stats
         tail_hold_bytes = offloader.config.tail_hold_bytes

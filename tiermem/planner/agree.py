@@ -101,7 +101,7 @@ _DEFAULT, _BYTES, _SHARE = 0.0, 1.0, 2.0
 _KIND_NAMES = {_DEFAULT: "unset (free memory)", _BYTES: "a size", _SHARE: "a percentage"}
 # Per record of the broadcast timeline, then the profile's own figures.
 _REC_FIELDS = ("nbytes", "pack_s", "first_use_s", "recompute_s", "recomputable",
-               "input_kept_bytes")
+               "input_kept_bytes", "unpack_s", "leaf_use_s", "leaf_reader")
 _PROFILE_FIELDS = ("fixed_kept_bytes", "forward_end_s", "backward_start_s", "backward_end_s",
                    "measured_kept_bytes")
 
@@ -218,7 +218,10 @@ class Agreement:
                 first_use_s=None if math.isnan(v["first_use_s"]) else v["first_use_s"],
                 recompute_s=None if math.isnan(v["recompute_s"]) else v["recompute_s"],
                 recomputable=bool(v["recomputable"]),
-                input_kept_bytes=int(v["input_kept_bytes"])))
+                input_kept_bytes=int(v["input_kept_bytes"]),
+                unpack_s=None if math.isnan(v["unpack_s"]) else v["unpack_s"],
+                leaf_use_s=None if math.isnan(v["leaf_use_s"]) else v["leaf_use_s"],
+                leaf_reader=None if math.isnan(v["leaf_reader"]) else int(v["leaf_reader"])))
         p = dict(zip(_PROFILE_FIELDS, vals[n * k:]))
         nan_none = lambda x: None if math.isnan(x) else x   # noqa: E731
         return replace(profile, records=records, fixed_kept_bytes=int(p["fixed_kept_bytes"]),

@@ -53,6 +53,10 @@ class PlannedTensor:
     pack_s: float = 0.0
     #: Recompute: bytes of its recipe's inputs left on the device.
     input_kept_bytes: int = 0
+    #: Moves: the simulated restore (NOTE [Planner cost model], 4), seconds
+    #: from the start of backward: when its read starts and ends, and when
+    #: backward needs it (earlier stalls included); ``None`` otherwise.
+    restore_s: Optional[Tuple[float, float, float]] = None
 
 
 def revived_positions(blocks: List["PlannedBlock"], positions: tuple) -> List[int]:
@@ -271,6 +275,8 @@ class Plan:
         d = asdict(self)
         for t in d["tensors"]:   # lists, as JSON gives them back
             t["shape"], t["order"] = list(t["shape"]), list(t["order"])
+            if t["restore_s"] is not None:
+                t["restore_s"] = list(t["restore_s"])
         for b in d["blocks"]:
             for x in b["inputs"]:
                 x["shape"], x["order"] = list(x["shape"]), list(x["order"])

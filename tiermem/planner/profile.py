@@ -158,6 +158,18 @@ class TensorRecord:
     recompute_s: Optional[float] = None
     #: Seconds from the step's start to its first unpack (``None``: never unpacked).
     first_use_s: Optional[float] = None
+    #: Seconds its first unpack took in the profile (its read's wait, its
+    #: regeneration), when no other unpack was running (``None``: inside
+    #: another tensor's regeneration, or never unpacked): the profile's
+    #: backward timeline less these is the compute's (NOTE [Planner cost
+    #: model], 4, in planner/solver.py).
+    unpack_s: Optional[float] = None
+    #: When a regeneration first read it as its recipe's input, if that came
+    #: before its ``first_use_s`` (``None``: it did not), and the index of the
+    #: tensor being regenerated: a followed step that recomputes that tensor
+    #: needs this one then (NOTE [Planner cost model], 4e).
+    leaf_use_s: Optional[float] = None
+    leaf_reader: Optional[int] = None
     #: The ``hints`` callable's answer, ``(TierOrder, name)``, or ``None``
     #: (NOTE [Planner hints] in planner/hints.py).
     hint: Optional[tuple] = None
@@ -276,6 +288,9 @@ class Recorder:
         self._record_t = 0.0
         #: CUDA blocks: (start, end) timing events by block index.
         self._block_events: Dict[int, tuple] = {}
+        #: Records whose first unpack is running now, innermost last (a
+        #: regeneration unpacks its recipe's inputs).
+        self._reading: List[int] = []
 
     def start(self, stats) -> None:
         """The step starts now; its stats are ``stats``."""
@@ -412,14 +427,32 @@ class Recorder:
         else:
             rec = self.records[index]
             rec.first_use_s = now
+            outermost = not self._reading
+            self._reading.append(index)
+            start = time.perf_counter()
+            try:
+                out = self._unpack(handle)
+            finally:
+                self._reading.pop()
+            took = time.perf_counter() - start
             if id(handle) in self._recompute_handles:
-                start = time.perf_counter()
-                out = self._unpack(handle)
-                rec.recompute_s = time.perf_counter() - start
-            else:
-                out = self._unpack(handle)
+                rec.recompute_s = took
+            if outermost:
+                rec.unpack_s = took
         self.last_unpack_s = time.perf_counter() - self.t0
         return out
+
+    def leaf_unpack(self, handle: Any):
+        """The unpack of a recipe's leaf in a profiled step (``Step.unpack``):
+        the plain unpack; a saved tensor that a regeneration reads before
+        autograd first unpacks it gets ``leaf_use_s`` and ``leaf_reader``."""
+        index = self._by_handle.get(id(handle))
+        if index is not None and self._reading:
+            rec = self.records[index]
+            if rec.first_use_s is None and rec.leaf_use_s is None:
+                rec.leaf_use_s = time.perf_counter() - self.t0
+                rec.leaf_reader = self._reading[-1]
+        return self._unpack(handle)
 
     @property
     def backward_seen(self) -> bool:

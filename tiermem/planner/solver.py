@@ -49,30 +49,74 @@
 #    step following the plan uses when ``prefetch_bytes`` is unset): the room
 #    the budget leaves at the start of backward (budget - predicted kept), no
 #    more than the bytes moved, and at least AUTO_MIN_BYTES (restores need
-#    some lead); ``prefetch_bytes`` when set.
-# 4. The chosen moves are then simulated on serial channels, one per
-#    direction and tier (moves queue in pack order out, in first-use order
-#    back, each stall delaying later needs): that gives the predicted stall.
-#    Restores start at the first unpack of a moved tensor (the prefetcher
-#    advances on those: tiermem/prefetch.py), or earlier, at the first use
-#    of the plan's kick tensor: the kept tensor the profile saw unpacked
-#    first, before every moved one (NOTE [Restores start with backward] in
-#    hooks.py); without one (backward needs a moved tensor first) the first
-#    restore waits its whole read (measured: 91-99% of the stalls predicted
-#    0 in 2026-12-01-cpu-costmodel-before were that one wait); a
-#    restore starts when its move out has landed, its channel is free and the window has room (bytes
-#    restored and not yet used + its own <= window; one at least); a restore
-#    that overlaps moves out of its tier runs at the measured both-directions
-#    rate for the overlap (``disk_both`` / ``link_both``: its time there is
-#    stretched by single rate / both rate; no penalty without overlap).
+#    some lead); ``prefetch_bytes`` when set. Unset, it is raised by the
+#    largest moved tensor (no more than the bytes moved) where the
+#    simulation (4) predicts less stall with it, or the same stall at the
+#    measured rates and less with reads SLOW_READS times slower (the plan's
+#    notes say which). Measured (2026-12-02-cpu-stall-predict): with a
+#    one-tensor window the prefetcher starts a restore only when the moved
+#    tensor before it is used, so a moved tensor needed soon after another
+#    (attention's softmax output after its dropout's) has only the compute
+#    between them to be read in (13-30 ms predicted); on the loaded shared
+#    machine such reads took 3-22x the probe's time, and those restores were
+#    the only late ones left. The raise may hold that one tensor more
+#    restored ahead than the budget's room at the start of backward, as the
+#    AUTO_MIN_BYTES floor may.
+# 4. The chosen moves are then simulated: that gives the predicted stall
+#    (per tensor ``PlannedTensor.restore_s``: its read's start and end and
+#    its need, from the start of backward). Rules:
+#    a. Moves out queue in pack order on one serial channel per tier.
+#    b. Restores run on one serial channel per tier, issued as the
+#       prefetcher issues them (tiermem/prefetch.py), not in use order: at
+#       the kick (the first use of the plan's kick tensor, the kept tensor
+#       the profile saw unpacked first, before every moved one: NOTE
+#       [Restores start with backward] in hooks.py) from the last packed
+#       moved tensor down, and at each moved tensor's unpack from the cursor
+#       (just below it when it is above the last one, or at or below the
+#       cursor), down the packing order while the bytes restored and not yet
+#       used are below the window; a move out not landed by then stops the
+#       cursor until the next moved unpack. A tensor not started by its use
+#       is read on demand then (its unpack waits its whole read, e.g. the
+#       first one backward needs when there is no kick), ahead of what that
+#       unpack's refill issues; one whose move out has not landed at its use
+#       is not read (the unpack takes the source: ``MovingStore.take``).
+#    c. A restore that overlaps moves out of its tier runs at the measured
+#       both-directions rate for the overlap (``disk_both`` / ``link_both``:
+#       its time there is stretched by single rate / both rate).
+#    d. Each stall delays every later need.
+#    e. The needs are the followed step's, not the profile's: the profile
+#       ran under the safe order (NOTE [Profile under the safe order] in
+#       planner/runtime.py), whose backward read or regenerated nearly every
+#       tensor. Each record's first use is moved earlier by what the unpacks
+#       before it cost in the profile and the plan does not pay (their time,
+#       ``TensorRecord.unpack_s``: read waits and regenerations; and, for each
+#       read from nvme, half the CPU charge of a round trip: its read's share,
+#       which the compute lost as in 2), and later by what the plan adds
+#       (its recomputes' ``recompute_s``, half the CPU charge of each of its
+#       reads, a checkpointed block's forward at the start of its recompute):
+#       ``_followed_uses``. A tensor that a regeneration read as its recipe's
+#       input before autograd unpacked it (``TensorRecord.leaf_use_s``, by
+#       ``leaf_reader``) is needed then when the plan recomputes that reader
+#       (attention's softmax output, read by the regeneration of its
+#       dropout's output), else at its own first unpack.
+#    Measured (2026-12-02-cpu-stall-predict, a 4-layer TinyGPT): every late
+#    restore of the plans made without b and the leaf uses of e was read on
+#    demand (2-4 per followed step, none predicted, the first plans
+#    predicting 0 stall), most of them attention's softmax outputs read by
+#    the regeneration of the dropout output those plans recompute; with
+#    them, no restore was read on demand. The profiled steps' own stall (its
+#    first read mostly) ranged 0.1-540 ms; under the shared machine's load
+#    the followed steps' needs still differed from the corrected ones by
+#    hundreds of ms either way, so the timeline correction is not shown by
+#    measurement (its unit tests show what it does).
 # Budgets the tiers cannot meet leave the rest kept, and the plan says so.
-# Times come from the profile's timeline, which ran under the safe order
-# (NOTE [Profile under the safe order] in planner/runtime.py): its backward
-# includes regenerations a plan may not make.
+# The options' prices (2) read the profile's timeline as it is; only the
+# prediction reads the followed step's (4e).
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 import heapq
 import itertools
@@ -90,9 +134,13 @@ from .plan import (CHECKPOINTED, Plan, PlannedBlock, PlannedInput, PlannedTensor
 from .profile import BlockInput, BlockRecord, Profile, TensorRecord
 from .rates import Rates
 
-__all__ = ["make_plan", "safe_order", "tier_orders", "cpu_charge_s", "plan_window_bytes"]
+__all__ = ["make_plan", "safe_order", "tier_orders", "cpu_charge_s", "plan_window_bytes",
+           "SLOW_READS"]
 
 _PREF = {Tier.RECOMPUTE: 0, Tier.CPU: 1, Tier.NVME: 2}
+#: How much slower than measured the reads a plan's window is sized to
+#: absorb (NOTE [Planner cost model], 3).
+SLOW_READS = 2.0
 
 
 def safe_order(device_type: str, has_nvme: bool) -> Tuple[Tier, ...]:
@@ -206,55 +254,148 @@ def _options(r: TensorRecord, rates: Rates, has_nvme: bool, bwd_start: float) ->
 
 
 def _overlap(a: float, b: float, spans: list) -> float:
-    """Seconds of [a, b] covered by the (disjoint, sorted) ``spans``."""
-    return sum(max(0.0, min(b, e) - max(a, s)) for s, e in spans)
+    """Seconds of [a, b] covered by the (disjoint, sorted) ``spans``: a
+    binary search to the first span ending after ``a``, then the few that
+    start before ``b``."""
+    total = 0.0
+    k = bisect.bisect_right(spans, (a, float("inf")))
+    if k and spans[k - 1][1] > a:
+        k -= 1
+    while k < len(spans) and spans[k][0] < b:
+        s, e = spans[k]
+        total += max(0.0, min(b, e) - max(a, s))
+        k += 1
+    return total
 
 
 def _simulate(chosen, bwd_start: float, window_bytes: Optional[int] = None,
-              kick_s: Optional[float] = None):
-    """Serial channels (see NOTE [Planner cost model], 4): per-tensor stall,
-    total stall, and the most bytes restored ahead of their use at once;
-    ``kick_s``: when the kept tensor that starts the restores is unpacked
-    (None: no such tensor, restores start at the first moved unpack)."""
+              kick_s: Optional[float] = None, trace: Optional[dict] = None,
+              use_s: Optional[dict] = None):
+    """Serial channels and the prefetcher's cursor (see NOTE [Planner cost
+    model], 4): per-tensor stall, total stall, and the most bytes restored
+    ahead of their use at once; ``kick_s``: when the kept tensor that starts
+    the restores is unpacked (None: no such tensor, restores start at the
+    first moved unpack); ``trace``: filled with index -> (restore start,
+    end, need), seconds (all three the need: its move out had not landed,
+    nothing is read); ``use_s``: index -> when backward needs it (default
+    ``r._use``, the profile's)."""
+    if use_s is None:
+        use_s = {r.index: r._use for r, _ in chosen}
     out_free: dict = {}
     out_end = {}
     out_spans: dict = {}
-    for r, o in sorted(chosen, key=lambda c: c[0].pack_s):
+    order = sorted(chosen, key=lambda c: (c[0].pack_s, c[0].index))   # the prefetcher's
+    for r, o in order:
         start = max(r.pack_s, out_free.get(o.tier, 0.0))
         out_end[r.index] = out_free[o.tier] = start + o.out_s
         out_spans.setdefault(o.tier, []).append((start, start + o.out_s))
+    pos = {r.index: k for k, (r, _) in enumerate(order)}
+    window = float("inf") if window_bytes is None else window_bytes
     back_free: dict = {}
-    shift = 0.0
-    stalls = {}
-    spans = []
-    inflight = []        # (need time, bytes) of restores not yet used, in use order
-    first = None         # when the first restore may start: the kick, else the first moved unpack
-    for r, o in sorted(chosen, key=lambda c: (c[0]._use, c[0].index)):
-        need = r._use + shift
-        if first is None:
-            first = need if kick_s is None else min(need, kick_s)
-        start = max(first, back_free.get(o.tier, first), out_end[r.index])
-        if window_bytes is not None:
-            # Window: earlier restores are used (freed from it) at their need.
-            inflight = [(t, n) for t, n in inflight if t > start]
-            while inflight and sum(n for _, n in inflight) + r.nbytes > window_bytes:
-                start = max(start, inflight.pop(0)[0])
+    started: dict = {}   # index -> (start, end) of restores begun
+    used: set = set()
+    st = SimpleNamespace(cursor=-1, last=-1, inflight=0)
+
+    def read(r, o, now: float) -> None:
+        start = max(now, back_free.get(o.tier, now))
         back = o.back_s
         if o.slowdown > 1.0:
             back += _overlap(start, start + back, out_spans.get(o.tier, ())) * (o.slowdown - 1.0)
-        end = start + back
-        stall = max(0.0, end - need)
+        started[r.index] = (start, start + back)
+        back_free[o.tier] = start + back
+
+    def fill(now: float) -> None:   # Prefetcher._fill
+        while st.cursor >= 0 and st.inflight < window:
+            r, o = order[st.cursor]
+            if r.index not in used and r.index not in started:
+                if out_end[r.index] > now:
+                    break   # not landed: retried at the next moved unpack
+                read(r, o, now)
+                st.inflight += r.nbytes
+            st.cursor -= 1
+
+    uses = sorted(chosen, key=lambda c: (use_s[c[0].index], c[0].index))
+    if kick_s is not None and uses and kick_s <= use_s[uses[0][0].index]:   # Prefetcher.kick
+        st.cursor, st.last = len(order) - 1, len(order)
+        fill(kick_s)
+    shift = 0.0
+    stalls = {}
+    spans = []
+    for r, o in uses:
+        now = use_s[r.index] + shift
+        used.add(r.index)
+        if r.index in started:
+            st.inflight -= r.nbytes
+        elif out_end[r.index] <= now:
+            read(r, o, now)        # on demand: take() starts it, then waits
+        p = pos[r.index]
+        if p > st.last or p <= st.cursor:   # Prefetcher.advance
+            st.cursor = p - 1
+        st.last = p
+        fill(now)
+        start, end = started.get(r.index, (now, now))   # not landed: the source, no read
+        stall = max(0.0, end - now)
         shift += stall
         stalls[r.index] = stall
-        back_free[o.tier] = end
-        inflight.append((need + stall, r.nbytes))
-        spans.append((start, need + stall, r.nbytes))
+        if trace is not None:
+            trace[r.index] = (start, end, now)
+        spans.append((start, now + stall, r.nbytes))
     events = sorted([(s, n) for s, _, n in spans] + [(e, -n) for _, e, n in spans])
     ahead = peak = 0
     for _, n in events:
         ahead += n
         peak = max(peak, ahead)
     return stalls, sum(stalls.values()), peak
+
+
+def _followed_uses(records, choice, costs, blocks, chosen, kick, bwd_start: float,
+                   rates: Rates) -> dict:
+    """When a step following the plan needs each moved tensor (and the kick
+    tensor), by index (NOTE [Planner cost model], 4): the profile's first use
+    less what its earlier unpacks cost there and the plan does not pay (the
+    time they took, ``TensorRecord.unpack_s``: the safe order's reads and
+    regenerations; the CPU charge of the reads it made, half a round trip's),
+    plus what the plan adds (its recomputes' ``recompute_s``, the CPU charge
+    of its reads, a checkpointed block's forward at its recompute's start).
+    Moves add their stalls in the simulation."""
+    nvme = Tier.NVME.value
+    deltas = []   # (time, index, seconds the followed backward differs by after it)
+    for r in records:
+        if r.first_use_s is None:
+            continue
+        d = -(r.unpack_s or 0.0)
+        if choice[r.index] is Tier.RECOMPUTE:
+            d += costs[r.index].cost_s
+        read = cpu_charge_s(r.nbytes, r.device, Tier.NVME, rates) / 2
+        d += read * ((choice[r.index] is Tier.NVME) - (r.profile_tier == nvme))
+        if d:
+            deltas.append((r.first_use_s, r.index, d))
+    for b in blocks:
+        if b.chosen:
+            # After its inputs' unpacks (the recompute starts with them).
+            deltas.append((b.need_s, float("inf"), b.rec.forward_s))
+    deltas.sort()
+    times = [(t, i) for t, i, _ in deltas]
+    shift = list(itertools.accumulate((d for _, _, d in deltas), initial=0.0))
+
+    def at(r) -> float:
+        use = r._use
+        reader = getattr(r, "leaf_reader", None)
+        if reader is not None and choice.get(reader) is Tier.RECOMPUTE:
+            use = min(use, r.leaf_use_s)   # read by a regeneration the plan makes
+        k = bisect.bisect_left(times, (use, r.index))   # unpacks strictly before
+        return max(bwd_start, use + shift[k])
+    out = {r.index: at(r) for r, _ in chosen}
+    if kick is not None:
+        out[kick.index] = at(kick)
+    return out
+
+
+def _slower(o: _Option, factor: float) -> _Option:
+    """``o`` with its restore ``factor`` times longer (NOTE [Planner cost
+    model], 3)."""
+    return _Option(o.tier, o.cost_s, o.freed, o.out_s, o.back_s * factor, o.cpu_s,
+                   o.slowdown)
 
 
 def _why_no_option(r: TensorRecord, has_nvme: bool) -> str:
@@ -712,11 +853,33 @@ def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting:
     kept += sum(records[i].nbytes for i in {
         ~profile.positions[pos] for pos in revived_positions(spans, profile.positions)}
         - shared_later)
-    window = plan_window_bytes(budget_bytes, kept, sum(r.nbytes for r, _ in chosen),
-                               prefetch_bytes)
+    moved_bytes = sum(r.nbytes for r, _ in chosen)
+    window = plan_window_bytes(budget_bytes, kept, moved_bytes, prefetch_bytes)
     kick = _kick(records, choice, checkpointed, chosen)
-    stalls, stall_total, _ = _simulate(chosen, bwd_start, window,
-                                       None if kick is None else kick.first_use_s)
+    use_s = _followed_uses(records, choice, costs, blocks, chosen, kick, bwd_start, rates)
+    kick_s = None if kick is None else use_s[kick.index]
+    restores: dict = {}
+    stalls, stall_total, _ = _simulate(chosen, bwd_start, window, kick_s, restores, use_s)
+    wider = min(moved_bytes, window + max((r.nbytes for r, _ in chosen), default=0))
+    if prefetch_bytes is None and wider > window:
+        # NOTE [Planner cost model], 3: one tensor more where that predicts
+        # less stall, at the measured read rates or at half of them.
+        trace: dict = {}
+        w_stalls, w_total, _ = _simulate(chosen, bwd_start, wider, kick_s, trace, use_s)
+        slow = [(r, _slower(o, SLOW_READS)) for r, o in chosen]
+        why = ""
+        if w_total < stall_total:
+            why = (f"predicted stall {stall_total * 1e3:.2f} -> {w_total * 1e3:.2f} ms")
+        elif w_total == stall_total:
+            at_half = _simulate(slow, bwd_start, window, kick_s, None, use_s)[1]
+            w_half = _simulate(slow, bwd_start, wider, kick_s, None, use_s)[1]
+            if w_half < at_half:
+                why = (f"with reads at 1/{SLOW_READS:g} of the measured rate: predicted "
+                       f"stall {at_half * 1e3:.2f} -> {w_half * 1e3:.2f} ms")
+        if why:
+            notes.append(f"prefetch window raised from {format_bytes(window)} to "
+                         f"{format_bytes(wider)} ({why})")
+            window, stalls, stall_total, restores = wider, w_stalls, w_total, trace
     planned_blocks = [_planned_block(b, need, kept_all, budget_bytes, stalls, has_nvme,
                                      freed >= need) for b in blocks]
     inside_of = {x.saved_as: (pb, px) for b, pb in zip(blocks, planned_blocks) if b.chosen
@@ -784,7 +947,8 @@ def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting:
             r.index, r.module, r.op, r.shape, r.dtype, r.nbytes, tier.value,
             tuple(t.value for t in tiers), reason + hint_end.get(r.index, ""), window_s, cost,
             None if r.hint is None else r.hint[1], must, cpu_s=cpu, pack_s=r.pack_s,
-            input_kept_bytes=r.input_kept_bytes if tier is Tier.RECOMPUTE else 0))
+            input_kept_bytes=r.input_kept_bytes if tier is Tier.RECOMPUTE else 0,
+            restore_s=_since(restores.get(r.index), bwd_start)))
     recompute_total += sum(b.cost_s for b in blocks if b.chosen)
     cpu_total += sum(x.cpu_s for b in planned_blocks for x in b.inputs)
     return Plan(profile.signature, tensors, budget_bytes, budget_setting,
@@ -805,6 +969,11 @@ def _kick(records, choice, checkpointed, chosen) -> Optional[TensorRecord]:
     kept = [r for r in records if choice[r.index] is Tier.KEEP and r.index not in checkpointed
             and r.first_use_s is not None and r.first_use_s < first_move]
     return min(kept, key=lambda r: (r.first_use_s, r.index), default=None)
+
+
+def _since(times, origin: float):
+    """``times`` (a tuple of seconds) less ``origin``; None stays None."""
+    return None if times is None else tuple(t - origin for t in times)
 
 
 def _as_input(found) -> str:
