@@ -73,7 +73,6 @@ from __future__ import annotations
 import collections
 import threading
 import weakref
-from typing import Optional
 
 __all__ = ["TailHold"]
 
