@@ -12,6 +12,8 @@ step ratios] in benchmarks/suite/budgets.py):
   alone (every Offloader step installs it);
 - ``noop_mode``: a dispatch mode that only forwards (the floor of any
   ``TorchDispatchMode``-based tool, such as selective checkpointing);
+  ``noop_function_mode``: a ``TorchFunctionMode`` that only forwards (the
+  floor of tracking at the level of the model's torch calls instead);
 - ``producer_mode``: :class:`~tiermem.producers.ProducerMode` around the
   whole forward; ``full_tracking``: the same with the module tracker (what a
   step whose plan recomputed cost before scoping); ``producer_mode_nonames``:
@@ -56,6 +58,7 @@ import sys
 import time
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -74,6 +77,20 @@ class NoopMode(TorchDispatchMode):
     """Runs every op unchanged."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class NoopFunctionMode(TorchFunctionMode):
+    """Runs every torch function unchanged: the floor of tracking one level
+    up, at ``__torch_function__`` (F.linear, F.gelu, Tensor.view: what the
+    model's Python calls, before they decompose into aten ops)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -276,6 +293,9 @@ def main(argv=None) -> int:
     with ModuleStack(), counter:
         model(x, x)
     n_ops = sum(counter.by_module.values())
+    fcount = NoopFunctionMode()
+    with fcount:
+        model(x, x)
 
     off, plan = _plan_scope(model, x, a.budget)
     plan_scope = plan.tracking_scope
@@ -292,6 +312,7 @@ def main(argv=None) -> int:
         "none": contextlib.nullcontext,
         "module_hooks": ModuleStack,
         "noop_mode": NoopMode,
+        "noop_function_mode": NoopFunctionMode,
         "producer_mode": ProducerMode,
         "producer_mode_nonames": _nonames,
         "full_tracking": _full,
@@ -339,7 +360,7 @@ def main(argv=None) -> int:
            "model": {"layers": a.layers, "width": a.width, "seq_len": a.seq_len,
                      "batch": a.batch, "loss": "in the forward (cross-entropy)"},
            "device": str(dev), "rounds": a.rounds, "warmup": a.warmup,
-           "ops_per_forward": n_ops,
+           "ops_per_forward": n_ops, "torch_function_calls_per_forward": fcount.calls,
            "plan": {"budget": a.budget, "recomputed_tensors": sum(
                o[0].value == "recompute" for o in plan.orders), "tensors": len(plan.orders)},
            "scopes": {k: {"modules": sorted(v),
