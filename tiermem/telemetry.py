@@ -40,7 +40,8 @@ class StepStats:
       failed (they stayed on their device).
     - ``unsupported_count``: tensors kept because no tier can move them (sparse,
       tensor subclasses, devices other than cpu/cuda).
-    - ``stall_seconds``: host time that unpack waited for a tensor to come back.
+    - ``stall_seconds``: host time that unpack waited for a tensor to come
+      back, starting a read on demand included.
     - ``prefetched_bytes``, ``prefetch_hits``, ``prefetch_misses``: backward
       restores started ahead of need, and unpacks that found / did not find
       their tensor already on its way.

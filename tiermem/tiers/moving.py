@@ -560,15 +560,20 @@ class MovingStore(TierStore):
             out, job = cached
             return (out, None) if job is None else (None, _Ordered(out, job))
         prefetched = h.restore is not None
+        start_s = 0.0
         if not prefetched:
+            # Read on demand: starting it (buffer, submission) is part of the
+            # unpack's wait too (counted in stall_seconds by _Waited).
+            t0 = time.perf_counter()
             h.restore = self._restore(h)
+            start_s = time.perf_counter() - t0
         dev, job = h.restore
         h.restore = None
         out = h.layout.rebuild(dev)
         if more_uses > 0:
             # For the other consumers of this pass (each orders itself after the copy).
             h.cached = (out, job)
-        return None, _Waited(out, dev, job, h.step, prefetched)
+        return None, _Waited(out, dev, job, h.step, prefetched, start_s)
 
     # -- release --------------------------------------------------------------
     def _release(self, h: MovedHandle) -> None:
@@ -615,14 +620,17 @@ class _Ordered:
 
 
 class _Waited:
-    """``finish`` of a restore taken now: wait for it, and report the wait."""
+    """``finish`` of a restore taken now: wait for it, and report the wait
+    (``start_s``: the seconds the unpack spent starting it, for a read on
+    demand; they count as stall too)."""
 
-    __slots__ = ("out", "dev", "job", "step", "prefetched")
+    __slots__ = ("out", "dev", "job", "step", "prefetched", "start_s")
 
     def __init__(self, out: torch.Tensor, dev: torch.Tensor, job, step,
-                 prefetched: bool) -> None:
+                 prefetched: bool, start_s: float = 0.0) -> None:
         self.out, self.dev, self.job, self.step = out, dev, job, step
         self.prefetched = prefetched
+        self.start_s = start_s
 
     def __call__(self) -> torch.Tensor:
         job = self.job
@@ -630,5 +638,6 @@ class _Waited:
         host_wait = late and not job.host_ready()   # else at most a GPU-side wait
         t0 = time.perf_counter()
         job.order_before_use(self.dev)
-        self.step.restored(self.prefetched, time.perf_counter() - t0, late, host_wait)
+        self.step.restored(self.prefetched, self.start_s + time.perf_counter() - t0, late,
+                           host_wait)
         return self.out

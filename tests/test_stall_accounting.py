@@ -1,0 +1,42 @@
+"""``stats.stall_seconds`` counts the whole wait of an unpack that reads its
+tensor on demand: starting the read (a buffer, the submission) as well as
+waiting for it. The closed loop (NOTE [Closed loop] in planner/runtime.py)
+compares this figure with the plan's predicted stall."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from helpers import land_moves, offloader
+from tiermem.tiers.moving import MovingStore
+
+START_DELAY_S = 0.03
+
+
+@pytest.mark.parametrize("policy", ["nvme", "cpu"])
+def test_starting_a_read_on_demand_counts_as_stall(nvme_dir, monkeypatch, policy):
+    """Every restore is read on demand (no prefetch) and each start is made
+    to take START_DELAY_S: the stall counts at least that per read."""
+    real = MovingStore._restore
+
+    def slow_start(self, h):
+        time.sleep(START_DELAY_S)
+        return real(self, h)
+
+    monkeypatch.setattr(MovingStore, "_restore", slow_start)
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 256)
+    x = torch.randn(64, 256, requires_grad=True)
+    off = offloader(policy, nvme_dir=nvme_dir, prefetch_bytes=0, tail_hold_bytes=0)
+    with off:
+        loss = torch.tanh(lin(x)).sum()
+    land_moves(off)
+    loss.backward()
+    s = off.stats
+    moved = s.count_by_tier["cpu"] + s.count_by_tier["nvme"]
+    assert moved > 0 and s.prefetch_misses == moved and s.prefetch_hits == 0, s
+    assert s.stall_seconds >= moved * START_DELAY_S, (s.stall_seconds, moved)
+    off.close()
