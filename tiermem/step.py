@@ -160,8 +160,9 @@ class Step:
 
     def hold_tail(self, handle, nbytes: int) -> bool:
         """A move out started whose source holds ``nbytes``: whether the
-        source stays held (NOTE [Tail hold] in tailhold.py, 1 and 6)."""
-        if self.params_may_be_freed or self.planning is not None:
+        source stays held (NOTE [Tail hold] in tailhold.py, 1 and 6; only
+        steps without a plan have ``tail``: the Offloader gives it)."""
+        if self.params_may_be_freed:
             return False
         limit = self.tail_hold_bytes
         if limit is None:
