@@ -29,8 +29,14 @@ step ratios] in benchmarks/suite/budgets.py):
 - ``scoped_plan_ops``, ``scoped_all_blocks_ops``: the same scopes as a step
   following the plan tracks them now: ``names=False`` and, per module, only
   the ops its recipes ran there (``plan.tracking_ops``);
-- ``auto_scoped`` / ``auto_whole_forward``: the forward of a step of a real
-  ``Offloader(policy="auto")`` following that plan, with its scope, and with
+- ``scoped_plan_calls``: the plan's scope and op filter with tracking only
+  inside the torch calls its recipes' ops ran in (``plan.tracking_calls``:
+  NOTE [Tracking inside torch calls] in tiermem/tracker.py), as a step
+  following the plan tracks now;
+- ``auto_scoped`` / ``auto_module_scoped`` / ``auto_whole_forward``: the
+  forward of a step of a real ``Offloader(policy="auto")`` following that
+  plan, with its scope (tracking inside the plan's calls), with its scope
+  tracked whole module by module (as before the calls), and with
   whole-forward tracking forced (each round also runs the backward, untimed).
 
 ``--clock cpu --threads 1``: the forward's CPU time in the one thread that
@@ -106,11 +112,12 @@ class ModuleOfEachOp(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _scoped(names, ops=None, names_too=True):
+def _scoped(names, ops=None, names_too=True, calls=None):
     def ctx():
         stack = contextlib.ExitStack()
         mode = ProducerMode(names=names_too)
-        stack.enter_context(ModuleStack(scope=TrackingScope(mode, names, ops=ops)))
+        mode.alias_index = calls is not None
+        stack.enter_context(ModuleStack(scope=TrackingScope(mode, names, ops=ops, calls=calls)))
         stack.mode = mode
         return stack
     return ctx
@@ -146,12 +153,15 @@ def _plan_scope(model, x, budget):
     return off, plan
 
 
-def _auto_forward(off, force_whole):
+def _auto_forward(off, force_whole, by_module=False):
     def run(model, x):
         plan = off.plan   # settles the planner (closed loop) before the step
         if force_whole:
             for p in off._placement.planner.plans.values():
                 p.tracking_scope = None
+        if by_module:
+            for p in off._placement.planner.plans.values():
+                p.tracking_calls = None
         with off:
             loss = model(x, x)
         return loss
@@ -321,6 +331,10 @@ def main(argv=None) -> int:
     configs["scoped_plan_ops"] = _scoped(plan_scope, plan_ops, names_too=False)
     configs["scoped_all_blocks_ops"] = _scoped(
         in_blocks, {m: n for m, n in plan_ops.items() if m in in_blocks}, names_too=False)
+    plan_calls = plan.tracking_calls
+    if plan_calls is not None:
+        configs["scoped_plan_calls"] = _scoped(plan_scope, plan_ops, names_too=False,
+                                               calls=plan_calls)
     recorded = {k: records_made(configs[k], model, x) for k in configs
                 if k.startswith(("producer_mode", "scoped_"))}
     runners = {k: (lambda c: (lambda m, i: _under(c, m, i)))(c) for k, c in configs.items()}
@@ -328,6 +342,8 @@ def main(argv=None) -> int:
         off_full, _ = _plan_scope(model, x, a.budget)
         runners["auto_scoped"] = _auto_forward(off, False)
         runners["auto_whole_forward"] = _auto_forward(off_full, True)
+        off_module, _ = _plan_scope(model, x, a.budget)
+        runners["auto_module_scoped"] = _auto_forward(off_module, False, by_module=True)
     if a.configs:
         keep = {"none", "module_hooks"} | set(a.configs.split(","))
         unknown = keep - set(runners)
@@ -367,6 +383,8 @@ def main(argv=None) -> int:
                           "ops_tracked": sum(counter.by_module[m] for m in v)}
                       for k, v in scopes.items()},
            "plan_tracking_ops": {m: sorted(n) for m, n in sorted(plan_ops.items())},
+           "plan_tracking_calls": (None if plan_calls is None else {
+               m: None if n is None else sorted(n) for m, n in sorted(plan_calls.items())}),
            "records_per_forward": recorded,
            "torch_threads": torch.get_num_threads(), "clock": a.clock,
            "forward_seconds": {k: summarize(v) for k, v in times.items()},
@@ -381,7 +399,8 @@ def main(argv=None) -> int:
         k: median_ci(paired(k, "none")) for k in times if k != "none"}
     scoped_rows = tuple(k for k in ("full_tracking", "scoped_plan", "scoped_all_blocks",
                                     "scoped_1_block", "scoped_plan_ops",
-                                    "scoped_all_blocks_ops") if k in times)
+                                    "scoped_all_blocks_ops", "scoped_plan_calls")
+                       if k in times)
     res["paired_ratio_vs_module_hooks"] = {
         k: statistics.median(paired(k, "module_hooks")) for k in scoped_rows}
     res["paired_ratio_vs_module_hooks_ci"] = {
@@ -406,6 +425,7 @@ def main(argv=None) -> int:
     off.close()
     if not a.no_auto:
         off_full.close()
+        off_module.close()
     emit(res, a.out)
     return 0
 

@@ -22,7 +22,7 @@ import tiermem.offloader
 from helpers import compare_records, offloader, reference_steps, train_steps
 from models import make_case
 from tiermem.producers import ProducerMode
-from tiermem.tracker import ModuleStack, current_module
+from tiermem.tracker import ModuleStack, call_name, current_module
 
 
 class _Seen(ProducerMode):
@@ -87,32 +87,78 @@ def test_plan_that_recomputes_tracks_only_its_recipe_modules_and_is_exact(name):
     off.close()
 
 
+class _ModuleAndCallOfEachOp(torch.utils._python_dispatch.TorchDispatchMode):
+    """The reference: (running module, running torch call) of every op of a
+    plain forward (``call`` kept by :class:`_CallOfEachOp`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list = []
+        self.call = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append((current_module(), self.call))
+        return func(*args, **(kwargs or {}))
+
+
+class _CallOfEachOp(torch.overrides.TorchFunctionMode):
+    """The reference's torch calls: ``mode.call`` is set to the running call's
+    name while it runs (as CallRecorder does)."""
+
+    def __init__(self, mode) -> None:
+        super().__init__()
+        self.mode = mode
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.mode.call = call_name(func)
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.mode.call = None
+
+
 def test_ops_outside_the_scope_are_not_dispatched_to_the_mode(seen):
     """Count dispatches: a step following the plan hands the mode the ops
-    whose innermost module is in the scope, every one a plain forward runs
-    there, and no op of another module."""
+    whose innermost module is in the scope and, with the plan's calls (NOTE
+    [Tracking inside torch calls]), only those run inside the torch calls it
+    names there: every one a plain forward runs there, and no op of another
+    module. Without the calls, every op of the scope: more."""
     off = offloader("auto", device_budget="25%")
     case = make_case("block")
     for _ in range(2):   # profile, then plan
         with off:
             loss = case.loss()
         loss.backward()
-    scope = off.plan.tracking_scope
-    ref = _ModuleOfEachOp()
-    with ModuleStack(), ref:
+    plan = off.plan
+    scope = plan.tracking_scope
+    calls = plan.tracking_calls
+    assert calls and set(calls) == set(scope), (calls, scope)
+    assert all(c for c in calls.values()), calls   # every recipe op ran inside a named call
+    ref = _ModuleAndCallOfEachOp()
+    with ModuleStack(), ref, _CallOfEachOp(ref):
         case.loss()
-    expected = collections.Counter(m for m in ref.ops if m in scope)
-    assert 0 < sum(expected.values()) < len(ref.ops)
-    seen.ops = []
-    with off:
-        loss = case.loss()
-    assert seen.ops and set(seen.ops) <= scope, set(seen.ops) - scope
-    # Every op the model runs in the scope; more only where the pack hook
-    # copies a small recipe input (an op of its own, inside the scope).
-    got = collections.Counter(seen.ops)
-    assert all(got[m] >= n for m, n in expected.items()), (got, expected)
-    loss.backward()
-    assert off.stats.count_by_tier["recompute"] > 0
+    in_scope = collections.Counter(m for m, _ in ref.ops if m in scope)
+    assert 0 < sum(in_scope.values()) < len(ref.ops)
+    in_calls = collections.Counter(m for m, c in ref.ops
+                                   if m in scope and c in (calls.get(m) or ()))
+    assert 0 < sum(in_calls.values()) < sum(in_scope.values()), (in_calls, in_scope)
+    got = {}
+    for by_call, expected in ((True, in_calls), (False, in_scope)):
+        plan.tracking_calls = calls if by_call else None
+        seen.ops = []
+        with off:
+            loss = case.loss()
+        assert seen.ops and set(seen.ops) <= scope, set(seen.ops) - scope
+        # Every op the model runs in the scope (in its calls); more only where
+        # the pack hook copies a small recipe input (an op of its own, inside
+        # the scope).
+        got[by_call] = collections.Counter(seen.ops)
+        assert all(got[by_call][m] >= n for m, n in expected.items()), (got, expected)
+        loss.backward()
+        assert off.stats.count_by_tier["recompute"] > 0
+    # The calls not named ran untracked: fewer dispatches, none more.
+    assert all(got[True][m] <= n for m, n in got[False].items()), got
+    assert sum(got[True].values()) < sum(got[False].values()), got
     off.close()
 
 

@@ -39,7 +39,7 @@ from .config import Config
 from .errors import ConfigError, TierMemError
 from .hooks import Packer, keep_pack, opaque, unpack
 from .placement import Placement, default_cpu_budget_bytes, default_nvme_budget_bytes
-from .producers import ProducerMode
+from .producers import CallRecorder, ProducerMode
 from .step import Step
 from .tailhold import TailHold
 from .telemetry import StepStats
@@ -88,18 +88,25 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         # recipes use] in producers.py).
         op_names = (planning is None or must_blocks or planning.recorder is not None
                     or planner.hints is not None or blocks_need_producers())
+        #: A profiled step's namer of torch calls (NOTE [Tracking inside torch
+        #: calls] in tracker.py), entered with the producer mode.
+        self._calls: Optional[CallRecorder] = None
         if (placement.tracks_producers if planning is None else (
                 planning.tracks and names is None)) or must_blocks:
-            self.producers = ProducerMode(
-                module_names=planning is not None and planning.recorder is not None,
-                names=op_names)
+            profiled = planning is not None and planning.recorder is not None
+            self.producers = ProducerMode(module_names=profiled, names=op_names)
+            if profiled:
+                self._calls = CallRecorder(self.producers)
         else:
             blocks = blocks_need_producers()
             if names or blocks:
                 self.producers = ProducerMode(names=op_names)
+                # NOTE [Views made inside untracked calls] in producers.py
+                self.producers.alias_index = True
                 self.tracking = TrackingScope(
                     self.producers, names or (), blocks,
-                    ops=None if planning is None else planning.scope_ops)
+                    ops=None if planning is None else planning.scope_ops,
+                    calls=None if planning is None else planning.scope_calls)
         prefetch_bytes = offloader.config.prefetch_bytes
         if (prefetch_bytes is None and self.planning is not None
                 and self.planning.plan is not None):
@@ -141,6 +148,12 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
             try:
                 if self.producers is not None and self.tracking is None:
                     self.producers.__enter__()
+                    if self._calls is not None:
+                        try:
+                            self._calls.__enter__()
+                        except BaseException:
+                            self.producers.__exit__(None, None, None)
+                            raise
             except BaseException:
                 super().__exit__(None, None, None)
                 raise
@@ -154,9 +167,13 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         try:
             if self.producers is not None and self.tracking is None:
                 try:
-                    self.producers.__exit__(exc_type, exc, tb)
+                    if self._calls is not None:
+                        self._calls.__exit__(exc_type, exc, tb)
                 finally:
-                    self.producers = None
+                    try:
+                        self.producers.__exit__(exc_type, exc, tb)
+                    finally:
+                        self.producers = None
         finally:
             self._exit_hooks(exc_type, exc, tb)
 

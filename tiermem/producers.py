@@ -40,11 +40,13 @@ from typing import Any, Optional
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .tracker import current_module
+from .tracker import call_name, current_module
 
-__all__ = ["ProducerMode", "Record", "Ref", "storage_key", "RECOMPUTABLE_OPS", "RANDOM_OPS", "VIEW_OPS"]
+__all__ = ["ProducerMode", "CallRecorder", "Record", "Ref", "call_name", "storage_key",
+           "RECOMPUTABLE_OPS", "RANDOM_OPS", "VIEW_OPS"]
 
 _aten = torch.ops.aten
 
@@ -128,6 +130,36 @@ RECOMPUTABLE_OPS = (VIEW_OPS - _ABSOLUTE_VIEWS) | RANDOM_OPS | _packets(
     "embedding", "index_select")
 
 
+def _alias_fits(t: torch.Tensor, base: torch.Tensor) -> bool:
+    """``t`` (contiguous) holds ``base``'s elements in ``base``'s order: NOTE
+    [Views made inside untracked calls]."""
+    return (base.is_contiguous() and t.dtype == base.dtype and t.numel() == base.numel()
+            and t.storage_offset() == base.storage_offset() and t.device == base.device
+            and t.untyped_storage()._cdata == base.untyped_storage()._cdata
+            and not t.is_conj() and not t.is_neg() and not base.is_conj() and not base.is_neg())
+
+
+class CallRecorder(TorchFunctionMode):
+    """Keeps ``producers.call`` (a :class:`ProducerMode`) set to the name of
+    the torch call running now, for ``Record.call`` (a profiled step: NOTE
+    [Tracking inside torch calls] in tracker.py). A function mode sees only
+    the outermost torch call (it is not active inside its own handler): the
+    call a step's :class:`~tiermem.tracker.CallGate` sees too."""
+
+    def __init__(self, producers: "ProducerMode") -> None:
+        super().__init__()
+        self.producers = producers
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        p = self.producers
+        outer = p.call
+        p.call = call_name(func)
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            p.call = outer
+
+
 def storage_key(t: torch.Tensor, storage=None) -> tuple:
     """Identity of a tensor's *values*: two tensors with equal keys on the same
     live storage hold the same elements (the dedup key of the Offloader)."""
@@ -194,7 +226,7 @@ class Record:
     known (the op is not recomputable)."""
 
     __slots__ = ("name", "func", "args", "kwargs", "out_index", "rng", "version", "is_view",
-                 "values_op", "module", "__weakref__")
+                 "values_op", "module", "call", "__weakref__")
 
     def __init__(self, name: str, values_op: str) -> None:
         self.name = name
@@ -209,6 +241,11 @@ class Record:
         #: Qualified name of the innermost module the op ran in (``""``: none),
         #: recorded only by a mode made with ``module_names=True``; else ``None``.
         self.module: Optional[str] = None
+        #: Name of the outermost torch call (``F.linear``: ``"linear"``) the op
+        #: ran in, recorded with ``module`` while a :class:`CallRecorder` runs
+        #: (NOTE [Tracking inside torch calls] in tracker.py); ``None``: not
+        #: recorded, or the op ran outside every torch call.
+        self.call: Optional[str] = None
 
     def refs(self):
         """The :class:`Ref` of every tensor argument (lists flattened)."""
@@ -286,6 +323,13 @@ class ProducerMode(TorchDispatchMode):
         super().__init__()
         self.module_names = module_names
         self.names = names
+        #: Name of the torch call running now, kept by a :class:`CallRecorder`
+        #: (recorded in ``Record.call`` with ``module_names``).
+        self.call: Optional[str] = None
+        #: Index recorded contiguous outputs by storage, for NOTE [Views made
+        #: inside untracked calls] (a step whose tracking is scoped).
+        self.alias_index = False
+        self._by_storage: dict = {}   # (storage cdata, offset) -> (weakref to tensor, Record)
         #: Op names to record (``None``: every recomputable op).
         self.wanted: Optional[frozenset] = None
         self._records: dict = {}    # id(tensor) -> (weakref to tensor, Record)
@@ -299,12 +343,64 @@ class ProducerMode(TorchDispatchMode):
 
     # -- lookup (pack hook) -----------------------------------------------------
     def record_of(self, t: torch.Tensor) -> Optional[Record]:
-        """The record describing ``t``'s current values, or ``None``."""
+        """The record describing ``t``'s current values, or ``None``. With
+        ``alias_index``, a tensor with no record of its own may get one made
+        from the record of the tensor it aliases: NOTE [Views made inside
+        untracked calls]."""
         hit = self._records.get(id(t))
         if hit is None or hit[0]() is not t:
-            return None
+            return self._alias_record(t) if self._by_storage else None
         rec = hit[1]
         return rec if rec.version == t._version else None
+
+    # NOTE [Views made inside untracked calls]
+    # F.linear on a 3-d input saves ``input.view(-1, in)``, a view it makes
+    # itself. A step tracking inside chosen torch calls only (NOTE [Tracking
+    # inside torch calls] in tracker.py) would have to track all of F.linear
+    # (its matmul included) to record that one view. It need not: a tensor
+    # that is contiguous and starts where a recorded contiguous tensor of the
+    # same dtype and element count starts, on the same storage, holds that
+    # tensor's elements in the same order, so ``reshape(base, shape)``
+    # regenerates it from the base's recipe (a regenerated base with other
+    # strides is copied by reshape, the same elements in the same logical
+    # order; the recompute tier gives backward the saved strides). A scoped
+    # step indexes the contiguous outputs it records by storage and offset
+    # (``alias_index``) and makes such a record for a saved tensor that has
+    # none; the profile (which records every op) marks the recipes whose saved
+    # tensor is such a view of a tensor the recipe regenerates (``alias_of``),
+    # and the plan does not track the call that made the view. Exactness does
+    # not rest on it: without the base's record the tensor has no recipe
+    # (the next tier), as any tensor made outside the tracking.
+    def _alias_record(self, t: torch.Tensor) -> Optional[Record]:
+        if type(t) not in _PLAIN_TYPES or t.layout is not _STRIDED or not t.is_contiguous():
+            return None
+        storage = t.untyped_storage()
+        hit = self._by_storage.get((storage._cdata, t.storage_offset()))
+        if hit is None:
+            return None
+        base = hit[0]()
+        rec = hit[1]
+        if base is None or base._version != rec.version or not _alias_fits(t, base):
+            return None
+        alias = Record("reshape", rec.values_op)
+        alias.func = _aten.reshape.default
+        alias.args = (Ref(base, rec), list(t.shape))
+        alias.version = t._version
+        alias.is_view = True
+        alias.module, alias.call = rec.module, rec.call
+        return alias
+
+    def alias_of(self, t: torch.Tensor, rec: Record) -> bool:
+        """Whether ``rec`` (``t``'s record) is a view whose output a scoped step
+        can make again from its base's record: NOTE [Views made inside
+        untracked calls]."""
+        if not rec.is_view or not rec.args or type(rec.args[0]) is not Ref:
+            return False
+        ref = rec.args[0]
+        base = ref.alive()
+        sub = ref.record
+        return (base is not None and sub is not None and sub.func is not None
+                and sub.version == ref.version and t.is_contiguous() and _alias_fits(t, base))
 
     def op_name(self, t: torch.Tensor) -> Optional[str]:
         """The op that computed ``t``'s values (views looked through), or ``None``."""
@@ -376,6 +472,7 @@ class ProducerMode(TorchDispatchMode):
 
     def clear(self) -> None:
         self._records.clear()
+        self._by_storage.clear()
         self._watched.clear()
         self._watched_inputs.clear()
 
@@ -466,6 +563,12 @@ class ProducerMode(TorchDispatchMode):
                 rec.is_view = info.view
                 if self.module_names:
                     rec.module = current_module()
+                    rec.call = self.call
+                if self.alias_index and o.is_contiguous():   # NOTE [Views made inside untracked calls]
+                    key = (o.untyped_storage()._cdata, o.storage_offset())
+                    hit = self._by_storage.get(key)
+                    if hit is None or hit[0]() is None:
+                        self._by_storage[key] = (weakref.ref(o), rec)
             records[id(o)] = (weakref.ref(o), rec)
         return out
 

@@ -23,6 +23,7 @@ from torch.nn.modules.module import (
     register_module_forward_hook,
     register_module_forward_pre_hook,
 )
+from torch.overrides import TorchFunctionMode
 
 _lock = threading.Lock()
 _users = 0
@@ -124,6 +125,14 @@ def _post_hook(module: torch.nn.Module, args, output) -> None:
             s.update(name)
 
 
+def call_name(func) -> str:
+    """The name a torch call is tracked by (``F.linear``: ``"linear"``,
+    ``Tensor.__add__``: ``"__add__"``): NOTE [Tracking inside torch calls]
+    below. Two functions of one name are one (more tracking, never less)."""
+    name = getattr(func, "__name__", None)
+    return name if type(name) is str else type(func).__name__
+
+
 def current_module() -> str:
     """Qualified name of the innermost running module of this thread, ``""`` if none."""
     stack = getattr(_tls, "stack", None)
@@ -166,7 +175,70 @@ def current_module() -> str:
 # backward] in paramcheck.py) rather than copied before the write.
 
 
+# NOTE [Tracking inside torch calls]
+# Inside a scoped module the dispatch mode was called for every aten op,
+# ~20-40 µs each, most of it the price of any dispatch mode (6.5% of a
+# TinyGPT forward: benchmarks/results/2026-12-02-cpu-tracking-idle.md), while
+# the recipes of a plan use few of them: a layer norm's output, a GELU's,
+# the softmax inside attention. A ``TorchFunctionMode`` sees the model's
+# torch calls instead (F.linear, F.gelu, Tensor.view: about a third as many,
+# and a quarter of the cost), so where the profile knows the calls its
+# recipes' ops ran in, the scope enters a :class:`CallGate` (a function
+# mode) in the module instead of the dispatch mode, and the gate enters the
+# dispatch mode only for the duration of those calls. Who knows the calls: a
+# profiled step runs a :class:`~tiermem.producers.CallRecorder`, which names
+# the outermost torch call running (``Record.call``); a plan gathers, per
+# module, the calls of the ops of its recipes (``RecomputeHandle.calls``,
+# ``Plan.tracking_calls``); an op that ran outside every torch call (a
+# direct ``torch.ops`` call) leaves its module tracked whole, as before. A
+# view a call makes of a tensor the recipe regenerates (F.linear's
+# ``input.view``) needs no tracking of that call: NOTE [Views made inside
+# untracked calls] in producers.py. Calls are named by ``__name__``
+# (``call_name``): two of one name are both tracked. Exactness does not rest
+# on the gate, for the reasons of NOTE [Scoped tracking]: an op it does not
+# see has no record. A function mode sees the outermost call only, the same
+# in the profile and the step; a module run inside a torch call (none in
+# torch's own functions) moves the scope while the gate is out of the stack,
+# and the gate then stays as it was until the next boundary.
+
 _NOTHING: frozenset = frozenset()
+
+_OFF, _DISPATCH, _GATE = 0, 1, 2
+
+
+class CallGate(TorchFunctionMode):
+    """Runs the torch calls named in ``allowed`` under ``mode`` (a dispatch
+    mode, entered for the call's duration unless already active) with
+    ``mode.wanted = wanted``, the others as they are. NOTE [Tracking inside
+    torch calls]."""
+
+    def __init__(self, mode) -> None:
+        super().__init__()
+        self.mode = mode
+        self.allowed: frozenset = _NOTHING
+        self.wanted: Optional[frozenset] = None
+        #: Calls run under the dispatch mode (tests, benchmarks).
+        self.calls_tracked = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        if call_name(func) not in self.allowed:
+            return func(*args, **kwargs)
+        mode = self.mode
+        n = _dispatch_depth()
+        if n and _dispatch_at(n - 1) is mode:   # already tracking (nested gates)
+            return func(*args, **kwargs)
+        self.calls_tracked += 1
+        mode.wanted = self.wanted
+        with mode:
+            return func(*args, **kwargs)
+
+
+_dispatch_depth = torch._C._len_torch_dispatch_stack
+_dispatch_at = torch._C._get_dispatch_stack_at
+_function_depth = torch._C._len_torch_function_stack
+_function_at = torch._C._get_function_stack_at
 
 
 class TrackingScope:
@@ -176,48 +248,93 @@ class TrackingScope:
     ``ops``: ``None``, or per module of ``names`` the op names the mode is to
     record there (set as ``mode.wanted`` at each module boundary; every
     recomputable op inside a block): NOTE [Recording only what recipes use]
-    in producers.py. Registered by :class:`ModuleStack`."""
+    in producers.py. ``calls``: ``None``, or per module of ``names`` the
+    names of the torch calls to track in (``None`` for a module: all of it);
+    in such a module a :class:`CallGate` is entered instead of the mode:
+    NOTE [Tracking inside torch calls]. Registered by :class:`ModuleStack`."""
 
-    __slots__ = ("mode", "names", "blocks", "active", "entries", "in_blocks", "ops")
+    __slots__ = ("mode", "names", "blocks", "state", "entries", "in_blocks", "ops", "calls",
+                 "gate")
 
     def __init__(self, mode, names=frozenset(), blocks: bool = False,
-                 ops: Optional[dict] = None) -> None:
+                 ops: Optional[dict] = None, calls: Optional[dict] = None) -> None:
         self.mode = mode
         self.names = frozenset(names)
         self.blocks = blocks
         self.ops = ops
-        self.active = False
-        #: Times the mode was entered (tests, benchmarks).
+        self.calls = calls
+        #: The gate of ``calls`` (``None``: no module is tracked by calls).
+        self.gate = (CallGate(mode) if calls and any(v is not None for v in calls.values())
+                     else None)
+        #: What is entered now: _OFF, _DISPATCH (the mode) or _GATE.
+        self.state = _OFF
+        #: Times the mode or the gate was entered (tests, benchmarks).
         self.entries = 0
         #: Wrapped blocks that recompute running now (nested ones count each).
         self.in_blocks = 0
 
+    @property
+    def active(self) -> bool:
+        """Whether the mode or the gate is entered now."""
+        return self.state != _OFF
+
     def update(self, innermost: str) -> None:
         """The innermost running module is now ``innermost`` (``""``: none)."""
-        want = self.in_blocks > 0 or innermost in self.names
-        ops = self.ops
-        if want and ops is not None:
-            self.mode.wanted = None if self.in_blocks > 0 else ops.get(innermost, _NOTHING)
-        if want is self.active:
-            return
-        if want:
-            self.mode.__enter__()
-            self.active = True
-            self.entries += 1
+        if self.in_blocks > 0:
+            target = _DISPATCH
+            self.mode.wanted = None
+        elif innermost in self.names:
+            ops = self.ops
+            wanted = None if ops is None else ops.get(innermost, _NOTHING)
+            allowed = None if self.gate is None else self.calls.get(innermost)
+            if allowed is None:
+                target = _DISPATCH
+                self.mode.wanted = wanted
+            else:
+                target = _GATE
+                self.gate.allowed, self.gate.wanted = allowed, wanted
         else:
-            self.leave()
+            target = _OFF
+        if target == self.state:
+            return
+        self.leave()
+        if self.state != _OFF:   # another mode above ours: left at a later boundary
+            return
+        if target == _DISPATCH:
+            self.mode.__enter__()
+        elif target == _GATE:
+            self.gate.__enter__()
+        else:
+            return
+        self.state = target
+        self.entries += 1
 
     def leave(self) -> None:
-        """Leave the mode if it is active and the innermost dispatch mode (one
-        entered inside the scope and not left there stays above it: ours is
-        then left at the next module boundary, or at the context's exit)."""
-        if not self.active:
-            return
-        n = torch._C._len_torch_dispatch_stack()
-        if n and torch._C._get_dispatch_stack_at(n - 1) is not self.mode:
-            return
-        self.active = False
-        self.mode.__exit__(None, None, None)
+        """Leave the mode (or the gate) if it is entered and the innermost mode
+        of its kind (one entered inside the scope and not left there stays
+        above it: ours is then left at the next module boundary, or at the
+        context's exit)."""
+        state = self.state
+        if state == _DISPATCH:
+            n = _dispatch_depth()
+            if n and _dispatch_at(n - 1) is not self.mode:
+                return
+            self.state = _OFF
+            self.mode.__exit__(None, None, None)
+        elif state == _GATE:
+            n = _function_depth()
+            if n and _function_at(n - 1) is not self.gate:
+                return
+            self.state = _OFF
+            self.gate.__exit__(None, None, None)
+
+    def close(self) -> None:
+        """Leave whatever is entered (the context exits)."""
+        state, self.state = self.state, _OFF
+        if state == _DISPATCH:
+            self.mode.__exit__(None, None, None)
+        elif state == _GATE:
+            self.gate.__exit__(None, None, None)
 
 
 def track_block():
@@ -283,9 +400,7 @@ class ModuleStack:
                 if scopes[i] is self._scope:
                     del scopes[i]
                     break
-            if self._scope.active:   # still active (the ops after the model, a module unfinished)
-                self._scope.active = False
-                self._scope.mode.__exit__(None, None, None)
+            self._scope.close()   # still active: the ops after the model, a module unfinished
         del _stack()[self._depth:]
         if self._on_root is not None:
             listeners = _root_listeners()

@@ -154,6 +154,9 @@ class TensorRecord:
     #: (module, op name) of each op of its recipe (NOTE [Recording only what
     #: recipes use] in producers.py).
     recipe_ops: Tuple[Tuple[str, str], ...] = ()
+    #: (module, torch call) of each op of its recipe (``None``: outside every
+    #: call; NOTE [Tracking inside torch calls] in tracker.py).
+    recipe_calls: Tuple[Tuple[str, Optional[str]], ...] = ()
     #: Host seconds its regeneration took in the profile's backward.
     recompute_s: Optional[float] = None
     #: Seconds from the step's start to its first unpack (``None``: never unpacked).
@@ -324,6 +327,7 @@ class Recorder:
             rec.input_kept_bytes = kept_delta   # its recipe's inputs left on the device
             rec.recipe_modules = handle.modules
             rec.recipe_ops = handle.ops
+            rec.recipe_calls = handle.calls
             self._recompute_handles.add(id(handle))
         elif type(handle) is Kept:
             rec.profile_tier = Tier.KEEP.value

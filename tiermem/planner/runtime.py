@@ -170,7 +170,8 @@ from .profile import Profile, Recorder
 from .rates import default_device_budget_bytes, measure_rates
 from .solver import make_plan, safe_order
 
-__all__ = ["Planner", "StepPlanning", "tracking_scope", "tracking_ops", "MAX_REPLANS", "MAX_PLANS", "PROFILED_SIZES",
+__all__ = ["Planner", "StepPlanning", "tracking_scope", "tracking_ops", "tracking_calls",
+           "MAX_REPLANS", "MAX_PLANS", "PROFILED_SIZES",
            "KEPT_TOLERANCE", "STALL_TOLERANCE_S"]
 
 _log = logging.getLogger("tiermem")
@@ -234,7 +235,7 @@ class StepPlanning:
 
     __slots__ = ("planner", "plan", "recorder", "safe", "off_plan", "count", "tracks", "pos",
                  "kept_at", "step", "blocks_seen", "block_depth", "in_checkpoint", "revived",
-                 "scope", "scope_ops", "kick", "checkpoint_inputs")
+                 "scope", "scope_ops", "scope_calls", "kick", "checkpoint_inputs")
 
     def __init__(self, planner: "Planner", plan: Optional[Plan],
                  recorder: Optional[Recorder]) -> None:
@@ -280,6 +281,11 @@ class StepPlanning:
         #: every recomputable op.
         self.scope_ops = (None if self.scope is None
                           else getattr(plan, "tracking_ops", None))
+        #: With ``scope``: the torch calls to track in per module of it (NOTE
+        #: [Tracking inside torch calls] in tracker.py), or ``None``: all of
+        #: each module.
+        self.scope_calls = (None if self.scope is None
+                            else getattr(plan, "tracking_calls", None))
 
     def order(self, index: int, t, nbytes: int, module: str, producers) -> tuple:
         """The tier order of tensor ``index`` (NOTE [Following a plan])."""
@@ -597,6 +603,7 @@ class Planner:
         plan.budget_bytes = budget
         plan.tracking_scope = tracking_scope(plan, profile)
         plan.tracking_ops = tracking_ops(plan, profile)
+        plan.tracking_calls = tracking_calls(plan, profile)
         plan.follow(profile.keys, profile.positions)
         plan.rate_factor = rate_factor
         plan.target_bytes = budget if target is None else target
@@ -670,3 +677,25 @@ def tracking_ops(plan: Plan, profile: Profile) -> Optional[dict]:
         for module, name in record.recipe_ops:
             ops.setdefault(module, set()).add(name)
     return {m: frozenset(n) for m, n in ops.items()}
+
+
+def tracking_calls(plan: Plan, profile: Profile) -> Optional[dict]:
+    """Per module of :func:`tracking_scope`, the names of the torch calls the
+    ops of the recipes of the tensors ``plan`` recomputes ran in there, as its
+    profile recorded them (``None`` for a module where one ran outside every
+    torch call: all of it is tracked); ``None`` when a recipe's calls were not
+    recorded. NOTE [Tracking inside torch calls] in tracker.py."""
+    calls: dict = {}
+    for record, order in zip(profile.records, plan.orders):
+        if order[0] is not Tier.RECOMPUTE:
+            continue
+        if not record.recipe_calls:
+            return None
+        for module, call in record.recipe_calls:
+            if call is None:
+                calls[module] = None
+            elif module not in calls:
+                calls[module] = {call}
+            elif calls[module] is not None:
+                calls[module].add(call)
+    return {m: None if c is None else frozenset(c) for m, c in calls.items()}

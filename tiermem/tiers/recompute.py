@@ -123,7 +123,7 @@ class RecomputeHandle:
 
     __slots__ = ("store", "step", "entry", "plan", "size", "stride", "dtype", "module",
                  "nbytes", "version", "src_ref", "data_ptr", "cached", "tainted", "depth",
-                 "modules", "ops", "__weakref__")
+                 "modules", "ops", "calls", "__weakref__")
 
 
 class _Plan:
@@ -198,14 +198,24 @@ class RecomputeStore(TierStore):
         step.recipe_inputs_stored(plan.cost_bytes)
         h = RecomputeHandle()
         as_is: list = []
-        ops: set = set()
+        ops: list = []
         h.plan = self._build(rec, step, stored, as_is, ops)
-        #: (module, op name) of each op of the recipe, and the modules alone
-        #: (recorded by a mode with module_names: NOTE [Scoped tracking] in
-        #: tracker.py, NOTE [Recording only what recipes use] in
-        #: producers.py), else ().
-        h.ops = () if any(m is None for m, _ in ops) else tuple(sorted(ops))
+        if (ops and h.plan.args and type(h.plan.args[0]) is _Node and ops[0][0] is not None
+                and producers.alias_of(t, rec)):
+            # A view of a tensor the recipe regenerates: a scoped step makes
+            # its record itself (NOTE [Views made inside untracked calls] in
+            # producers.py), so the op that made it need not be tracked.
+            del ops[0]
+        #: (module, op name) of each op of the recipe, the modules alone, and
+        #: (module, torch call) of each (recorded by a mode with
+        #: module_names: NOTE [Scoped tracking] and NOTE [Tracking inside
+        #: torch calls] in tracker.py, NOTE [Recording only what recipes use]
+        #: in producers.py), else ().
+        known = not any(m is None for m, _, _ in ops)
+        h.ops = tuple(sorted({(m, o) for m, o, _ in ops})) if known else ()
         h.modules = tuple(sorted({m for m, _ in h.ops}))
+        h.calls = (tuple(sorted({(m, c) for m, _, c in ops}, key=lambda mc: (mc[0], mc[1] or "")))
+                   if known else ())
         h.store, h.step, h.module = self, step, module
         h.size, h.stride, h.dtype = t.size(), t.stride(), t.dtype
         h.nbytes = nbytes
@@ -259,10 +269,11 @@ class RecomputeStore(TierStore):
             raise _Ineligible("an input is a gapped view")
         plan.store(x)
 
-    def _build(self, rec: Record, step, stored: dict, as_is: list, modules: set) -> _Node:
+    def _build(self, rec: Record, step, stored: dict, as_is: list, modules: list) -> _Node:
         """Materialise the plan chosen by :meth:`_check` (same order of choices);
-        adds to ``modules`` the (module, op name) of each op it runs."""
-        modules.add((rec.module, rec.name))
+        appends to ``modules`` the (module, op name, torch call) of each op it
+        runs, this one first."""
+        modules.append((rec.module, rec.name, rec.call))
         node = _Node()
         node.func, node.out_index, node.rng = rec.func, rec.out_index, rec.rng
         node.args = tuple(self._arg(a, step, stored, as_is, modules) for a in rec.args)
@@ -270,7 +281,7 @@ class RecomputeStore(TierStore):
                        for k, v in rec.kwargs.items()}
         return node
 
-    def _arg(self, a: Any, step, stored: dict, as_is: list, modules: set) -> Any:
+    def _arg(self, a: Any, step, stored: dict, as_is: list, modules: list) -> Any:
         if type(a) is list:
             return [self._arg(x, step, stored, as_is, modules) for x in a]
         if type(a) is not Ref:
