@@ -39,6 +39,10 @@ step ratios] in benchmarks/suite/budgets.py):
   tracked whole module by module (as before the calls), and with
   whole-forward tracking forced (each round also runs the backward, untimed).
 
+``--call-costs``: only what a no-op dispatch mode adds to single torch calls
+of TinyGPT's kinds (attention, linear, layer norm, GELU, dropout), the
+least that tracking inside each costs.
+
 ``--clock cpu --threads 1``: the forward's CPU time in the one thread that
 runs every op (``time.thread_time``), for a machine shared with other jobs,
 where wall-clock times mostly measure the other jobs (wall times are
@@ -268,6 +272,45 @@ def per_op_cost(n: int = 4000, repeats: int = 7) -> dict:
     return out
 
 
+def call_slowdown(dev, repeats: int = 200) -> dict:
+    """Per torch call of TinyGPT's kinds (its shapes at batch 4, seq 256,
+    width 256), the call's median time without a mode and under a
+    dispatch mode that only forwards, interleaved: what tracking inside that
+    call costs at least (NOTE [Tracking inside torch calls] in
+    tiermem/tracker.py)."""
+    F = torch.nn.functional
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (torch.randn(4, 4, 256, 64, generator=g, device=dev) for _ in range(3))
+    a = torch.randn(1024, 256, generator=g, device=dev)
+    w = torch.randn(1024, 256, generator=g, device=dev)
+    h = torch.randn(1024, 1024, generator=g, device=dev)
+    calls = {
+        "scaled_dot_product_attention": lambda: F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=0.1),
+        "linear": lambda: F.linear(a, w),
+        "layer_norm": lambda: F.layer_norm(a, (256,)),
+        "gelu": lambda: F.gelu(h),
+        "dropout": lambda: F.dropout(h, 0.1),
+    }
+    out = {}
+    for name, fn in calls.items():
+        t = {"plain": [], "mode": []}
+        for r in range(repeats):
+            order = (("plain", contextlib.nullcontext), ("mode", NoopMode))
+            for key, ctx in (order if r % 2 else order[::-1]):
+                with ctx():
+                    sync(dev)
+                    t0 = time.perf_counter()
+                    fn()
+                    sync(dev)
+                    t[key].append(time.perf_counter() - t0)
+        plain, mode = statistics.median(t["plain"]), statistics.median(t["mode"])
+        ratios = [m / p for m, p in zip(t["mode"], t["plain"])]
+        out[name] = {"plain_us": plain * 1e6, "mode_us": mode * 1e6,
+                     "extra_us": (mode - plain) * 1e6, "paired_ratio": median_ci(ratios)}
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=4)
@@ -288,6 +331,8 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default=None,
                    help="comma-separated subset of the rows to time (none and module_hooks "
                         "are always in: the ratios are taken against them); default: all")
+    p.add_argument("--call-costs", action="store_true",
+                   help="only measure what a dispatch mode adds to single torch calls")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if a.threads:
@@ -295,6 +340,11 @@ def main(argv=None) -> int:
     dev = pick_device(a.device)
     if a.clock == "cpu" and dev.type != "cpu":
         sys.exit("bench_tracking: --clock cpu measures host CPU time: use it on the CPU")
+    if a.call_costs:
+        emit({"benchmark": "dispatch-mode cost inside single torch calls",
+              "machine": machine(), "device": str(dev), "torch_threads": torch.get_num_threads(),
+              "calls": call_slowdown(dev)}, a.out)
+        return 0
     torch.manual_seed(0)
     cfg = GPTConfig(layers=a.layers, width=a.width, heads=4, seq_len=a.seq_len, vocab=2048)
     model = TinyGPT(cfg).to(dev)
