@@ -377,3 +377,46 @@ def test_rates_measure_both_link_directions_at_once_on_cuda():
     assert rates.d2h and rates.h2d and rates.link_both
     # Each direction while both run is no faster than alone (some slack for noise).
     assert rates.link_both <= 1.2 * max(rates.d2h, rates.h2d)
+
+
+def test_move_cpu_probe_makes_the_nvme_tiers_cpu_round_trip():
+    """The ``move_cpu`` probe writes each tensor as it is (the nvme tier
+    stages CUDA tensors only) and reads it back into a new page-aligned
+    tensor (no bounce copy): no copy of its own, so it prices what the tier
+    does (it copied twice before, over-pricing nvme moves of CPU tensors)."""
+    from tiermem.planner import rates as rates_mod
+
+    class _Done:
+        def wait(self):
+            return None
+
+    class _File:
+        def __init__(self):
+            self.writes, self.reads = [], []
+
+        def write(self, t, offset):
+            self.writes.append((t.data_ptr(), offset))
+            return _Done()
+
+        def read(self, t, offset):
+            self.reads.append((t.data_ptr(), offset))
+            return _Done()
+
+    srcs = [torch.full((1024,), 1.5), torch.full((1024,), 2.5)]
+    f = _File()
+    copies = []
+    real_copy = torch.Tensor.copy_
+
+    def counting_copy(self, *args, **kwargs):
+        copies.append(self.shape)
+        return real_copy(self, *args, **kwargs)
+
+    torch.Tensor.copy_ = counting_copy
+    try:
+        rates_mod._round_trip(f, srcs)
+    finally:
+        torch.Tensor.copy_ = real_copy
+    assert not copies, copies
+    assert f.writes == [(s.data_ptr(), i * 4096) for i, s in enumerate(srcs)]
+    assert [o for _, o in f.reads] == [0, 4096]
+    assert all(p % 4096 == 0 and p not in {s.data_ptr() for s in srcs} for p, _ in f.reads)

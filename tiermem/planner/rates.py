@@ -14,10 +14,10 @@ machine and cached per process.
   streams; disk: a write and a read of :data:`PROBE_BYTES` through the engine,
   issued together). The planner slows a restore that overlaps moves out by
   ``single / both`` (NOTE [Planner cost model]).
-- ``move_cpu``: on the host, bytes per CPU second of a staged round trip as the
-  nvme tier makes it for a CPU tensor: a copy into an aligned staging buffer,
-  the engine's write, its read, and a copy into a newly allocated tensor, for
-  :data:`MOVE_PROBE_BUFFERS` buffers of :data:`PROBE_BYTES`; CPU time of the
+- ``move_cpu``: on the host, bytes per CPU second of a round trip as the
+  nvme tier makes it for a CPU tensor: the engine's write of the tensor as it
+  is, and its read into a newly allocated page-aligned tensor, for
+  :data:`MOVE_PROBE_BUFFERS` tensors of :data:`PROBE_BYTES`; CPU time of the
   whole process (``time.process_time``: engine and chain threads included).
   ``move_fixed_cpu_s``: the same for one 4 KiB round trip (the per-move cost).
   ``compute_threads``: ``torch.get_num_threads()``, the cores the compute
@@ -44,7 +44,7 @@ __all__ = ["Rates", "measure_rates", "PROBE_BYTES", "REPEATS", "default_device_b
            "HEADROOM_FRACTION", "MOVE_PROBE_BUFFERS"]
 
 PROBE_BYTES = 4 << 20
-#: Buffers of one ``move_cpu`` probe (module docstring).
+#: Tensors of one ``move_cpu`` probe (module docstring).
 MOVE_PROBE_BUFFERS = 2
 REPEATS = 3
 #: Share of the device's total memory a default device budget leaves free.
@@ -160,9 +160,8 @@ def _disk_rates(nvme_store) -> tuple:
         read_lat = _best(lambda: f.read(small, 0).wait())
 
         srcs = [torch.full((PROBE_BYTES // 4,), 1.5) for _ in bufs]   # made by "compute"
-        move_cpu = _best(lambda: _round_trip(f, bufs, srcs), clock=time.process_time)
-        fixed = _best(lambda: _round_trip(f, [small], [srcs[0][:1024]]),
-                      clock=time.process_time)
+        move_cpu = _best(lambda: _round_trip(f, srcs), clock=time.process_time)
+        fixed = _best(lambda: _round_trip(f, [srcs[0][:1024]]), clock=time.process_time)
 
         def both():   # a write and a read of another (written) region, issued together
             w, r = f.write(buf, 0), f.read(other, PROBE_BYTES)
@@ -179,22 +178,20 @@ def _disk_rates(nvme_store) -> tuple:
             PROBE_BYTES / both_s, k * PROBE_BYTES / move_cpu, fixed)
 
 
-def _round_trip(f, staging: list, srcs: list) -> None:
-    """What the nvme tier's CPU path does for the float32 tensors ``srcs``, one
-    per staging buffer (at least as large, aligned): copy in, write, read back,
-    copy into a new tensor."""
+def _round_trip(f, srcs: list) -> None:
+    """What the nvme tier's CPU path does for the float32 tensors ``srcs``: the
+    engine writes each as it is (no staging copy: ``NvmeStore._reserve``
+    stages CUDA tensors only), then reads it back into a newly allocated
+    page-aligned tensor (``NvmeStore._start_restore``: no bounce copy)."""
+    from ..io.base import aligned_empty
     nbytes = srcs[0].numel() * 4
-    views = [b.view(torch.float32)[:s.numel()] for b, s in zip(staging, srcs)]
-    jobs = []
-    for i, (src, v) in enumerate(zip(srcs, views)):
-        v.copy_(src)
-        jobs.append(f.write(v, i * nbytes))
+    jobs = [f.write(src, i * nbytes) for i, src in enumerate(srcs)]
     for j in jobs:
         j.wait()
-    jobs = [f.read(v, i * nbytes) for i, v in enumerate(views)]
-    for j, v in zip(jobs, views):
+    dests = [aligned_empty(nbytes).view(torch.float32) for _ in srcs]
+    jobs = [f.read(d, i * nbytes) for i, d in enumerate(dests)]
+    for j in jobs:
         j.wait()
-        torch.empty_like(v).copy_(v)
 
 
 def measure_rates(nvme_store=None, cuda: bool = False) -> Rates:

@@ -17,7 +17,9 @@
 #    - nvme (when the tier exists): the same with the disk's measured write
 #      and read (plus the PCIe legs on CUDA); for a CPU tensor plus its *CPU
 #      charge*: the CPU seconds of its round trip (bytes / ``move_cpu`` +
-#      ``move_fixed_cpu_s``: staging copies, engine and chain threads) over the
+#      ``move_fixed_cpu_s``: the engine's threads; before 2026-12-02 the probe
+#      also made two staging copies the tier does not, pricing these moves
+#      about 4x over with the C++ engine) over the
 #      ``compute_threads`` the compute spreads over. On a CPU device those
 #      seconds are taken from the compute's cores, so the step is longer by
 #      them even when no unpack waits (measured: benchmarks/results/
