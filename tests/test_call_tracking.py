@@ -188,3 +188,62 @@ def test_module_names_record_the_call():
             z = torch.relu(x)
     assert mode.record_of(y).call == "gelu"
     assert mode.record_of(z).call is None
+
+
+# -- the scope's states ------------------------------------------------------------
+
+class _Counting(ProducerMode):
+    """Counts the ops dispatched to it."""
+
+    def __init__(self) -> None:
+        super().__init__(names=False)
+        self.seen = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen += 1
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class _Two(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.LayerNorm(8)
+        self.b = nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_scope_with_calls_gates_inside_named_modules_and_tracks_whole_blocks():
+    """In a module of ``names`` with calls, only the named calls reach the
+    mode; a recomputing block (track_block) tracks everything until it ends,
+    then the gate is back; outside the names nothing is tracked; the context's
+    exit leaves whatever is entered."""
+    from tiermem.tracker import ModuleStack, TrackingScope, track_block, untrack_block
+
+    model = _Two()
+    x = torch.randn(4, 8)
+    mode = _Counting()
+    scope = TrackingScope(mode, {"_Two.a", ""}, blocks=True,
+                          calls={"_Two.a": frozenset({"layer_norm"}), "": frozenset({"relu"})})
+    with ModuleStack(scope=scope):
+        assert scope.state == 2                # "" is named: the gate
+        assert torch._C._len_torch_dispatch_stack() == 0
+        model(x)                               # a's layer_norm only: _Two and b are not named
+        assert scope.gate.calls_tracked == 1 and mode.seen >= 1
+        seen = mode.seen
+        torch.relu(x)                          # a named call of "": tracked
+        assert mode.seen == seen + 1
+        torch.tanh(x)                          # not named: untracked
+        assert mode.seen == seen + 1
+        entered = track_block()
+        assert scope.state == 1                # a recomputing block: the mode itself
+        torch.tanh(x)
+        assert mode.seen == seen + 2
+        untrack_block(entered)
+        assert scope.state == 2                # the gate again
+        torch.tanh(x)
+        assert mode.seen == seen + 2
+    assert scope.state == 0
+    assert torch._C._len_torch_dispatch_stack() == 0
+    assert torch._C._len_torch_function_stack() == 0

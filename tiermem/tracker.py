@@ -161,7 +161,8 @@ def current_module() -> str:
 # cached plan midway (NOTE [Following a plan] in planner/runtime.py) keeps
 # the first plan's scope. Inside the scope, a step following a plan records
 # only the ops its recipes use (``ops``: NOTE [Recording only what recipes
-# use] in producers.py); the mode is still called for every op there.
+# use] in producers.py), and the mode is called only inside the torch calls
+# those ops ran in (``calls``: NOTE [Tracking inside torch calls]).
 # Exactness does not rest on the scope: an op that ran outside it has no
 # record, so a recipe that reaches its output stores that tensor as an input
 # (NOTE [What a recipe holds], case 4: the tensor itself, as it was at the
