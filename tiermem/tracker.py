@@ -310,32 +310,25 @@ class TrackingScope:
         self.state = target
         self.entries += 1
 
-    def leave(self) -> None:
+    def leave(self, force: bool = False) -> None:
         """Leave the mode (or the gate) if it is entered and the innermost mode
         of its kind (one entered inside the scope and not left there stays
         above it: ours is then left at the next module boundary, or at the
-        context's exit)."""
+        context's exit, ``force``)."""
         state = self.state
-        if state == _DISPATCH:
-            n = _dispatch_depth()
-            if n and _dispatch_at(n - 1) is not self.mode:
-                return
-            self.state = _OFF
-            self.mode.__exit__(None, None, None)
-        elif state == _GATE:
-            n = _function_depth()
-            if n and _function_at(n - 1) is not self.gate:
-                return
-            self.state = _OFF
-            self.gate.__exit__(None, None, None)
+        if state == _OFF:
+            return
+        ours, depth, at = ((self.mode, _dispatch_depth, _dispatch_at) if state == _DISPATCH
+                           else (self.gate, _function_depth, _function_at))
+        n = depth()
+        if not force and n and at(n - 1) is not ours:
+            return
+        self.state = _OFF
+        ours.__exit__(None, None, None)
 
     def close(self) -> None:
         """Leave whatever is entered (the context exits)."""
-        state, self.state = self.state, _OFF
-        if state == _DISPATCH:
-            self.mode.__exit__(None, None, None)
-        elif state == _GATE:
-            self.gate.__exit__(None, None, None)
+        self.leave(force=True)
 
 
 def track_block():

@@ -646,6 +646,20 @@ class Planner:
             self.current = new
 
 
+def _recipe_pairs(plan: Plan, profile: Profile, field: str) -> Optional[list]:
+    """The profile's ``field`` (``recipe_ops``, ``recipe_calls``) of every
+    tensor ``plan`` recomputes, joined; ``None`` if one was not recorded."""
+    pairs: list = []
+    for record, order in zip(profile.records, plan.orders):
+        if order[0] is not Tier.RECOMPUTE:
+            continue
+        got = getattr(record, field)
+        if not got:
+            return None
+        pairs.extend(got)
+    return pairs
+
+
 def tracking_scope(plan: Plan, profile: Profile) -> Optional[frozenset]:
     """The modules a step following ``plan`` tracks producers in: those that ran
     the recipe ops of the tensors it recomputes, as its profile recorded them
@@ -668,14 +682,12 @@ def tracking_ops(plan: Plan, profile: Profile) -> Optional[dict]:
     of the tensors ``plan`` recomputes ran there, as its profile recorded them;
     ``None`` (every recomputable op) when one was not recorded. NOTE
     [Recording only what recipes use] in producers.py."""
+    pairs = _recipe_pairs(plan, profile, "recipe_ops")
+    if pairs is None:
+        return None
     ops: dict = {}
-    for record, order in zip(profile.records, plan.orders):
-        if order[0] is not Tier.RECOMPUTE:
-            continue
-        if not record.recipe_ops:
-            return None
-        for module, name in record.recipe_ops:
-            ops.setdefault(module, set()).add(name)
+    for module, name in pairs:
+        ops.setdefault(module, set()).add(name)
     return {m: frozenset(n) for m, n in ops.items()}
 
 
@@ -685,17 +697,15 @@ def tracking_calls(plan: Plan, profile: Profile) -> Optional[dict]:
     profile recorded them (``None`` for a module where one ran outside every
     torch call: all of it is tracked); ``None`` when a recipe's calls were not
     recorded. NOTE [Tracking inside torch calls] in tracker.py."""
+    pairs = _recipe_pairs(plan, profile, "recipe_calls")
+    if pairs is None:
+        return None
     calls: dict = {}
-    for record, order in zip(profile.records, plan.orders):
-        if order[0] is not Tier.RECOMPUTE:
-            continue
-        if not record.recipe_calls:
-            return None
-        for module, call in record.recipe_calls:
-            if call is None:
-                calls[module] = None
-            elif module not in calls:
-                calls[module] = {call}
-            elif calls[module] is not None:
-                calls[module].add(call)
+    for module, call in pairs:
+        if call is None:
+            calls[module] = None
+        elif module not in calls:
+            calls[module] = {call}
+        elif calls[module] is not None:
+            calls[module].add(call)
     return {m: None if c is None else frozenset(c) for m, c in calls.items()}
