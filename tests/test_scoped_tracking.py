@@ -21,8 +21,8 @@ import tiermem
 import tiermem.offloader
 from helpers import compare_records, offloader, reference_steps, train_steps
 from models import make_case
-from tiermem.producers import ProducerMode
-from tiermem.tracker import ModuleStack, call_name, current_module
+from tiermem.producers import CallRecorder, ProducerMode
+from tiermem.tracker import ModuleStack, current_module
 
 
 class _Seen(ProducerMode):
@@ -89,7 +89,7 @@ def test_plan_that_recomputes_tracks_only_its_recipe_modules_and_is_exact(name):
 
 class _ModuleAndCallOfEachOp(torch.utils._python_dispatch.TorchDispatchMode):
     """The reference: (running module, running torch call) of every op of a
-    plain forward (``call`` kept by :class:`_CallOfEachOp`)."""
+    plain forward (``call`` kept by a :class:`~tiermem.producers.CallRecorder`)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -99,22 +99,6 @@ class _ModuleAndCallOfEachOp(torch.utils._python_dispatch.TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append((current_module(), self.call))
         return func(*args, **(kwargs or {}))
-
-
-class _CallOfEachOp(torch.overrides.TorchFunctionMode):
-    """The reference's torch calls: ``mode.call`` is set to the running call's
-    name while it runs (as CallRecorder does)."""
-
-    def __init__(self, mode) -> None:
-        super().__init__()
-        self.mode = mode
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.mode.call = call_name(func)
-        try:
-            return func(*args, **(kwargs or {}))
-        finally:
-            self.mode.call = None
 
 
 def test_ops_outside_the_scope_are_not_dispatched_to_the_mode(seen):
@@ -135,7 +119,7 @@ def test_ops_outside_the_scope_are_not_dispatched_to_the_mode(seen):
     assert calls and set(calls) == set(scope), (calls, scope)
     assert all(c for c in calls.values()), calls   # every recipe op ran inside a named call
     ref = _ModuleAndCallOfEachOp()
-    with ModuleStack(), ref, _CallOfEachOp(ref):
+    with ModuleStack(), ref, CallRecorder(ref):
         case.loss()
     in_scope = collections.Counter(m for m, _ in ref.ops if m in scope)
     assert 0 < sum(in_scope.values()) < len(ref.ops)
