@@ -190,6 +190,8 @@ def _print(r: dict) -> None:
         line += f", D2H {pr['d2h'] / 1e9:.2f} GB/s, H2D {pr['h2d'] / 1e9:.2f} GB/s"
     if pr.get("link_both"):
         line += f", each way while both run {pr['link_both'] / 1e9:.2f} GB/s"
+    if pr.get("track_op_s"):
+        line += f", producer tracking {pr['track_op_s'] * 1e6:.1f} us per op"
     print(line + f" (measured in {pr['measured_seconds'] * 1e3:.0f} ms)")
     g = r["gpu"]
     if g["available"]:

@@ -97,6 +97,8 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
             self.producers = ProducerMode(module_names=profiled, names=op_names)
             if profiled:
                 self._calls = CallRecorder(self.producers)
+                # NOTE [Tracking priced] in planner/runtime.py
+                self.producers.op_counts = planning.recorder.op_counts = {}
         else:
             blocks = blocks_need_producers()
             if names or blocks:

@@ -330,6 +330,10 @@ class ProducerMode(TorchDispatchMode):
         #: inside untracked calls] (a step whose tracking is scoped).
         self.alias_index = False
         self._by_storage: dict = {}   # (storage cdata, offset) -> (weakref to tensor, Record)
+        #: ``None``, or a dict counting the ops this mode handles per (module,
+        #: torch call) (a profiled step: what tracking them would cost, NOTE
+        #: [Tracking priced] in planner/runtime.py).
+        self.op_counts: Optional[dict] = None
         #: Op names to record (``None``: every recomputable op).
         self.wanted: Optional[frozenset] = None
         self._records: dict = {}    # id(tensor) -> (weakref to tensor, Record)
@@ -517,6 +521,10 @@ class ProducerMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
+        counts = self.op_counts
+        if counts is not None:
+            key = (current_module(), self.call)
+            counts[key] = counts.get(key, 0) + 1
         if _inference_mode():   # inference tensors: nothing to record
             return _run_as_without_mode(func, types, args, kwargs)
         info = self._ops.get(func)

@@ -177,11 +177,19 @@ class Plan:
     #: improvement pass; ``None`` when nothing had to move.
     priced_cost_s: Optional[float] = None
     greedy_priced_cost_s: Optional[float] = None
+    #: Aten ops per forward a step following the plan tracks producers in,
+    #: and the seconds that adds to its forward (NOTE [Tracking priced] in
+    #: planner/runtime.py); 0 when it recomputes nothing or they were not
+    #: counted.
+    tracked_ops: int = 0
+    predicted_tracking_s: float = 0.0
 
     @property
     def predicted_step_cost_s(self) -> float:
-        """Predicted seconds the plan adds to a step: stall, CPU charge, recompute."""
-        return self.predicted_stall_s + self.predicted_cpu_s + self.predicted_recompute_s
+        """Predicted seconds the plan adds to a step: stall, CPU charge,
+        recompute, producer tracking."""
+        return (self.predicted_stall_s + self.predicted_cpu_s + self.predicted_recompute_s
+                + self.predicted_tracking_s)
 
     def kept_timeline(self) -> List[Tuple[int, int]]:
         """Predicted kept bytes over the forward: ``(n, bytes)`` after the ``n``
@@ -331,7 +339,9 @@ class Plan:
                  else f", measured {self.measured_stall_s * 1e3:.2f} ms")
         lines.append(f"stall: predicted {self.predicted_stall_s * 1e3:.2f} ms{stall}; "
                      f"CPU charge of moves: predicted {self.predicted_cpu_s * 1e3:.2f} ms; "
-                     f"recompute: predicted {self.predicted_recompute_s * 1e3:.2f} ms; "
+                     f"recompute: predicted {self.predicted_recompute_s * 1e3:.2f} ms"
+                     + (f" + producer tracking {self.predicted_tracking_s * 1e3:.2f} ms "
+                        f"({self.tracked_ops} ops)" if self.tracked_ops else "") + "; "
                      f"prefetch window {format_bytes(self.suggested_prefetch_bytes)}")
         hinted = [p for p in self.tensors if p.hint is not None]
         if hinted:

@@ -250,6 +250,11 @@ class Profile:
     positions: tuple = ()
     #: The auto blocks of the step, in call order.
     blocks: tuple = ()
+    #: Aten ops of the forward per (innermost module, outermost torch call;
+    #: ``None``: outside every call), as the producer mode counted them: what
+    #: tracking them costs (NOTE [Tracking priced] in planner/runtime.py);
+    #: empty: not counted.
+    call_ops: dict = field(default_factory=dict)
 
     @property
     def baseline_bytes(self) -> int:
@@ -294,6 +299,8 @@ class Recorder:
         #: Records whose first unpack is running now, innermost last (a
         #: regeneration unpacks its recipe's inputs).
         self._reading: List[int] = []
+        #: The profiled step's producer mode's ``op_counts`` (set by the step).
+        self.op_counts: Optional[dict] = None
 
     def start(self, stats) -> None:
         """The step starts now; its stats are ``stats``."""
@@ -476,4 +483,5 @@ class Recorder:
         return Profile(self.records, tuple(self.keys), self.fixed_kept_bytes,
                        self.forward_end_s, self.first_unpack_s, self.last_unpack_s,
                        self.measured_kept_bytes, self.stats.as_dict(),
-                       tuple(self.positions), tuple(self.blocks))
+                       tuple(self.positions), tuple(self.blocks),
+                       dict(self.op_counts or {}))

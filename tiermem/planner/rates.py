@@ -23,10 +23,18 @@ machine and cached per process.
   ``compute_threads``: ``torch.get_num_threads()``, the cores the compute
   spreads over. On a CPU device that CPU time is taken from the compute: the
   planner charges it to the step (NOTE [Planner cost model]).
+- ``track_op_s``: seconds one aten op takes longer under producer tracking:
+  a chain of :data:`TRACK_PROBE_LINKS` (linear, GELU, add) on tensors that
+  require grad, run plainly and under a :class:`~tiermem.producers.ProducerMode`
+  made as a scoped step makes it (the pointwise ops recorded, the linear not);
+  the difference over the op count. What the planner prices a plan's tracking
+  with (NOTE [Tracking priced] in planner/runtime.py).
 
 Each figure is the best of :data:`REPEATS` runs (the machine is shared: the
 best run is the least disturbed one). The whole measurement stays under a
-second (a few hundredths without an nvme store). All rates are bytes per
+second (a few hundredths without an nvme store), once PyTorch has set up its
+Python dispatch (the first dispatch mode of a process costs about a second
+here; the planner measures after its profiled step did that). All rates are bytes per
 second; ``None`` when not measurable here (no GPU, no nvme store).
 """
 
@@ -41,12 +49,14 @@ from typing import Optional
 import torch
 
 __all__ = ["Rates", "measure_rates", "PROBE_BYTES", "REPEATS", "default_device_budget_bytes",
-           "HEADROOM_FRACTION", "MOVE_PROBE_BUFFERS"]
+           "HEADROOM_FRACTION", "MOVE_PROBE_BUFFERS", "TRACK_PROBE_LINKS"]
 
 PROBE_BYTES = 4 << 20
 #: Tensors of one ``move_cpu`` probe (module docstring).
 MOVE_PROBE_BUFFERS = 2
 REPEATS = 3
+#: Links of the ``track_op_s`` probe's chain (three ops each).
+TRACK_PROBE_LINKS = 16
 #: Share of the device's total memory a default device budget leaves free.
 HEADROOM_FRACTION = 0.10
 
@@ -78,6 +88,8 @@ class Rates:
     move_fixed_cpu_s: float = 0.0
     #: Threads the compute runs on (``torch.get_num_threads()``).
     compute_threads: float = 1.0
+    #: Seconds producer tracking adds to one aten op (module docstring).
+    track_op_s: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -114,6 +126,34 @@ def _host_rates() -> tuple:
     copy = _best(lambda: dst.copy_(src))
     sin = _best(lambda: torch.sin(src, out=dst))
     return PROBE_BYTES / copy, PROBE_BYTES / sin
+
+
+def _tracking_cost() -> float:
+    """``track_op_s`` (module docstring): best of ``2 * REPEATS`` runs each
+    way, interleaved. Host tensors only (no device is initialised), no
+    generator drawn from."""
+    from ..producers import ProducerMode
+    x = torch.linspace(-1.0, 1.0, 64 * 256).view(64, 256).requires_grad_()
+    w = (torch.linspace(-0.05, 0.05, 256 * 256).view(256, 256)).requires_grad_()
+    gelu, linear = torch.nn.functional.gelu, torch.nn.functional.linear
+
+    def chain() -> None:
+        y = x
+        for _ in range(TRACK_PROBE_LINKS):
+            y = y + gelu(linear(y, w))
+
+    def tracked() -> None:
+        mode = ProducerMode(names=False)
+        with mode:
+            chain()
+        mode.clear()
+    plain = mode = float("inf")
+    chain()
+    tracked()
+    for _ in range(2 * REPEATS):
+        plain = min(plain, _best(chain, 1))
+        mode = min(mode, _best(tracked, 1))
+    return max(0.0, mode - plain) / (3 * TRACK_PROBE_LINKS)
 
 
 def _cuda_rates() -> tuple:
@@ -205,6 +245,7 @@ def measure_rates(nvme_store=None, cuda: bool = False) -> Rates:
             return hit
         t0 = time.perf_counter()
         host_copy, pointwise = _host_rates()
+        track_op_s = _tracking_cost()
         d2h = h2d = link_both = None
         if cuda and torch.cuda.is_available():
             d2h, h2d, link_both = _cuda_rates()
@@ -217,7 +258,8 @@ def measure_rates(nvme_store=None, cuda: bool = False) -> Rates:
         rates = Rates(host_copy, pointwise, d2h, h2d, *disk[:5], time.perf_counter() - t0,
                       link_both=link_both, disk_both=disk[5], move_cpu=disk[6],
                       move_fixed_cpu_s=disk[7],
-                      compute_threads=float(max(1, torch.get_num_threads())))
+                      compute_threads=float(max(1, torch.get_num_threads())),
+                      track_op_s=track_op_s)
         _cache[key] = rates
         return rates
 

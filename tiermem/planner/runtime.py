@@ -86,6 +86,35 @@ follows, and the closed loop that corrects a plan from measurement.
 # nothing), so the plan is stable after at most three steps (profile, plan,
 # one correction) and cannot oscillate.
 #
+# NOTE [Tracking priced]
+# A step that follows a plan recomputing something tracks producers in the
+# (module, torch call) pairs its recipes ran in (NOTE [Tracking inside torch
+# calls] in tracker.py): every aten op there goes through the producer mode's
+# Python handler, which costs the forward ``Rates.track_op_s`` per op
+# (measured: rates.py; a scaled_dot_product_attention call runs 34 aten ops
+# on CPU, so recomputing a tensor made inside it costs more in tracking than
+# its regeneration). So the planner prices it:
+# 1. The profiled step counts the ops its mode handles per (innermost module,
+#    outermost call) (``Profile.call_ops``); a recipe's pair with no call
+#    (an op outside every torch call) stands for all of that module's ops,
+#    and a recipe without recorded modules for every op of the forward, as
+#    the step would track them.
+# 2. Each tensor's recompute option carries a share of the tracking its
+#    recipe needs: each pair's ops x ``track_op_s``, divided among the
+#    recomputable tensors whose recipes need that pair (a pair is paid once
+#    per step however many recipes use it). The solver ranks it with the
+#    regeneration time (NOTE [Planner cost model]).
+# 3. The share assumes every user of a pair is recomputed; a plan that
+#    recomputes fewer pays more. So the plan's own tracking
+#    (``Plan.predicted_tracking_s``: the ops of the pairs it tracks x
+#    ``track_op_s``) is compared with the plan made with no recompute but
+#    what hints ask for (two solves): the latter is taken when it meets the
+#    budget and its predicted step cost (stall, CPU charge, recompute,
+#    tracking) is lower. A plan's notes say what its tracking costs, and
+#    why it recomputes or declined to.
+# Not priced: the module hooks and the call gate of a scoped step (a torch
+# function mode, one Python call per torch call in the scoped modules).
+
 # NOTE [Blocks the planner may checkpoint]
 # ``wrap_blocks(model, Block, checkpoint="auto")`` gives the planner one more
 # option per block call: checkpoint the whole block. The rules:
@@ -156,6 +185,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 from typing import Optional
 
@@ -171,6 +201,7 @@ from .rates import default_device_budget_bytes, measure_rates
 from .solver import make_plan, safe_order
 
 __all__ = ["Planner", "StepPlanning", "tracking_scope", "tracking_ops", "tracking_calls",
+           "tracked_op_count", "tracking_shares",
            "MAX_REPLANS", "MAX_PLANS", "PROFILED_SIZES",
            "KEPT_TOLERANCE", "STALL_TOLERANCE_S"]
 
@@ -596,14 +627,12 @@ class Planner:
                                None if nvme is None else nvme.arena.budget_bytes)
         if self.agreement is not None:   # the smallest of every rank's
             cpu_room, nvme_room = self.agreement.cpu_budget_bytes, self.agreement.nvme_budget_bytes
-        plan = make_plan(profile, rates, budget if target is None else target, setting,
-                         has_nvme=self.has_nvme, cpu_budget_bytes=cpu_room,
-                         nvme_budget_bytes=nvme_room, replans=replans, replan_reason=reason,
-                         prefetch_bytes=self.cfg.prefetch_bytes)
+        plan = _priced_plan(profile, rates, functools.partial(
+            make_plan, profile, rates, budget if target is None else target, setting,
+            has_nvme=self.has_nvme, cpu_budget_bytes=cpu_room,
+            nvme_budget_bytes=nvme_room, replans=replans, replan_reason=reason,
+            prefetch_bytes=self.cfg.prefetch_bytes))
         plan.budget_bytes = budget
-        plan.tracking_scope = tracking_scope(plan, profile)
-        plan.tracking_ops = tracking_ops(plan, profile)
-        plan.tracking_calls = tracking_calls(plan, profile)
         plan.follow(profile.keys, profile.positions)
         plan.rate_factor = rate_factor
         plan.target_bytes = budget if target is None else target
@@ -644,6 +673,58 @@ class Planner:
         new = self._plan(profile, target, factor, plan.replans + 1, "; ".join(why))
         if self.current is plan:
             self.current = new
+
+
+def _with_tracking(plan: Plan, profile: Profile, rates) -> Plan:
+    """``plan`` with its tracking scope, op names, calls and price set."""
+    plan.tracking_scope = tracking_scope(plan, profile)
+    plan.tracking_ops = tracking_ops(plan, profile)
+    plan.tracking_calls = tracking_calls(plan, profile)
+    plan.tracked_ops = tracked_op_count(plan, profile)
+    plan.predicted_tracking_s = plan.tracked_ops * (getattr(rates, "track_op_s", 0.0) or 0.0)
+    return plan
+
+
+def _prefers_recompute(record) -> bool:
+    """Its hint asks for recompute first (a MUST is obeyed anyway; a PREFER
+    hint keeps its recompute option in both solves of NOTE [Tracking
+    priced], rule 3)."""
+    hint = record.hint
+    return hint is not None and len(hint[0]) > 0 and hint[0][0] is Tier.RECOMPUTE
+
+
+def _unreachable(plan: Plan) -> bool:
+    return any(n.startswith("budget not reachable") for n in plan.notes)
+
+
+def _priced_plan(profile: Profile, rates, make) -> Plan:
+    """``make(tracking_s=..., no_recompute=...)``'s plan, tracking priced (NOTE
+    [Tracking priced], rules 2 and 3)."""
+    shares = tracking_shares(profile, rates)
+    plan = _with_tracking(make(tracking_s=shares), profile, rates)
+    if not plan.predicted_tracking_s:
+        return plan
+    chosen = frozenset(t.index for t in plan.tensors
+                       if t.tier == Tier.RECOMPUTE.value and not t.must)
+    if not chosen:
+        return plan
+    other = _with_tracking(make(tracking_s=shares, no_recompute=frozenset(
+        r.index for r in profile.records if not _prefers_recompute(r))), profile, rates)
+    cost, other_cost = plan.predicted_step_cost_s, other.predicted_step_cost_s
+    what = (f"recomputing {len(chosen)} tensors needs producer tracking over "
+            f"{plan.tracked_ops} ops per forward (predicted "
+            f"{plan.predicted_tracking_s * 1e3:.2f} ms)")
+    if _unreachable(other):   # fewer bytes freed: the budget needs them
+        plan.notes.append(f"tracking: {what}; the budget is not reachable without them")
+        return plan
+    if other_cost >= cost:
+        plan.notes.append(f"tracking: {what}; worth it: without them the predicted step "
+                          f"cost is {other_cost * 1e3:.2f} ms, with them {cost * 1e3:.2f} ms")
+        return plan
+    other.notes.append(f"tracking: the plan recomputing them was declined: {what}; "
+                       f"predicted step cost {cost * 1e3:.2f} ms with them, "
+                       f"{other_cost * 1e3:.2f} ms without")
+    return other
 
 
 def _recipe_pairs(plan: Plan, profile: Profile, field: str) -> Optional[list]:
@@ -709,3 +790,69 @@ def tracking_calls(plan: Plan, profile: Profile) -> Optional[dict]:
         elif calls[module] is not None:
             calls[module].add(call)
     return {m: None if c is None else frozenset(c) for m, c in calls.items()}
+
+
+def _pair_ops(profile: Profile, module: Optional[str], call: Optional[str]) -> int:
+    """Ops a step tracking (``module``, ``call``) tracks: ``call`` ``None``: all
+    of ``module``; ``module`` ``None``: every op of the forward (rule 1 of NOTE
+    [Tracking priced])."""
+    ops = profile.call_ops
+    if module is None:
+        return sum(ops.values())
+    if call is None:
+        return sum(n for (m, _), n in ops.items() if m == module)
+    return ops.get((module, call), 0)
+
+
+def _record_pairs(record) -> tuple:
+    """The (module, call) pairs ``record``'s recipe needs tracked; ``((None,
+    None),)``: the whole forward (its modules were not recorded)."""
+    if record.recipe_calls:
+        return tuple(record.recipe_calls)
+    if record.recipe_modules:
+        return tuple((m, None) for m in record.recipe_modules)
+    return ((None, None),)
+
+
+def tracked_op_count(plan: Plan, profile: Profile) -> int:
+    """Aten ops per forward a step following ``plan`` tracks, as the profile
+    counted them (0: it recomputes nothing, or nothing was counted). NOTE
+    [Tracking priced]."""
+    if not profile.call_ops:
+        return 0
+    scope = getattr(plan, "tracking_scope", None)
+    if scope is None:
+        scope = tracking_scope(plan, profile)
+    if scope is None:
+        return _pair_ops(profile, None, None)
+    calls = getattr(plan, "tracking_calls", None)
+    if calls is None and scope:
+        calls = tracking_calls(plan, profile)
+    total = 0
+    for module in scope:
+        names = None if calls is None else calls.get(module)
+        if names is None:
+            total += _pair_ops(profile, module, None)
+        else:
+            total += sum(_pair_ops(profile, module, c) for c in names)
+    return total
+
+
+def tracking_shares(profile: Profile, rates) -> dict:
+    """Pack index -> seconds of tracking charged to recomputing it (rule 2 of
+    NOTE [Tracking priced]); empty when nothing was counted or tracking is
+    free here."""
+    per_op = getattr(rates, "track_op_s", 0.0) or 0.0
+    if not profile.call_ops or per_op <= 0:
+        return {}
+    users: dict = {}
+    for r in profile.records:
+        if r.recomputable:
+            for pair in set(_record_pairs(r)):
+                users[pair] = users.get(pair, 0) + 1
+    shares = {}
+    for r in profile.records:
+        if r.recomputable:
+            shares[r.index] = sum(_pair_ops(profile, m, c) * per_op / users[(m, c)]
+                                  for m, c in set(_record_pairs(r)))
+    return shares

@@ -167,14 +167,17 @@ def tier_orders(device_type: str, has_nvme: bool) -> dict:
 
 
 class _Option:
-    __slots__ = ("tier", "cost_s", "freed", "out_s", "back_s", "cpu_s", "slowdown")
+    __slots__ = ("tier", "cost_s", "freed", "out_s", "back_s", "cpu_s", "slowdown", "track_s")
 
     def __init__(self, tier, cost_s, freed, out_s=0.0, back_s=0.0, cpu_s=0.0,
-                 slowdown=1.0) -> None:
+                 slowdown=1.0, track_s=0.0) -> None:
         self.tier, self.cost_s, self.freed = tier, cost_s, freed
         self.out_s, self.back_s = out_s, back_s
         #: CPU charge (part of cost_s) and the both-directions slowdown of its restore.
         self.cpu_s, self.slowdown = cpu_s, slowdown
+        #: A recompute's share of the tracking its recipe needs (part of
+        #: cost_s: NOTE [Tracking priced] in planner/runtime.py).
+        self.track_s = track_s
 
 
 def cpu_charge_s(nbytes: int, device: str, tier: Tier, rates: Rates) -> float:
@@ -222,11 +225,14 @@ def _legs(r: TensorRecord, tier: Tier, rates: Rates) -> Optional[Tuple[float, fl
     return out, back
 
 
-def _recompute_option(r: TensorRecord, rates: Rates) -> _Option:
+def _recompute_option(r: TensorRecord, rates: Rates, track_s: float = 0.0) -> _Option:
     """Recomputing ``r``: its measured regeneration time (else bytes / the
-    pointwise rate), freeing its bytes less its recipe's kept inputs."""
+    pointwise rate) plus ``track_s``, its share of the tracking its recipe
+    needs (NOTE [Tracking priced] in planner/runtime.py), freeing its bytes
+    less its recipe's kept inputs."""
     cost = r.recompute_s if r.recompute_s is not None else r.nbytes / rates.pointwise
-    return _Option(Tier.RECOMPUTE, cost, max(0, r.nbytes - r.input_kept_bytes))
+    return _Option(Tier.RECOMPUTE, cost + track_s, max(0, r.nbytes - r.input_kept_bytes),
+                   track_s=track_s)
 
 
 def _move_option(r: TensorRecord, tier: Tier, legs: Tuple[float, float], rates: Rates,
@@ -240,11 +246,14 @@ def _move_option(r: TensorRecord, tier: Tier, legs: Tuple[float, float], rates: 
                    _slowdown(tier, r.device.startswith("cuda"), rates))
 
 
-def _options(r: TensorRecord, rates: Rates, has_nvme: bool, bwd_start: float) -> List[_Option]:
-    """``r``'s options, cheapest per freed byte first (``r._use`` set)."""
+def _options(r: TensorRecord, rates: Rates, has_nvme: bool, bwd_start: float,
+             track_s: Optional[float] = 0.0) -> List[_Option]:
+    """``r``'s options, cheapest per freed byte first (``r._use`` set);
+    ``track_s``: its recompute's tracking share, ``None``: not an option
+    (NOTE [Tracking priced] in planner/runtime.py)."""
     opts = []
-    if r.recomputable and r.nbytes > r.input_kept_bytes:
-        opts.append(_recompute_option(r, rates))
+    if r.recomputable and r.nbytes > r.input_kept_bytes and track_s is not None:
+        opts.append(_recompute_option(r, rates, track_s))
     for tier in (Tier.CPU, Tier.NVME):
         if tier is Tier.NVME and not has_nvme:
             continue
@@ -737,13 +746,17 @@ def _planned_inputs(b: _Block, stalls: dict, has_nvme: bool, met: bool) -> List[
 def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting: str, *,
               has_nvme: bool, cpu_budget_bytes: int, nvme_budget_bytes: Optional[int],
               replans: int = 0, replan_reason: str = "",
-              prefetch_bytes: Optional[int] = None, improve: bool = True) -> Plan:
+              prefetch_bytes: Optional[int] = None, improve: bool = True,
+              tracking_s: Optional[dict] = None, no_recompute: frozenset = frozenset()) -> Plan:
     """The plan of ``profile``'s step under ``budget_bytes`` (NOTE [Planner cost
     model]; hints: NOTE [Planner hints] in planner/hints.py); ``prefetch_bytes``:
     the window setting, ``None`` when unset (the plan then sizes it);
     ``improve``: run the improvement pass over the greedy's choice (NOTE
     [Planner choice] in planner/improve.py); False gives the greedy's alone
-    (tests and benchmarks compare the two)."""
+    (tests and benchmarks compare the two). ``tracking_s``: pack index ->
+    its recompute's share of tracking; ``no_recompute``: pack indexes not to
+    recompute unless a MUST hint says so (NOTE [Tracking priced] in
+    planner/runtime.py)."""
     t0 = time.perf_counter()
     records = profile.records
     fwd_end = profile.forward_end_s
@@ -757,7 +770,10 @@ def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting:
     costs = {}
     notes = []
     hint_end = {}   # pack index -> what became of its hint (the end of its reason)
-    options = {r.index: _options(r, rates, has_nvme, bwd_start) for r in records}
+    shares = tracking_s or {}
+    options = {r.index: _options(r, rates, has_nvme, bwd_start,
+                                 None if r.index in no_recompute else shares.get(r.index, 0.0))
+               for r in records}
     room = {Tier.CPU: cpu_budget_bytes,
             Tier.NVME: nvme_budget_bytes if nvme_budget_bytes is not None else 1 << 62}
     extra_kept = freed = must_kept = same_ram = 0
@@ -913,16 +929,19 @@ def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting:
                 None if r.hint is None else r.hint[1], pack_s=r.pack_s))
             continue
         if tier is Tier.RECOMPUTE:
-            cost = costs[r.index].cost_s
+            track = costs[r.index].track_s
+            cost = costs[r.index].cost_s - track
             recompute_total += cost
             reason = f"recompute: {cost * 1e3:.2f} ms to regenerate {format_bytes(r.nbytes)}"
+            if track:
+                reason += f" (+{track * 1e3:.2f} ms: its share of producer tracking)"
             moves = [o for o in options[r.index] if o.tier is not Tier.RECOMPUTE]
             if r.index in reasons:   # chosen by the improvement pass
                 reason = f"{reasons[r.index]}; {reason[len('recompute: '):]}"
             elif moves and options[r.index][0] is costs[r.index]:
                 o = moves[0]
                 reason += (f", cheaper per freed byte than {o.tier.value} "
-                           f"({_per_mib(cost, costs[r.index].freed)} vs "
+                           f"({_per_mib(cost + track, costs[r.index].freed)} vs "
                            f"{_per_mib(o.cost_s, o.freed)} ms/MiB: stall + CPU)")
         elif tier in (Tier.CPU, Tier.NVME):
             o = costs[r.index]
@@ -941,7 +960,9 @@ def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting:
                 reason = _why_no_option(r, has_nvme)
             elif reason is None:
                 o = options[r.index][0]
-                what = ("a regeneration would take" if o.tier is Tier.RECOMPUTE
+                what = (("a regeneration with its share of producer tracking would take"
+                         if o.track_s else "a regeneration would take")
+                        if o.tier is Tier.RECOMPUTE
                         else f"a {o.tier.value} move would cost (stall + CPU)")
                 reason = (f"kept: needed {use_ms:.1f} ms into backward, {what} "
                           f"{o.cost_s * 1e3:.2f} ms; the budget is met without moving it")

@@ -1,0 +1,175 @@
+"""Producer tracking priced by the planner (NOTE [Tracking priced] in
+tiermem/planner/runtime.py): the profile counts the ops of each (module,
+torch call), a recompute option carries its share of the tracking its recipe
+needs, a plan states what its tracking costs, a plan whose tracking does not
+pay is declined for the plan without it, and a step following a plan tracks
+the ops its price counted."""
+
+import functools
+
+import pytest
+import torch
+
+import tiermem
+import tiermem.producers as producers
+from tiermem.models import GPTConfig, TinyGPT
+from tiermem.planner.profile import Profile, TensorRecord
+from tiermem.planner.rates import Rates, measure_rates
+from tiermem.planner.runtime import _priced_plan, tracked_op_count, tracking_shares
+from tiermem.planner.solver import make_plan
+
+MB = 1_000_000
+
+
+def _rec(index, nbytes, pack_s, use_s, calls, recompute_s=0.002):
+    return TensorRecord(index, f"m{index}", None, (nbytes // 4,), "float32", "cpu", nbytes,
+                        pack_s, recomputable=True, recompute_s=recompute_s,
+                        first_use_s=use_s, recipe_modules=tuple(sorted({m for m, _ in calls})),
+                        recipe_calls=tuple(calls))
+
+
+def _profile(records, call_ops, bwd_start=1.0):
+    keys = tuple(((r.nbytes // 4,), torch.float32, torch.device(r.device)) for r in records)
+    return Profile(records, keys, 0, bwd_start, bwd_start, bwd_start + 1.0,
+                   sum(r.nbytes for r in records), call_ops=call_ops)
+
+
+def _rates(track_op_s):
+    # An nvme move of 10 MB costs its CPU charge: 10 MB / 1 GB/s over 2 threads = 5 ms.
+    return Rates(host_copy=1e10, pointwise=1e9, disk_write=1e9, disk_read=1e9,
+                 disk_engine="fake", move_cpu=1e9, compute_threads=2.0, track_op_s=track_op_s)
+
+
+def _plan(profile, rates, budget, has_nvme=True):
+    make = functools.partial(make_plan, profile, rates, budget, "test", has_nvme=has_nvme,
+                             cpu_budget_bytes=0, nvme_budget_bytes=None)
+    return _priced_plan(profile, rates, make)
+
+
+ATTN = ("m0", "scaled_dot_product_attention")
+GELU = ("m1", "gelu")
+
+
+def test_a_recompute_pays_its_share_of_the_tracking_its_recipe_needs():
+    # A's recipe is inside a 1000-op call: 2 ms to regenerate + 10 ms of
+    # tracking > 5 ms for nvme. B's is a 2-op call: recomputed.
+    recs = [_rec(0, 10 * MB, 0.0, 3.0, [ATTN]), _rec(1, 10 * MB, 0.1, 2.9, [GELU])]
+    prof = _profile(recs, {ATTN: 1000, GELU: 2, ("m1", "linear"): 7})
+    plan = _plan(prof, _rates(10e-6), budget=0)
+    assert [p.tier for p in plan.tensors] == ["nvme", "recompute"]
+    assert plan.tracked_ops == 2
+    assert plan.predicted_tracking_s == pytest.approx(2 * 10e-6)
+    assert plan.predicted_step_cost_s == pytest.approx(
+        plan.predicted_stall_s + plan.predicted_cpu_s + plan.predicted_recompute_s + 2e-5)
+    assert "(+0.02 ms: its share of producer tracking)" in plan.tensors[1].reason
+    assert "producer tracking 0.02 ms (2 ops)" in str(plan)
+    assert plan.as_dict()["predicted_tracking_s"] == plan.predicted_tracking_s
+    # Free tracking (unmeasured): both recomputed, as before pricing.
+    free = _plan(prof, _rates(0.0), budget=0)
+    assert [p.tier for p in free.tensors] == ["recompute", "recompute"]
+    assert free.predicted_tracking_s == 0.0
+
+
+def test_a_call_shared_by_recipes_is_paid_once_and_shared():
+    recs = [_rec(i, 10 * MB, 0.1 * i, 3.0 - 0.1 * i, [ATTN]) for i in range(4)]
+    prof = _profile(recs, {ATTN: 1000})
+    shares = tracking_shares(prof, _rates(10e-6))
+    assert shares == {i: pytest.approx(10e-3 / 4) for i in range(4)}
+    plan = _plan(prof, _rates(10e-6), budget=0)
+    # 2 ms + 2.5 ms share < 5 ms per tensor: all recomputed; the call is paid once.
+    assert {p.tier for p in plan.tensors} == {"recompute"}
+    assert plan.tracked_ops == 1000
+    assert any(n.startswith("tracking: recomputing 4 tensors") and "worth it" in n
+               for n in plan.notes)
+
+
+def test_a_plan_whose_tracking_does_not_pay_is_declined():
+    # Ten recipes share a 1000-op call (1 ms share each, so recompute looks
+    # cheaper than nvme's 5 ms), but the budget needs one tensor only: that
+    # plan pays the whole 10 ms of tracking; the plan without it moves it.
+    recs = [_rec(i, 10 * MB, 0.01 * i, 3.0 - 0.01 * i, [ATTN]) for i in range(10)]
+    prof = _profile(recs, {ATTN: 1000})
+    plan = _plan(prof, _rates(10e-6), budget=90 * MB)
+    assert [p.tier for p in plan.tensors].count("recompute") == 0
+    assert [p.tier for p in plan.tensors].count("nvme") == 1
+    assert plan.tracked_ops == 0 and plan.predicted_tracking_s == 0.0
+    assert plan.tracking_scope == frozenset()
+    note = [n for n in plan.notes if n.startswith("tracking: the plan recomputing them was "
+                                                  "declined: recomputing 1 tensors")]
+    assert note and "over 1000 ops" in note[0]
+
+
+def test_tracking_is_kept_where_the_budget_needs_it():
+    # No nvme tier: recompute is the only way to the budget.
+    recs = [_rec(i, 10 * MB, 0.01 * i, 3.0 - 0.01 * i, [ATTN]) for i in range(10)]
+    prof = _profile(recs, {ATTN: 1000})
+    plan = _plan(prof, _rates(10e-6), budget=90 * MB, has_nvme=False)
+    assert [p.tier for p in plan.tensors].count("recompute") == 1
+    assert plan.tracked_ops == 1000
+    assert any("the budget is not reachable without them" in n for n in plan.notes)
+
+
+def test_a_recipe_without_calls_or_modules_counts_its_module_or_the_forward():
+    whole = _rec(0, 10 * MB, 0.0, 3.0, [("m0", None)])
+    prof = _profile([whole], {ATTN: 30, ("m0", "linear"): 5, ("m2", "gelu"): 4})
+    plan = _plan(prof, _rates(0.0), budget=0)
+    assert plan.tensors[0].tier == "recompute"
+    assert tracked_op_count(plan, prof) == 35   # all of m0
+    unknown = TensorRecord(0, "m0", None, (10 * MB // 4,), "float32", "cpu", 10 * MB, 0.0,
+                           recomputable=True, recompute_s=0.002, first_use_s=3.0)
+    prof = _profile([unknown], {ATTN: 30, ("m0", "linear"): 5, ("m2", "gelu"): 4})
+    plan = _plan(prof, _rates(0.0), budget=0)
+    assert plan.tracking_scope is None and tracked_op_count(plan, prof) == 39
+
+
+def test_tracking_cost_per_op_is_measured():
+    rates = measure_rates(None)
+    assert rates.track_op_s > 0
+    assert rates.as_dict()["track_op_s"] == rates.track_op_s
+
+
+def _gpt():
+    torch.manual_seed(0)
+    return TinyGPT(GPTConfig(layers=2, width=32, heads=2, seq_len=16, dropout=0.1, vocab=64))
+
+
+def test_the_profile_counts_ops_per_call_and_a_followed_step_tracks_what_was_priced(
+        monkeypatch):
+    model = _gpt()
+    idx = torch.randint(0, 64, (2, 16))
+    off = tiermem.Offloader(policy="auto", device_budget="10%", min_offload_bytes=0)
+    for _ in range(2):
+        with off:
+            loss = model(idx, idx)
+        loss.backward()
+    planner = off._placement.planner
+    plan = off.plan
+    prof = planner._profiles[plan.keys]
+    ops = prof.call_ops
+    attn = [n for (m, c), n in ops.items() if c == "scaled_dot_product_attention"]
+    assert len(attn) == 2 and attn[0] == attn[1] > 5   # one call per block, same ops
+    assert plan.tracked_ops == tracked_op_count(plan, prof) > 0
+    assert plan.tracked_ops < sum(ops.values())        # scoped: not the whole forward
+    # A step that follows the plan hands its mode the ops the price counted.
+    seen = []
+    real = producers.ProducerMode.__torch_dispatch__
+
+    def counting(self, func, types, args=(), kwargs=None):
+        seen.append(func)
+        return real(self, func, types, args, kwargs)
+    monkeypatch.setattr(producers.ProducerMode, "__torch_dispatch__", counting)
+    with off:
+        loss = model(idx, idx)
+    loss.backward()
+    assert off.plan is plan
+    assert len(seen) == plan.tracked_ops
+
+
+def test_a_prefer_recompute_hint_keeps_its_recompute_where_tracking_is_declined():
+    from tiermem.policy import Tier, TierOrder
+    recs = [_rec(i, 10 * MB, 0.01 * i, 3.0 - 0.01 * i, [ATTN]) for i in range(10)]
+    recs[0].hint = (TierOrder([Tier.RECOMPUTE, Tier.KEEP]), "PREFER_RECOMPUTE")
+    prof = _profile(recs, {ATTN: 1000})
+    plan = _plan(prof, _rates(10e-6), budget=90 * MB)
+    assert plan.tensors[0].tier == "recompute"
+    assert [p.tier for p in plan.tensors[1:]].count("recompute") == 0
