@@ -470,6 +470,21 @@ def main(argv=None) -> int:
                                  if k in med}
     if "auto_scoped" in med and "auto_whole_forward" in med:
         res["auto_scoped_vs_whole_forward"] = med["auto_scoped"] / med["auto_whole_forward"] - 1
+    # The planner's price of the plan's tracking (NOTE [Tracking priced] in
+    # tiermem/planner/runtime.py) against what the rows measured.
+    predicted = getattr(plan, "predicted_tracking_s", None)
+    if predicted is not None:
+        measured = {k: med[k] - med["module_hooks"] for k in ("scoped_plan_calls",)
+                    if k in med}
+        res["plan_tracking_priced"] = {
+            "tracked_ops": plan.tracked_ops, "track_op_s": plan.rates.get("track_op_s"),
+            "predicted_tracking_s": predicted,
+            "predicted_share_of_plain_forward": predicted / base,
+            "measured_over_module_hooks_s": measured,
+            "measured_share_of_plain_forward": {k: v / base for k, v in measured.items()},
+            "measured_us_per_tracked_op": {k: v / plan.tracked_ops * 1e6
+                                           for k, v in measured.items()
+                                           if plan.tracked_ops}}
     if a.grad_fn:
         res["grad_fn_feasibility"] = grad_fn_feasibility(model, x)
     off.close()
