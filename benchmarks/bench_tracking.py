@@ -320,6 +320,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--budget", default="10%")
+    p.add_argument("--dropout", type=float, default=None,
+                   help="the model's dropout (default: GPTConfig's); 0 lets attention run "
+                        "as one fused op on the CPU, as flash attention does on CUDA")
     p.add_argument("--device", default="auto")
     p.add_argument("--no-auto", action="store_true", help="skip the auto_* rows")
     p.add_argument("--grad-fn", action="store_true", help="add the autograd-graph experiment")
@@ -346,7 +349,8 @@ def main(argv=None) -> int:
               "calls": call_slowdown(dev)}, a.out)
         return 0
     torch.manual_seed(0)
-    cfg = GPTConfig(layers=a.layers, width=a.width, heads=4, seq_len=a.seq_len, vocab=2048)
+    cfg = GPTConfig(layers=a.layers, width=a.width, heads=4, seq_len=a.seq_len, vocab=2048,
+                    **({} if a.dropout is None else {"dropout": a.dropout}))
     model = TinyGPT(cfg).to(dev)
     x = torch.randint(0, cfg.vocab, (a.batch, a.seq_len), device=dev)
     counter = ModuleOfEachOp()
@@ -424,7 +428,8 @@ def main(argv=None) -> int:
     res = {"benchmark": "producer tracking cost in forward: whole-forward and scoped",
            "machine": machine(),
            "model": {"layers": a.layers, "width": a.width, "seq_len": a.seq_len,
-                     "batch": a.batch, "loss": "in the forward (cross-entropy)"},
+                     "batch": a.batch, "dropout": cfg.dropout,
+                     "loss": "in the forward (cross-entropy)"},
            "device": str(dev), "rounds": a.rounds, "warmup": a.warmup,
            "ops_per_forward": n_ops, "torch_function_calls_per_forward": fcount.calls,
            "plan": {"budget": a.budget, "recomputed_tensors": sum(

@@ -92,7 +92,13 @@ def test_planned_steps_record_less_and_recompute_as_recording_everything_would(
         assert stats == every_stats, f"{name} step {step}: {stats} != {every_stats}"
         assert stats[0]["recompute"] > 0 and stats[3] == 0, stats
         assert names == [False], names
-        assert 0 < records < every_records, (records, every_records)
+        # Fewer, or as many where the scope runs no recomputable op the
+        # recipes do not use (mlp, embed_gather: their scopes run only their
+        # recipes' ops; the pack hook's own detaches are recorded by neither:
+        # NOTE [The pack hook runs untracked] in producers.py).
+        assert 0 < records <= every_records, (records, every_records)
+        if name.startswith("block"):   # attention's other ops: recorded only by "every"
+            assert records < every_records, (records, every_records)
     assert got_steps[0][2] == [True], "the profile records op names"
 
 

@@ -173,3 +173,53 @@ def test_a_prefer_recompute_hint_keeps_its_recompute_where_tracking_is_declined(
     plan = _plan(prof, _rates(10e-6), budget=90 * MB)
     assert plan.tensors[0].tier == "recompute"
     assert [p.tier for p in plan.tensors[1:]].count("recompute") == 0
+
+
+class _UserMode(torch.utils._python_dispatch.TorchDispatchMode):
+    """A mode of the user's, entered inside the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_pack_hook_runs_with_the_step_mode_off_the_dispatch_stack(monkeypatch):
+    # NOTE [The pack hook runs untracked] in producers.py: while tiermem packs,
+    # its producer mode is not on the stack (its own ops are not the model's);
+    # a user's mode above it stays, and both are back after.
+    import tiermem.hooks as hooks
+    stacks = []
+    real = hooks.Packer.__call__
+
+    def spy(self, t):
+        n = torch._C._len_torch_dispatch_stack()
+        stacks.append(tuple(type(torch._C._get_dispatch_stack_at(i)) for i in range(n)))
+        return real(self, t)
+    monkeypatch.setattr(hooks.Packer, "__call__", spy)
+    x = torch.randn(8, 16, requires_grad=True)
+    w = torch.randn(16, 16, requires_grad=True)
+    ref = (torch.tanh(x @ w).sin()).sum()
+    ref.backward()
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    off = tiermem.Offloader(policy="recompute", min_offload_bytes=0)
+    user = _UserMode()
+    with off:
+        h = torch.tanh(x @ w)
+        with user:
+            y = h.sin()
+            assert type(torch._C._get_dispatch_stack_at(
+                torch._C._len_torch_dispatch_stack() - 1)) is _UserMode
+        loss = y.sum()
+    loss.backward()
+    assert torch.equal(x.grad, gx) and torch.equal(w.grad, gw)
+    assert stacks and user.ops > 0
+    plain = [s for s in stacks if _UserMode not in s]
+    assert plain and all(producers.ProducerMode not in s for s in plain), stacks
+    # The user's mode on top: the stack is left as it is.
+    above = [s for s in stacks if _UserMode in s]
+    assert above and all(s[-1] is _UserMode and producers.ProducerMode in s for s in above)

@@ -39,7 +39,7 @@ from .config import Config
 from .errors import ConfigError, TierMemError
 from .hooks import Packer, keep_pack, opaque, unpack
 from .placement import Placement, default_cpu_budget_bytes, default_nvme_budget_bytes
-from .producers import CallRecorder, ProducerMode
+from .producers import CallRecorder, ProducerMode, untracked_pack
 from .step import Step
 from .tailhold import TailHold
 from .telemetry import StepStats
@@ -136,7 +136,10 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
             if recorder is not None:   # a profiled step: unpacks timed
                 recorder.start(self.stats)
                 unpack_hook = opaque(recorder.unpack)
-        super().__init__(opaque(self._packer.__call__), unpack_hook)
+        pack = self._packer.__call__
+        if self.producers is not None:   # NOTE [The pack hook runs untracked] in producers.py
+            pack = untracked_pack(self.producers, pack)
+        super().__init__(opaque(pack), unpack_hook)
 
     @property
     def prefetcher(self):
