@@ -157,7 +157,10 @@ def _plan_scope(model, x, budget):
     return off, plan
 
 
-def _auto_forward(off, force_whole, by_module=False):
+def _auto_forward(off, force_whole, by_module=False, hook_tracked=False):
+    """A step of ``off`` (its forward); ``hook_tracked``: with the pack hook's
+    own ops dispatched to the producer mode, as before NOTE [The pack hook
+    runs untracked] (tiermem/producers.py)."""
     def run(model, x):
         plan = off.plan   # settles the planner (closed loop) before the step
         if force_whole:
@@ -166,8 +169,14 @@ def _auto_forward(off, force_whole, by_module=False):
         if by_module:
             for p in off._placement.planner.plans.values():
                 p.tracking_calls = None
-        with off:
-            loss = model(x, x)
+        real = tiermem.offloader.untracked_pack
+        if hook_tracked:
+            tiermem.offloader.untracked_pack = lambda mode, pack: pack
+        try:
+            with off:
+                loss = model(x, x)
+        finally:
+            tiermem.offloader.untracked_pack = real
         return loss
     return run
 
@@ -398,6 +407,8 @@ def main(argv=None) -> int:
         runners["auto_whole_forward"] = _auto_forward(off_full, True)
         off_module, _ = _plan_scope(model, x, a.budget)
         runners["auto_module_scoped"] = _auto_forward(off_module, False, by_module=True)
+        off_hook, _ = _plan_scope(model, x, a.budget)
+        runners["auto_scoped_hook_tracked"] = _auto_forward(off_hook, False, hook_tracked=True)
     if a.configs:
         keep = {"none", "module_hooks"} | set(a.configs.split(","))
         unknown = keep - set(runners)
@@ -460,6 +471,9 @@ def main(argv=None) -> int:
         k: statistics.median(paired(k, "module_hooks")) for k in scoped_rows}
     res["paired_ratio_vs_module_hooks_ci"] = {
         k: median_ci(paired(k, "module_hooks")) for k in scoped_rows}
+    if "auto_scoped" in times and "auto_scoped_hook_tracked" in times:
+        res["paired_ratio_auto_scoped_vs_hook_tracked_ci"] = median_ci(
+            paired("auto_scoped", "auto_scoped_hook_tracked"))
     if "auto_scoped" in times and "auto_whole_forward" in times:
         res["paired_ratio_auto_scoped_vs_whole_forward"] = statistics.median(
             paired("auto_scoped", "auto_whole_forward"))
@@ -496,6 +510,7 @@ def main(argv=None) -> int:
     if not a.no_auto:
         off_full.close()
         off_module.close()
+        off_hook.close()
     emit(res, a.out)
     return 0
 
