@@ -47,8 +47,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tiermem  # noqa: E402
 import tiermem.testing  # noqa: E402
-from common import emit, machine  # noqa: E402
-from tiermem.models import GPTConfig, TinyGPT  # noqa: E402
+from common import add_gpt_args, emit, gpt_config, machine  # noqa: E402
+from tiermem.models import TinyGPT  # noqa: E402
 from tiermem.step import Step  # noqa: E402
 import tiermem.hooks  # noqa: E402
 
@@ -177,10 +177,7 @@ class Runner:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nvme-dir", default=None)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=4)
+    add_gpt_args(ap, batch=4)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--engine", default="auto")
@@ -188,8 +185,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     Step.restored = _restored
-    cfg = GPTConfig(vocab=2048, layers=args.layers, width=args.width, heads=4,
-                    seq_len=args.seq_len, dropout=0.1)
+    cfg = gpt_config(args)
     tmp = None
     nvme_dir = args.nvme_dir
     if nvme_dir is None:

@@ -40,8 +40,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tiermem  # noqa: E402
 import tiermem.offloader  # noqa: E402
-from common import emit, machine  # noqa: E402
-from tiermem.models import GPTConfig, TinyGPT  # noqa: E402
+from common import add_gpt_args, emit, gpt_config, machine  # noqa: E402
+from tiermem.models import TinyGPT  # noqa: E402
 from tiermem.step import Step  # noqa: E402
 from tiermem.tiers.moving import MovedHandle, MovingStore  # noqa: E402
 
@@ -229,18 +229,14 @@ def run_config(budget: str, model_cfg, batches, nvme_dir, steps: int, engine: st
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nvme-dir", default=None)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=16)
+    add_gpt_args(ap, batch=16)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--engine", default="auto")
     ap.add_argument("--budgets", default="50%,25%")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     _install()
-    cfg = GPTConfig(vocab=2048, layers=args.layers, width=args.width, heads=4,
-                    seq_len=args.seq_len, dropout=0.1)
+    cfg = gpt_config(args)
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, cfg.vocab, (args.batch, args.seq_len + 1), generator=g)
                for _ in range(args.steps + 1)]

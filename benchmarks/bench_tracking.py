@@ -73,12 +73,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import emit, machine, pick_device, summarize, sync  # noqa: E402
+from common import add_gpt_args, emit, gpt_config, machine, pick_device, summarize, sync  # noqa: E402
 from benchmarks.suite.budgets import median_ci  # noqa: E402
 from benchmarks.suite.roles import round_order  # noqa: E402
 
 import tiermem  # noqa: E402
-from tiermem.models import GPTConfig, TinyGPT  # noqa: E402
+from tiermem.models import TinyGPT  # noqa: E402
 from tiermem.producers import RANDOM_OPS, ProducerMode, storage_key  # noqa: E402
 from tiermem.tracker import ModuleStack, TrackingScope, current_module  # noqa: E402
 
@@ -322,16 +322,10 @@ def call_slowdown(dev, repeats: int = 200) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--width", type=int, default=256)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--batch", type=int, default=4)
+    add_gpt_args(p, batch=4)
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--budget", default="10%")
-    p.add_argument("--dropout", type=float, default=None,
-                   help="the model's dropout (default: GPTConfig's); 0 lets attention run "
-                        "as one fused op on the CPU, as flash attention does on CUDA")
     p.add_argument("--device", default="auto")
     p.add_argument("--no-auto", action="store_true", help="skip the auto_* rows")
     p.add_argument("--grad-fn", action="store_true", help="add the autograd-graph experiment")
@@ -358,8 +352,7 @@ def main(argv=None) -> int:
               "calls": call_slowdown(dev)}, a.out)
         return 0
     torch.manual_seed(0)
-    cfg = GPTConfig(layers=a.layers, width=a.width, heads=4, seq_len=a.seq_len, vocab=2048,
-                    **({} if a.dropout is None else {"dropout": a.dropout}))
+    cfg = gpt_config(a)
     model = TinyGPT(cfg).to(dev)
     x = torch.randint(0, cfg.vocab, (a.batch, a.seq_len), device=dev)
     counter = ModuleOfEachOp()

@@ -31,12 +31,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import emit, machine  # noqa: E402
+from common import add_gpt_args, emit, gpt_config, machine  # noqa: E402
 
 import tiermem  # noqa: E402
 import tiermem.offloader  # noqa: E402
 import tiermem.producers as producers  # noqa: E402
-from tiermem.models import GPTConfig, TinyGPT  # noqa: E402
+from tiermem.models import TinyGPT  # noqa: E402
 
 _clock = time.perf_counter_ns
 _acc = {"op": 0, "total": 0, "calls": 0}
@@ -99,17 +99,14 @@ def _measure(run) -> tuple:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--width", type=int, default=256)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--batch", type=int, default=4)
+    add_gpt_args(p, batch=4)
     p.add_argument("--rounds", type=int, default=21)
     p.add_argument("--budget", default="10%")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    cfg = GPTConfig(layers=a.layers, width=a.width, heads=4, seq_len=a.seq_len, vocab=2048)
+    cfg = gpt_config(a)
     model = TinyGPT(cfg)
     x = torch.randint(0, cfg.vocab, (a.batch, a.seq_len))
     producers._run_as_without_mode = _timed_run   # the handler calls it by module global

@@ -20,7 +20,28 @@ import psutil
 import torch
 
 __all__ = ["machine", "mount_of", "summarize", "emit", "pick_device", "sync", "max_rss_bytes",
-           "rss_bytes", "reset_peak_rss", "vm_hwm_bytes"]
+           "rss_bytes", "reset_peak_rss", "vm_hwm_bytes", "add_gpt_args", "gpt_config"]
+
+
+def add_gpt_args(ap, *, batch: int = 4) -> None:
+    """The TinyGPT shape options the CPU benchmarks share: ``--layers`` (4),
+    ``--width`` (256, 4 heads), ``--seq-len`` (256), ``--batch`` (``batch``) and
+    ``--dropout`` (GPTConfig's unless given)."""
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=batch)
+    ap.add_argument("--dropout", type=float, default=None,
+                    help="the model's dropout (default: GPTConfig's, 0.1); 0 lets attention "
+                         "run as one fused op on the CPU, as flash attention does on CUDA")
+
+
+def gpt_config(args, vocab: int = 2048):
+    """The ``GPTConfig`` of :func:`add_gpt_args`' options."""
+    from tiermem.models import GPTConfig
+    extra = {} if args.dropout is None else {"dropout": args.dropout}
+    return GPTConfig(vocab=vocab, layers=args.layers, width=args.width, heads=4,
+                     seq_len=args.seq_len, **extra)
 
 
 def _cpu_model() -> str:
