@@ -281,6 +281,43 @@ def per_op_cost(n: int = 4000, repeats: int = 7) -> dict:
     return out
 
 
+def kernel_times(model, x, repeats: int = 5) -> dict:
+    """Aten self CPU time per op name (``torch.profiler``) of one forward,
+    plainly and under :class:`NoopMode`, summed over ``repeats`` interleaved
+    forwards each (after two warm-up pairs): which kernels run longer, or
+    differently, while a dispatch mode is active. Op counts are not compared
+    (under a mode the profiler sees each op twice: the handler's call and the
+    kernel's)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def once(mode: bool) -> collections.Counter:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            if mode:
+                with NoopMode():
+                    model(x, x)
+            else:
+                model(x, x)
+        out: collections.Counter = collections.Counter()
+        for e in prof.key_averages():
+            if e.key.startswith("aten::"):
+                out[e.key] += e.self_cpu_time_total
+        return out
+    for _ in range(2):
+        once(False)
+        once(True)
+    plain: collections.Counter = collections.Counter()
+    mode: collections.Counter = collections.Counter()
+    for _ in range(repeats):
+        plain.update(once(False))
+        mode.update(once(True))
+    rows = sorted(set(plain) | set(mode), key=lambda k: plain[k] - mode[k])
+    return {"repeats": repeats,
+            "total_ms": {"plain": sum(plain.values()) / repeats / 1e3,
+                         "noop_mode": sum(mode.values()) / repeats / 1e3},
+            "per_op_ms": {k: {"plain": plain[k] / repeats / 1e3,
+                              "noop_mode": mode[k] / repeats / 1e3} for k in rows[:12]}}
+
+
 def call_slowdown(dev, repeats: int = 200) -> dict:
     """Per torch call of TinyGPT's kinds (its shapes at batch 4, seq 256,
     width 256), the call's median time without a mode and under a
@@ -339,6 +376,9 @@ def main(argv=None) -> int:
                         "are always in: the ratios are taken against them); default: all")
     p.add_argument("--call-costs", action="store_true",
                    help="only measure what a dispatch mode adds to single torch calls")
+    p.add_argument("--kernel-times", action="store_true",
+                   help="only profile the forward's aten self times, plain and under a "
+                        "no-op dispatch mode")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if a.threads:
@@ -355,6 +395,13 @@ def main(argv=None) -> int:
     cfg = gpt_config(a)
     model = TinyGPT(cfg).to(dev)
     x = torch.randint(0, cfg.vocab, (a.batch, a.seq_len), device=dev)
+    if a.kernel_times:
+        emit({"benchmark": "aten self time of a forward, plain and under a no-op dispatch mode",
+              "machine": machine(), "device": str(dev), "torch_threads": torch.get_num_threads(),
+              "model": {"layers": a.layers, "width": a.width, "seq_len": a.seq_len,
+                        "batch": a.batch, "dropout": cfg.dropout},
+              "kernels": kernel_times(model, x)}, a.out)
+        return 0
     counter = ModuleOfEachOp()
     with ModuleStack(), counter:
         model(x, x)
