@@ -113,7 +113,12 @@ follows, and the closed loop that corrects a plan from measurement.
 #    tracking) is lower. A plan's notes say what its tracking costs, and
 #    why it recomputes or declined to.
 # Not priced: the module hooks and the call gate of a scoped step (a torch
-# function mode, one Python call per torch call in the scoped modules).
+# function mode, one Python call per torch call in the scoped modules). A
+# per-op price is an approximation: most of what a dispatch mode costs a
+# real forward on the CPU is its kernels running 3-10% longer while it is
+# active (benchmarks/results/2026-12-02-cpu-tracking-untracked-pack.md), a
+# cost that scales with the tracked calls' time rather than their op count;
+# plans under-price tracking most where they track few ops.
 
 # NOTE [Blocks the planner may checkpoint]
 # ``wrap_blocks(model, Block, checkpoint="auto")`` gives the planner one more
