@@ -162,7 +162,7 @@ def _auto_forward(off, force_whole, by_module=False, hook_tracked=False):
     own ops dispatched to the producer mode, as before NOTE [The pack hook
     runs untracked] (tiermem/producers.py)."""
     def run(model, x):
-        plan = off.plan   # settles the planner (closed loop) before the step
+        off.plan   # reading it settles the planner (closed loop) before the step
         if force_whole:
             for p in off._placement.planner.plans.values():
                 p.tracking_scope = None
