@@ -73,6 +73,7 @@ _VIEW_BIT_KEYS = tuple(getattr(_KEY, n) for n in ("Conjugate", "Negative", "Zero
 _is_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
 _set_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
 _modes_below = torch._C._len_torch_dispatch_stack   # inside a handler: the modes under it
+_dispatch_at = torch._C._get_dispatch_stack_at
 
 
 def _run_as_without_mode(func, types, args, kwargs):
@@ -114,7 +115,7 @@ def untracked_pack(mode: "ProducerMode", pack):
     runs untracked]."""
     def run(t):
         n = _modes_below()
-        if not n or torch._C._get_dispatch_stack_at(n - 1) is not mode:
+        if not n or _dispatch_at(n - 1) is not mode:
             return pack(t)
         popped = _pop_dispatch(None)
         try:

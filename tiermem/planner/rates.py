@@ -30,8 +30,9 @@ machine and cached per process.
   (the pointwise ops recorded, the linear not); the difference over the op
   count; measured once per process. What the planner prices a plan's
   tracking with (NOTE [Tracking priced] in planner/runtime.py). It grows
-  with the tensors' size (15 µs per op at 64 KiB, 22 at 256 KiB here), and
-  in a TinyGPT forward a tracked op cost about twice what this probe says
+  with the tensors' size (15 µs per op at 64 KiB, 22-70 µs at 256 KiB
+  here, varying between processes), and in a TinyGPT forward a tracked op
+  cost about twice what this probe says
   (benchmarks/results/2026-12-02-cpu-tracking-priced.md).
 
 Each figure is the best of :data:`REPEATS` runs (the machine is shared: the

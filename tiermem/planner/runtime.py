@@ -825,14 +825,10 @@ def tracked_op_count(plan: Plan, profile: Profile) -> int:
     [Tracking priced]."""
     if not profile.call_ops:
         return 0
-    scope = getattr(plan, "tracking_scope", None)
-    if scope is None:
-        scope = tracking_scope(plan, profile)
+    scope = tracking_scope(plan, profile)
     if scope is None:
         return _pair_ops(profile, None, None)
-    calls = getattr(plan, "tracking_calls", None)
-    if calls is None and scope:
-        calls = tracking_calls(plan, profile)
+    calls = tracking_calls(plan, profile)
     total = 0
     for module in scope:
         names = None if calls is None else calls.get(module)
