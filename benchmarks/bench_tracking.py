@@ -31,13 +31,18 @@ step ratios] in benchmarks/suite/budgets.py):
   the ops its recipes ran there (``plan.tracking_ops``);
 - ``scoped_plan_calls``: the plan's scope and op filter with tracking only
   inside the torch calls its recipes' ops ran in (``plan.tracking_calls``:
-  NOTE [Tracking inside torch calls] in tiermem/tracker.py), as a step
-  following the plan tracks now;
+  NOTE [Tracking inside torch calls] in tiermem/tracker.py), every such call
+  under the dispatch mode; ``scoped_plan_direct``: the same, the calls that
+  ran one op in the profile recorded whole without the mode
+  (``plan.tracking_direct``: NOTE [Calls recorded whole] in
+  tiermem/producers.py), as a step following the plan tracks now;
 - ``auto_scoped`` / ``auto_module_scoped`` / ``auto_whole_forward``: the
   forward of a step of a real ``Offloader(policy="auto")`` following that
   plan, with its scope (tracking inside the plan's calls), with its scope
   tracked whole module by module (as before the calls), and with
-  whole-forward tracking forced (each round also runs the backward, untimed).
+  whole-forward tracking forced (each round also runs the backward, untimed);
+  ``auto_scoped_no_direct``: with every tracked call under the mode (as
+  before calls were recorded whole).
 
 ``--call-costs``: only what a no-op dispatch mode adds to single torch calls
 of TinyGPT's kinds (attention, linear, layer norm, GELU, dropout), the
@@ -116,12 +121,13 @@ class ModuleOfEachOp(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _scoped(names, ops=None, names_too=True, calls=None):
+def _scoped(names, ops=None, names_too=True, calls=None, direct=None):
     def ctx():
         stack = contextlib.ExitStack()
         mode = ProducerMode(names=names_too)
         mode.alias_index = calls is not None
-        stack.enter_context(ModuleStack(scope=TrackingScope(mode, names, ops=ops, calls=calls)))
+        stack.enter_context(ModuleStack(scope=TrackingScope(mode, names, ops=ops, calls=calls,
+                                                            direct=direct)))
         stack.mode = mode
         return stack
     return ctx
@@ -157,10 +163,11 @@ def _plan_scope(model, x, budget):
     return off, plan
 
 
-def _auto_forward(off, force_whole, by_module=False, hook_tracked=False):
+def _auto_forward(off, force_whole, by_module=False, hook_tracked=False, no_direct=False):
     """A step of ``off`` (its forward); ``hook_tracked``: with the pack hook's
     own ops dispatched to the producer mode, as before NOTE [The pack hook
-    runs untracked] (tiermem/producers.py)."""
+    runs untracked] (tiermem/producers.py); ``no_direct``: every tracked call
+    under the dispatch mode, as before NOTE [Calls recorded whole]."""
     def run(model, x):
         off.plan   # reading it settles the planner (closed loop) before the step
         if force_whole:
@@ -169,6 +176,9 @@ def _auto_forward(off, force_whole, by_module=False, hook_tracked=False):
         if by_module:
             for p in off._placement.planner.plans.values():
                 p.tracking_calls = None
+        if no_direct:
+            for p in off._placement.planner.plans.values():
+                p.tracking_direct = None
         real = tiermem.offloader.untracked_pack
         if hook_tracked:
             tiermem.offloader.untracked_pack = lambda mode, pack: pack
@@ -438,6 +448,8 @@ def main(argv=None) -> int:
     if plan_calls is not None:
         configs["scoped_plan_calls"] = _scoped(plan_scope, plan_ops, names_too=False,
                                                calls=plan_calls)
+        configs["scoped_plan_direct"] = _scoped(plan_scope, plan_ops, names_too=False,
+                                                calls=plan_calls, direct=plan.tracking_direct)
     recorded = {k: records_made(configs[k], model, x) for k in configs
                 if k.startswith(("producer_mode", "scoped_"))}
     runners = {k: (lambda c: (lambda m, i: _under(c, m, i)))(c) for k, c in configs.items()}
@@ -449,6 +461,8 @@ def main(argv=None) -> int:
         runners["auto_module_scoped"] = _auto_forward(off_module, False, by_module=True)
         off_hook, _ = _plan_scope(model, x, a.budget)
         runners["auto_scoped_hook_tracked"] = _auto_forward(off_hook, False, hook_tracked=True)
+        off_nodirect, _ = _plan_scope(model, x, a.budget)
+        runners["auto_scoped_no_direct"] = _auto_forward(off_nodirect, False, no_direct=True)
     if a.configs:
         keep = {"none", "module_hooks"} | set(a.configs.split(","))
         unknown = keep - set(runners)
@@ -491,6 +505,8 @@ def main(argv=None) -> int:
            "plan_tracking_ops": {m: sorted(n) for m, n in sorted(plan_ops.items())},
            "plan_tracking_calls": (None if plan_calls is None else {
                m: None if n is None else sorted(n) for m, n in sorted(plan_calls.items())}),
+           "plan_tracking_direct": {m: dict(sorted(c.items())) for m, c in
+                                    sorted((plan.tracking_direct or {}).items())},
            "records_per_forward": recorded,
            "torch_threads": torch.get_num_threads(), "clock": a.clock,
            "forward_seconds": {k: summarize(v) for k, v in times.items()},
@@ -505,7 +521,8 @@ def main(argv=None) -> int:
         k: median_ci(paired(k, "none")) for k in times if k != "none"}
     scoped_rows = tuple(k for k in ("full_tracking", "scoped_plan", "scoped_all_blocks",
                                     "scoped_1_block", "scoped_plan_ops",
-                                    "scoped_all_blocks_ops", "scoped_plan_calls")
+                                    "scoped_all_blocks_ops", "scoped_plan_calls",
+                                    "scoped_plan_direct")
                        if k in times)
     res["paired_ratio_vs_module_hooks"] = {
         k: statistics.median(paired(k, "module_hooks")) for k in scoped_rows}
@@ -514,6 +531,12 @@ def main(argv=None) -> int:
     if "auto_scoped" in times and "auto_scoped_hook_tracked" in times:
         res["paired_ratio_auto_scoped_vs_hook_tracked_ci"] = median_ci(
             paired("auto_scoped", "auto_scoped_hook_tracked"))
+    if "auto_scoped" in times and "auto_scoped_no_direct" in times:
+        res["paired_ratio_auto_scoped_vs_no_direct_ci"] = median_ci(
+            paired("auto_scoped", "auto_scoped_no_direct"))
+    if "scoped_plan_direct" in times and "scoped_plan_calls" in times:
+        res["paired_ratio_scoped_direct_vs_calls_ci"] = median_ci(
+            paired("scoped_plan_direct", "scoped_plan_calls"))
     if "auto_scoped" in times and "auto_whole_forward" in times:
         res["paired_ratio_auto_scoped_vs_whole_forward"] = statistics.median(
             paired("auto_scoped", "auto_whole_forward"))
@@ -533,8 +556,8 @@ def main(argv=None) -> int:
     # tiermem/planner/runtime.py) against what the rows measured.
     predicted = getattr(plan, "predicted_tracking_s", None)
     if predicted is not None:
-        measured = {k: med[k] - med["module_hooks"] for k in ("scoped_plan_calls",)
-                    if k in med}
+        measured = {k: med[k] - med["module_hooks"]
+                    for k in ("scoped_plan_calls", "scoped_plan_direct") if k in med}
         res["plan_tracking_priced"] = {
             "tracked_ops": plan.tracked_ops, "track_op_s": plan.rates.get("track_op_s"),
             "predicted_tracking_s": predicted,
@@ -551,6 +574,7 @@ def main(argv=None) -> int:
         off_full.close()
         off_module.close()
         off_hook.close()
+        off_nodirect.close()
     emit(res, a.out)
     return 0
 

@@ -99,6 +99,8 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
                 self._calls = CallRecorder(self.producers)
                 # NOTE [Tracking priced] in planner/runtime.py
                 self.producers.op_counts = planning.recorder.op_counts = {}
+                # NOTE [Calls recorded whole] in producers.py
+                planning.recorder.single_op_calls = self.producers.single_op_calls
         else:
             blocks = blocks_need_producers()
             if names or blocks:
@@ -108,7 +110,8 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
                 self.tracking = TrackingScope(
                     self.producers, names or (), blocks,
                     ops=None if planning is None else planning.scope_ops,
-                    calls=None if planning is None else planning.scope_calls)
+                    calls=None if planning is None else planning.scope_calls,
+                    direct=None if planning is None else planning.scope_direct)
         prefetch_bytes = offloader.config.prefetch_bytes
         if (prefetch_bytes is None and self.planning is not None
                 and self.planning.plan is not None):

@@ -137,6 +137,8 @@ VIEW_OPS = _packets(
     "unbind", "chunk", "narrow", "as_strided", "alias", "detach", "flatten", "unflatten",
     "view_as_real", "view_as_complex", "diagonal", "unfold")
 
+_VIEW_NAMES = frozenset(p.__name__ for p in VIEW_OPS)
+
 #: Ops that draw random numbers from a generator; recomputed exactly by replaying
 #: the generator state captured just before they ran (no device sync).
 RANDOM_OPS = _packets("native_dropout", "bernoulli", "rand_like", "randn_like",
@@ -188,11 +190,17 @@ class CallRecorder(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         p = self.producers
         outer = p.call
-        p.call = call_name(func)
+        name = p.call = call_name(func)
+        counting = getattr(p, "op_counts", None) is not None and outer is None
+        if counting:
+            module, before = current_module(), p.ops_run
         try:
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
         finally:
             p.call = outer
+        if counting:   # NOTE [Calls recorded whole]: was this call one op?
+            p.note_call(module, name, p.ops_run - before, out)
+        return out
 
 
 def storage_key(t: torch.Tensor, storage=None) -> tuple:
@@ -261,7 +269,7 @@ class Record:
     known (the op is not recomputable)."""
 
     __slots__ = ("name", "func", "args", "kwargs", "out_index", "rng", "version", "is_view",
-                 "values_op", "module", "call", "__weakref__")
+                 "values_op", "module", "call", "returned", "__weakref__")
 
     def __init__(self, name: str, values_op: str) -> None:
         self.name = name
@@ -281,6 +289,9 @@ class Record:
         #: (NOTE [Tracking inside torch calls] in tracker.py); ``None``: not
         #: recorded, or the op ran outside every torch call.
         self.call: Optional[str] = None
+        #: The torch call ``call`` returned this tensor (set by a
+        #: :class:`CallRecorder`; NOTE [Calls recorded whole]).
+        self.returned = False
 
     def refs(self):
         """The :class:`Ref` of every tensor argument (lists flattened)."""
@@ -369,6 +380,13 @@ class ProducerMode(TorchDispatchMode):
         #: torch call) (a profiled step: what tracking them would cost, NOTE
         #: [Tracking priced] in planner/runtime.py).
         self.op_counts: Optional[dict] = None
+        #: With ``op_counts``: ops handled so far, the last one's ``_OpInfo``,
+        #: and per (module, torch call) the op name every such call ran alone
+        #: (``False``: one ran some other number of ops, or another op, or
+        #: one that cannot be recorded whole): NOTE [Calls recorded whole].
+        self.ops_run = 0
+        self.last_op: Optional["_OpInfo"] = None
+        self.single_op_calls: dict = {}
         #: Op names to record (``None``: every recomputable op).
         self.wanted: Optional[frozenset] = None
         self._records: dict = {}    # id(tensor) -> (weakref to tensor, Record)
@@ -494,13 +512,7 @@ class ProducerMode(TorchDispatchMode):
             t = args[i] if i < len(args) else kwargs.get(name)
             if not isinstance(t, torch.Tensor) or not _plain(t):
                 continue
-            key = StorageWeakRef(t.untyped_storage()).cdata
-            entry = self._watched.get(key)
-            if entry is not None:
-                for ref in entry[1]:
-                    h = ref()
-                    if h is not None:
-                        h.tainted = True
+            key = self._taint(t)
             entry = self._watched_inputs.pop(key, None)
             if entry is not None:   # after the write these leaves hold copies
                 copies: dict = {}
@@ -508,6 +520,18 @@ class ProducerMode(TorchDispatchMode):
                     leaf = ref()
                     if leaf is not None:
                         leaf.snapshot(copies)
+
+    def _taint(self, t: torch.Tensor) -> int:
+        """Mark the handles of dropped tensors on ``t``'s storage written (NOTE
+        [Writes to dropped tensors]); returns the storage's key."""
+        key = StorageWeakRef(t.untyped_storage()).cdata
+        entry = self._watched.get(key)
+        if entry is not None:
+            for ref in entry[1]:
+                h = ref()
+                if h is not None:
+                    h.tainted = True
+        return key
 
     def clear(self) -> None:
         self._records.clear()
@@ -557,14 +581,16 @@ class ProducerMode(TorchDispatchMode):
         if kwargs is None:
             kwargs = {}
         counts = self.op_counts
-        if counts is not None:
-            key = (current_module(), self.call)
-            counts[key] = counts.get(key, 0) + 1
-        if _inference_mode():   # inference tensors: nothing to record
-            return _run_as_without_mode(func, types, args, kwargs)
         info = self._ops.get(func)
         if info is None:
             info = self._ops[func] = _OpInfo(func)
+        if counts is not None:
+            key = (current_module(), self.call)
+            counts[key] = counts.get(key, 0) + 1
+            self.ops_run += 1
+            self.last_op = info
+        if _inference_mode():   # inference tensors: nothing to record
+            return _run_as_without_mode(func, types, args, kwargs)
         if info.written and (self._watched or self._watched_inputs):
             self._note_writes(info, args, kwargs)
         recomputable = info.recomputable
@@ -612,6 +638,114 @@ class ProducerMode(TorchDispatchMode):
                     hit = self._by_storage.get(key)
                     if hit is None or hit[0]() is None:
                         self._by_storage[key] = (weakref.ref(o), rec)
+            records[id(o)] = (weakref.ref(o), rec)
+        return out
+
+    # NOTE [Calls recorded whole]
+    # A dispatch mode, entered even for one torch call, costs more than its
+    # handler: while one is active the kernels themselves run 3-10% longer on
+    # this CPU (benchmarks/results/2026-12-02-cpu-tracking-untracked-pack.md),
+    # a floor no handler goes under. Many torch calls a plan's recipes run in
+    # are one op (F.gelu, F.layer_norm, F.embedding, ``x + y``, ``x.view``):
+    # there the call itself can be the recipe. The profiled step learns which
+    # (``note_call``, from its CallRecorder: per (module, torch call), whether
+    # every such call ran exactly one aten op, always the same, recomputable
+    # and not random: a random op's generator state is the mode's to
+    # capture); the plan lists them (``Plan.tracking_direct``), and a step
+    # following it records such a call at the torch-function level
+    # (``record_call``, from its CallGate: NOTE [Tracking inside torch calls]
+    # in tracker.py) without entering the dispatch mode: a Record whose
+    # ``func`` is the torch function, its arguments captured as an op's are,
+    # replayed under no_grad and without autocast as every recipe is (NOTE
+    # [Recompute is exact] in tiers/recompute.py). Exact because:
+    # 1. the replay is the very function on the same arguments (lists copied:
+    #    the program may reuse its own), on inputs equal in values and layout:
+    #    it computes what it computed, whatever ops it runs inside;
+    # 2. only while no autocast is active (autocast would cast inside the
+    #    call, the replay runs without it): else the call goes through the
+    #    mode as before;
+    # 3. a call that wrote to an argument (its version moved: this step's call
+    #    is not the profile's, ``F.relu(x, inplace=True)`` where the profile
+    #    saw ``inplace=False``) or returned one of them is not recorded (its
+    #    output has no recipe: the next tier); the handles of dropped tensors
+    #    on the written storage are tainted as the mode would (NOTE [Writes to
+    #    dropped tensors]), and a parameter a recipe holds as it is, written
+    #    there, is caught by the parameter check at recompute;
+    # 4. subclass arguments and inference mode: not recorded, as by the mode.
+    # Only the tensors the function returns get records (F.layer_norm's
+    # output, not native_layer_norm's mean and rstd), so the profile marks the
+    # records of what each call returned (``Record.returned``) and a plan
+    # whose recipes use another output of a call (``RecomputeHandle.unreturned``)
+    # does not record that call whole. Tracking's price (NOTE [Tracking priced] in
+    # planner/runtime.py) still counts such a call as one tracked op.
+    def note_call(self, module: str, call: str, n_ops: int, out: Any) -> None:
+        """A profiled torch call ``call`` in ``module`` ran ``n_ops`` ops (the
+        last of them ``last_op``) and returned ``out``, whose records it marks
+        ``returned``: NOTE [Calls recorded whole]."""
+        records = self._records
+        for o in (out if isinstance(out, (tuple, list)) else (out,)):
+            hit = records.get(id(o))
+            if hit is not None and hit[0]() is o:
+                hit[1].returned = True
+        key = (module, call)
+        info = self.last_op if n_ops == 1 else None
+        calls = self.single_op_calls
+        if info is None or not info.recomputable or info.random:
+            calls[key] = False
+        else:
+            seen = calls.get(key)
+            if seen is None:
+                calls[key] = info.name
+            elif seen != info.name:
+                calls[key] = False
+
+    def record_call(self, func, args, kwargs: dict, name: str):
+        """``func(*args, **kwargs)`` (a torch call that ran the one op ``name``
+        in the profile), its outputs recorded as made by the call itself: NOTE
+        [Calls recorded whole]."""
+        captured = None if _inference_mode() else self._capture_all(args, kwargs)
+        out = func(*args, **kwargs)
+        if captured is None:
+            return out
+        rargs, rkwargs = captured
+        rec0 = Record(name, name)
+        rec0.args = tuple(a.copy() if type(a) is list else a for a in rargs)
+        rec0.kwargs = {k: (v.copy() if type(v) is list else v) for k, v in rkwargs.items()}
+        multi = isinstance(out, (tuple, list))
+        outs = out if multi else (out,)
+        ok = True
+        for r in rec0.refs():   # rule 3
+            t = r.tensor_ref()
+            if t is None:
+                continue
+            if t._version != r.version:
+                self._taint(t)
+                ok = False
+            elif any(o is t for o in outs):
+                ok = False
+        if not ok:
+            return out
+        view = name in _VIEW_NAMES
+        values_op = name
+        if view and rargs and type(rargs[0]) is Ref and rargs[0].record is not None:
+            values_op = rargs[0].record.values_op
+        records = self._records
+        for i, o in enumerate(outs):
+            if type(o) not in _PLAIN_TYPES or o.layout is not _STRIDED or o.is_inference():
+                continue
+            rec = Record(name, values_op)
+            rec.version = o._version
+            rec.func, rec.args, rec.kwargs = func, rec0.args, rec0.kwargs
+            rec.out_index = i if multi else None
+            rec.is_view = view
+            if self.module_names:
+                rec.module = current_module()
+                rec.call = call_name(func)
+            if self.alias_index and o.is_contiguous():   # NOTE [Views made inside untracked calls]
+                key = (o.untyped_storage()._cdata, o.storage_offset())
+                hit = self._by_storage.get(key)
+                if hit is None or hit[0]() is None:
+                    self._by_storage[key] = (weakref.ref(o), rec)
             records[id(o)] = (weakref.ref(o), rec)
         return out
 

@@ -200,9 +200,12 @@ def current_module() -> str:
 # see has no record. A function mode sees the outermost call only, the same
 # in the profile and the step; a module run inside a torch call (none in
 # torch's own functions) moves the scope while the gate is out of the stack,
-# and the gate then stays as it was until the next boundary.
+# and the gate then stays as it was until the next boundary. A call the
+# profile saw run one recomputable op is recorded whole by the gate, without
+# the dispatch mode: NOTE [Calls recorded whole] in producers.py.
 
 _NOTHING: frozenset = frozenset()
+_NO_CALLS: dict = {}
 
 _OFF, _DISPATCH, _GATE = 0, 1, 2
 
@@ -218,18 +221,28 @@ class CallGate(TorchFunctionMode):
         self.mode = mode
         self.allowed: frozenset = _NOTHING
         self.wanted: Optional[frozenset] = None
-        #: Calls run under the dispatch mode (tests, benchmarks).
+        #: Of ``allowed``, the calls recorded whole, by the op each ran in the
+        #: profile (NOTE [Calls recorded whole] in producers.py).
+        self.direct: dict = {}
+        #: Calls run under the dispatch mode, and calls recorded whole (tests,
+        #: benchmarks).
         self.calls_tracked = 0
+        self.calls_direct = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
-        if call_name(func) not in self.allowed:
+        name = call_name(func)
+        if name not in self.allowed:
             return func(*args, **kwargs)
         mode = self.mode
         n = _dispatch_depth()
         if n and _dispatch_at(n - 1) is mode:   # already tracking (nested gates)
             return func(*args, **kwargs)
+        op = self.direct.get(name)
+        if op is not None and not _any_autocast():   # rule 2 (4: record_call)
+            self.calls_direct += 1
+            return mode.record_call(func, args, kwargs, op)
         self.calls_tracked += 1
         mode.wanted = self.wanted
         with mode:
@@ -237,6 +250,7 @@ class CallGate(TorchFunctionMode):
 
 
 _dispatch_depth = torch._C._len_torch_dispatch_stack
+_any_autocast = torch._C._is_any_autocast_enabled
 _dispatch_at = torch._C._get_dispatch_stack_at
 _function_depth = torch._C._len_torch_function_stack
 _function_at = torch._C._get_function_stack_at
@@ -252,18 +266,23 @@ class TrackingScope:
     in producers.py. ``calls``: ``None``, or per module of ``names`` the
     names of the torch calls to track in (``None`` for a module: all of it);
     in such a module a :class:`CallGate` is entered instead of the mode:
-    NOTE [Tracking inside torch calls]. Registered by :class:`ModuleStack`."""
+    NOTE [Tracking inside torch calls]. ``direct``: per module, of its
+    ``calls``, those recorded whole without the mode, by the op each ran in
+    the profile (NOTE [Calls recorded whole] in producers.py). Registered by
+    :class:`ModuleStack`."""
 
     __slots__ = ("mode", "names", "blocks", "state", "entries", "in_blocks", "ops", "calls",
-                 "gate")
+                 "direct", "gate")
 
     def __init__(self, mode, names=frozenset(), blocks: bool = False,
-                 ops: Optional[dict] = None, calls: Optional[dict] = None) -> None:
+                 ops: Optional[dict] = None, calls: Optional[dict] = None,
+                 direct: Optional[dict] = None) -> None:
         self.mode = mode
         self.names = frozenset(names)
         self.blocks = blocks
         self.ops = ops
         self.calls = calls
+        self.direct = direct or {}
         #: The gate of ``calls`` (``None``: no module is tracked by calls).
         self.gate = (CallGate(mode) if calls and any(v is not None for v in calls.values())
                      else None)
@@ -293,7 +312,9 @@ class TrackingScope:
                 self.mode.wanted = wanted
             else:
                 target = _GATE
-                self.gate.allowed, self.gate.wanted = allowed, wanted
+                gate = self.gate
+                gate.allowed, gate.wanted = allowed, wanted
+                gate.direct = self.direct.get(innermost, _NO_CALLS)
         else:
             target = _OFF
         if target == self.state:

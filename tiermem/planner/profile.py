@@ -157,6 +157,9 @@ class TensorRecord:
     #: (module, torch call) of each op of its recipe (``None``: outside every
     #: call; NOTE [Tracking inside torch calls] in tracker.py).
     recipe_calls: Tuple[Tuple[str, Optional[str]], ...] = ()
+    #: (module, torch call) of each op of its recipe whose output it uses was
+    #: not returned by the call (NOTE [Calls recorded whole] in producers.py).
+    recipe_unreturned: Tuple[Tuple[str, str], ...] = ()
     #: Host seconds its regeneration took in the profile's backward.
     recompute_s: Optional[float] = None
     #: Seconds from the step's start to its first unpack (``None``: never unpacked).
@@ -255,6 +258,9 @@ class Profile:
     #: tracking them costs (NOTE [Tracking priced] in planner/runtime.py);
     #: empty: not counted.
     call_ops: dict = field(default_factory=dict)
+    #: Per (module, torch call) whose every call ran one recomputable, not
+    #: random op: that op's name (NOTE [Calls recorded whole] in producers.py).
+    single_op_calls: dict = field(default_factory=dict)
 
     @property
     def baseline_bytes(self) -> int:
@@ -282,6 +288,9 @@ class Recorder:
         self.positions: list = []
         self._by_handle: Dict[int, int] = {}
         self._recompute_handles: set = set()
+        #: Pack index -> ``RecomputeHandle.call_records`` of its recipe, read
+        #: at ``finish`` (``recipe_unreturned``).
+        self._call_records: dict = {}
         self._kept_before = 0
         self._inputs_before = 0
         self._recorded_kept = 0
@@ -301,6 +310,8 @@ class Recorder:
         self._reading: List[int] = []
         #: The profiled step's producer mode's ``op_counts`` (set by the step).
         self.op_counts: Optional[dict] = None
+        #: The profiled step's producer mode's ``single_op_calls`` (set by the step).
+        self.single_op_calls: Optional[dict] = None
 
     def start(self, stats) -> None:
         """The step starts now; its stats are ``stats``."""
@@ -335,6 +346,8 @@ class Recorder:
             rec.recipe_modules = handle.modules
             rec.recipe_ops = handle.ops
             rec.recipe_calls = handle.calls
+            if handle.call_records:   # NOTE [Calls recorded whole] in producers.py
+                self._call_records[index] = handle.call_records
             self._recompute_handles.add(id(handle))
         elif type(handle) is Kept:
             rec.profile_tier = Tier.KEEP.value
@@ -478,10 +491,15 @@ class Recorder:
             self.blocks[i] = dataclasses.replace(
                 self.blocks[i], forward_s=start.elapsed_time(end) / 1e3)
         self._block_events = {}
+        for index, found in self._call_records.items():   # the calls have returned
+            self.records[index].recipe_unreturned = tuple(sorted(
+                {(m, c) for m, c, r in found if not r.returned}))
+        self._call_records = {}
         self._mark_saved_after()
         pool_repeated(self.records, self.blocks)
         return Profile(self.records, tuple(self.keys), self.fixed_kept_bytes,
                        self.forward_end_s, self.first_unpack_s, self.last_unpack_s,
                        self.measured_kept_bytes, self.stats.as_dict(),
                        tuple(self.positions), tuple(self.blocks),
-                       dict(self.op_counts or {}))
+                       dict(self.op_counts or {}),
+                       {k: v for k, v in (self.single_op_calls or {}).items() if v})

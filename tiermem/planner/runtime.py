@@ -206,6 +206,7 @@ from .rates import default_device_budget_bytes, measure_rates
 from .solver import make_plan, safe_order
 
 __all__ = ["Planner", "StepPlanning", "tracking_scope", "tracking_ops", "tracking_calls",
+           "tracking_direct",
            "tracked_op_count", "tracking_shares",
            "MAX_REPLANS", "MAX_PLANS", "PROFILED_SIZES",
            "KEPT_TOLERANCE", "STALL_TOLERANCE_S"]
@@ -271,7 +272,7 @@ class StepPlanning:
 
     __slots__ = ("planner", "plan", "recorder", "safe", "off_plan", "count", "tracks", "pos",
                  "kept_at", "step", "blocks_seen", "block_depth", "in_checkpoint", "revived",
-                 "scope", "scope_ops", "scope_calls", "kick", "checkpoint_inputs")
+                 "scope", "scope_ops", "scope_calls", "scope_direct", "kick", "checkpoint_inputs")
 
     def __init__(self, planner: "Planner", plan: Optional[Plan],
                  recorder: Optional[Recorder]) -> None:
@@ -322,6 +323,10 @@ class StepPlanning:
         #: each module.
         self.scope_calls = (None if self.scope is None
                             else getattr(plan, "tracking_calls", None))
+        #: With ``scope_calls``: per module, the calls recorded whole (NOTE
+        #: [Calls recorded whole] in producers.py).
+        self.scope_direct = (None if self.scope_calls is None
+                             else getattr(plan, "tracking_direct", None))
 
     def order(self, index: int, t, nbytes: int, module: str, producers) -> tuple:
         """The tier order of tensor ``index`` (NOTE [Following a plan])."""
@@ -685,6 +690,7 @@ def _with_tracking(plan: Plan, profile: Profile, rates) -> Plan:
     plan.tracking_scope = tracking_scope(plan, profile)
     plan.tracking_ops = tracking_ops(plan, profile)
     plan.tracking_calls = tracking_calls(plan, profile)
+    plan.tracking_direct = tracking_direct(plan, plan.tracking_calls, profile)
     plan.tracked_ops = tracked_op_count(plan, profile)
     plan.predicted_tracking_s = plan.tracked_ops * (getattr(rates, "track_op_s", 0.0) or 0.0)
     return plan
@@ -795,6 +801,30 @@ def tracking_calls(plan: Plan, profile: Profile) -> Optional[dict]:
         elif calls[module] is not None:
             calls[module].add(call)
     return {m: None if c is None else frozenset(c) for m, c in calls.items()}
+
+
+def tracking_direct(plan: Plan, calls: Optional[dict], profile: Profile) -> Optional[dict]:
+    """Of ``calls`` (``plan``'s :func:`tracking_calls`), per module, those the
+    profile saw run one recomputable, not random op each, by that op's name,
+    and whose returned tensors hold every output of theirs that ``plan``'s
+    recipes use: a step records them whole (NOTE [Calls recorded whole] in
+    producers.py); ``None`` when ``calls`` is."""
+    if calls is None:
+        return None
+    single = profile.single_op_calls
+    unreturned: set = set()
+    for record, order in zip(profile.records, plan.orders):
+        if order[0] is Tier.RECOMPUTE:
+            unreturned.update(record.recipe_unreturned)
+    direct: dict = {}
+    for module, names in calls.items():
+        if names is None:
+            continue
+        got = {c: single[(module, c)] for c in names
+               if (module, c) in single and (module, c) not in unreturned}
+        if got:
+            direct[module] = got
+    return direct
 
 
 def _pair_ops(profile: Profile, module: Optional[str], call: Optional[str]) -> int:

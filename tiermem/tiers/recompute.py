@@ -123,7 +123,7 @@ class RecomputeHandle:
 
     __slots__ = ("store", "step", "entry", "plan", "size", "stride", "dtype", "module",
                  "nbytes", "version", "src_ref", "data_ptr", "cached", "tainted", "depth",
-                 "modules", "ops", "calls", "__weakref__")
+                 "modules", "ops", "calls", "call_records", "__weakref__")
 
 
 class _Plan:
@@ -211,11 +211,19 @@ class RecomputeStore(TierStore):
         #: module_names: NOTE [Scoped tracking] and NOTE [Tracking inside
         #: torch calls] in tracker.py, NOTE [Recording only what recipes use]
         #: in producers.py), else ().
-        known = not any(m is None for m, _, _ in ops)
-        h.ops = tuple(sorted({(m, o) for m, o, _ in ops})) if known else ()
+        known = not any(m is None for m, _, _, _ in ops)
+        h.ops = tuple(sorted({(m, o) for m, o, _, _ in ops})) if known else ()
         h.modules = tuple(sorted({m for m, _ in h.ops}))
-        h.calls = (tuple(sorted({(m, c) for m, _, c in ops}, key=lambda mc: (mc[0], mc[1] or "")))
+        h.calls = (tuple(sorted({(m, c) for m, _, c, _ in ops},
+                                key=lambda mc: (mc[0], mc[1] or "")))
                    if known else ())
+        #: (module, torch call, Record) of each op of the recipe run inside a
+        #: call: whether the call returned the output the recipe uses is
+        #: known once the call has returned (``Record.returned``, after this
+        #: put when the call saves its own output): NOTE [Calls recorded
+        #: whole] in producers.py.
+        h.call_records = (tuple((m, c, r) for m, _, c, r in ops if c is not None)
+                          if known else ())
         h.store, h.step, h.module = self, step, module
         h.size, h.stride, h.dtype = t.size(), t.stride(), t.dtype
         h.nbytes = nbytes
@@ -271,9 +279,9 @@ class RecomputeStore(TierStore):
 
     def _build(self, rec: Record, step, stored: dict, as_is: list, modules: list) -> _Node:
         """Materialise the plan chosen by :meth:`_check` (same order of choices);
-        appends to ``modules`` the (module, op name, torch call) of each op it
-        runs, this one first."""
-        modules.append((rec.module, rec.name, rec.call))
+        appends to ``modules`` the (module, op name, torch call, record) of
+        each op it runs, this one first."""
+        modules.append((rec.module, rec.name, rec.call, rec))
         node = _Node()
         node.func, node.out_index, node.rng = rec.func, rec.out_index, rec.rng
         node.args = tuple(self._arg(a, step, stored, as_is, modules) for a in rec.args)
