@@ -124,8 +124,30 @@ def test_a_recipe_without_calls_or_modules_counts_its_module_or_the_forward():
 
 def test_tracking_cost_per_op_is_measured():
     rates = measure_rates(None)
-    assert rates.track_op_s > 0
+    assert rates.track_op_s > 0 and rates.track_call_s > 0
     assert rates.as_dict()["track_op_s"] == rates.track_op_s
+    assert rates.as_dict()["track_call_s"] == rates.track_call_s
+
+
+def test_a_call_recorded_whole_is_priced_per_call():
+    # GELU's pair ran one recomputable op per call in the profile: the plan
+    # records it whole, priced at track_call_s, not handed to the mode.
+    recs = [_rec(0, 10 * MB, 0.0, 3.0, [GELU])]
+    rates = Rates(host_copy=1e10, pointwise=1e9, compute_threads=2.0, track_op_s=10e-6,
+                  track_call_s=3e-6)
+    single = _profile(recs, {GELU: 4})
+    single.single_op_calls = {GELU: "gelu"}
+    assert tracking_shares(single, rates) == {0: pytest.approx(4 * 3e-6)}
+    plan = _plan(single, rates, budget=0, has_nvme=False)
+    assert plan.tensors[0].tier == "recompute"
+    assert plan.tracked_ops == 0 and plan.direct_calls == 4
+    assert plan.tracking_direct == {"m1": {"gelu": "gelu"}}
+    assert plan.predicted_tracking_s == pytest.approx(4 * 3e-6)
+    assert "(0 ops, 4 calls recorded whole)" in str(plan)
+    many = _profile(recs, {GELU: 4})   # not single-op: through the mode
+    plan = _plan(many, rates, budget=0, has_nvme=False)
+    assert plan.tracked_ops == 4 and plan.direct_calls == 0 and not plan.tracking_direct
+    assert plan.predicted_tracking_s == pytest.approx(4 * 10e-6)
 
 
 def _gpt():
@@ -162,11 +184,14 @@ def test_the_profile_counts_ops_per_call_and_a_followed_step_tracks_what_was_pri
         loss = model(idx, idx)
     loss.backward()
     assert off.plan is plan
-    # A call recorded whole (one op in the profile) is priced as that op:
+    # The calls recorded whole (one op each in the profile) are priced apart:
     # NOTE [Calls recorded whole] in producers.py.
     direct = ctx.tracking.gate.calls_direct
     assert direct > 0 and seen
-    assert len(seen) + direct == plan.tracked_ops
+    assert len(seen) == plan.tracked_ops and direct == plan.direct_calls
+    assert plan.predicted_tracking_s == pytest.approx(
+        plan.tracked_ops * plan.rates["track_op_s"]
+        + plan.direct_calls * plan.rates["track_call_s"])
 
 
 def test_a_prefer_recompute_hint_keeps_its_recompute_where_tracking_is_declined():

@@ -192,6 +192,8 @@ def _print(r: dict) -> None:
         line += f", each way while both run {pr['link_both'] / 1e9:.2f} GB/s"
     if pr.get("track_op_s"):
         line += f", producer tracking {pr['track_op_s'] * 1e6:.1f} us per op"
+        if pr.get("track_call_s"):
+            line += f" ({pr['track_call_s'] * 1e6:.1f} us per call recorded whole)"
     print(line + f" (measured in {pr['measured_seconds'] * 1e3:.0f} ms)")
     g = r["gpu"]
     if g["available"]:

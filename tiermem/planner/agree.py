@@ -90,7 +90,8 @@ AGREE_AT_STEP = 2
 _RATES_MIN = ("host_copy", "pointwise", "d2h", "h2d", "disk_write", "disk_read",
               "link_both", "disk_both", "move_cpu", "compute_threads")
 _RATES_MAX = ("disk_write_latency_s", "disk_read_latency_s", "measured_seconds",
-              "move_fixed_cpu_s", "track_op_s")
+              "move_fixed_cpu_s", "track_op_s",
+              "track_call_s")
 # Row layout (float64, NaN = "this rank has no figure").
 _RANK, _HAS_RATES = 0, 1
 _RATE0 = 2                                  # _RATES_MIN then _RATES_MAX

@@ -182,6 +182,9 @@ class Plan:
     #: planner/runtime.py); 0 when it recomputes nothing or they were not
     #: counted.
     tracked_ops: int = 0
+    #: Torch calls per forward a step following it records whole, without
+    #: the mode (NOTE [Calls recorded whole] in producers.py).
+    direct_calls: int = 0
     predicted_tracking_s: float = 0.0
 
     @property
@@ -341,7 +344,10 @@ class Plan:
                      f"CPU charge of moves: predicted {self.predicted_cpu_s * 1e3:.2f} ms; "
                      f"recompute: predicted {self.predicted_recompute_s * 1e3:.2f} ms"
                      + (f" + producer tracking {self.predicted_tracking_s * 1e3:.2f} ms "
-                        f"({self.tracked_ops} ops)" if self.tracked_ops else "") + "; "
+                        f"({self.tracked_ops} ops"
+                        + (f", {self.direct_calls} calls recorded whole" if self.direct_calls
+                           else "") + ")" if self.tracked_ops or self.direct_calls else "")
+                     + "; "
                      f"prefetch window {format_bytes(self.suggested_prefetch_bytes)}")
         hinted = [p for p in self.tensors if p.hint is not None]
         if hinted:

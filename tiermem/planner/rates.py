@@ -34,6 +34,12 @@ machine and cached per process.
   here, varying between processes), and in a TinyGPT forward a tracked op
   cost about twice what this probe says
   (benchmarks/results/2026-12-02-cpu-tracking-priced.md).
+- ``track_call_s``: seconds one torch call recorded whole (NOTE [Calls
+  recorded whole] in producers.py) adds: the same chain under a
+  :class:`~tiermem.tracker.CallGate` that records the GELU and the add whole
+  and lets the linear pass (the gate's Python call for it is spread over
+  the two), the difference over the calls recorded; measured with
+  ``track_op_s``.
 
 Each figure is the best of :data:`REPEATS` runs (the machine is shared: the
 best run is the least disturbed one). The whole measurement stays under a
@@ -66,7 +72,7 @@ TRACK_PROBE_LINKS = 16
 HEADROOM_FRACTION = 0.10
 
 _cache: dict = {}
-_track_cache: list = []   # track_op_s, once per process
+_track_cache: list = []   # (track_op_s, track_call_s), once per process
 _lock = threading.Lock()
 
 
@@ -96,6 +102,8 @@ class Rates:
     compute_threads: float = 1.0
     #: Seconds producer tracking adds to one aten op (module docstring).
     track_op_s: float = 0.0
+    #: Seconds recording one torch call whole adds (module docstring).
+    track_call_s: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -134,13 +142,14 @@ def _host_rates() -> tuple:
     return PROBE_BYTES / copy, PROBE_BYTES / sin
 
 
-def _tracking_cost() -> float:
-    """``track_op_s`` (module docstring): best of ``2 * REPEATS`` runs each
-    way, interleaved. Host tensors only (no device is initialised), no
-    generator drawn from."""
+def _tracking_cost() -> tuple:
+    """``(track_op_s, track_call_s)`` (module docstring): best of ``2 *
+    REPEATS`` runs each way, interleaved. Host tensors only (no device is
+    initialised), no generator drawn from."""
     if _track_cache:
         return _track_cache[0]
     from ..producers import ProducerMode
+    from ..tracker import CallGate
     x = torch.linspace(-1.0, 1.0, 256 * 256).view(256, 256).requires_grad_()
     w = (torch.linspace(-0.05, 0.05, 256 * 256).view(256, 256)).requires_grad_()
     gelu, linear = torch.nn.functional.gelu, torch.nn.functional.linear
@@ -155,13 +164,24 @@ def _tracking_cost() -> float:
         with mode:
             chain()
         mode.clear()
-    plain = mode = float("inf")
+    def gated() -> None:
+        mode = ProducerMode(names=False)
+        gate = CallGate(mode)
+        gate.allowed = frozenset({"gelu", "add"})
+        gate.direct = {"gelu": "gelu", "add": "add"}
+        with gate:
+            chain()
+        mode.clear()
+    plain = mode = whole = float("inf")
     chain()
     tracked()
+    gated()
     for _ in range(2 * REPEATS):
         plain = min(plain, _best(chain, 1))
         mode = min(mode, _best(tracked, 1))
-    _track_cache.append(max(0.0, mode - plain) / (3 * TRACK_PROBE_LINKS))
+        whole = min(whole, _best(gated, 1))
+    _track_cache.append((max(0.0, mode - plain) / (3 * TRACK_PROBE_LINKS),
+                         max(0.0, whole - plain) / (2 * TRACK_PROBE_LINKS)))
     return _track_cache[0]
 
 
@@ -254,7 +274,7 @@ def measure_rates(nvme_store=None, cuda: bool = False) -> Rates:
             return hit
         t0 = time.perf_counter()
         host_copy, pointwise = _host_rates()
-        track_op_s = _tracking_cost()
+        track_op_s, track_call_s = _tracking_cost()
         d2h = h2d = link_both = None
         if cuda and torch.cuda.is_available():
             d2h, h2d, link_both = _cuda_rates()
@@ -268,7 +288,7 @@ def measure_rates(nvme_store=None, cuda: bool = False) -> Rates:
                       link_both=link_both, disk_both=disk[5], move_cpu=disk[6],
                       move_fixed_cpu_s=disk[7],
                       compute_threads=float(max(1, torch.get_num_threads())),
-                      track_op_s=track_op_s)
+                      track_op_s=track_op_s, track_call_s=track_call_s)
         _cache[key] = rates
         return rates
 

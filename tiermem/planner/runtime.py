@@ -100,14 +100,17 @@ follows, and the closed loop that corrects a plan from measurement.
 #    and a recipe without recorded modules for every op of the forward, as
 #    the step would track them.
 # 2. Each tensor's recompute option carries a share of the tracking its
-#    recipe needs: each pair's ops x ``track_op_s``, divided among the
+#    recipe needs: each pair's ops x ``track_op_s`` (a pair whose calls each
+#    ran one recomputable op: x ``track_call_s``, NOTE [Calls recorded whole]
+#    in producers.py), divided among the
 #    recomputable tensors whose recipes need that pair (a pair is paid once
 #    per step however many recipes use it). The solver ranks it with the
 #    regeneration time (NOTE [Planner cost model]).
 # 3. The share assumes every user of a pair is recomputed; a plan that
 #    recomputes fewer pays more. So the plan's own tracking
 #    (``Plan.predicted_tracking_s``: the ops of the pairs it tracks x
-#    ``track_op_s``) is compared with the plan made with no recompute but
+#    ``track_op_s``, plus the calls it records whole, ``Plan.direct_calls``,
+#    x ``track_call_s``) is compared with the plan made with no recompute but
 #    what hints ask for (two solves): the latter is taken when it meets the
 #    budget and its predicted step cost (stall, CPU charge, recompute,
 #    tracking) is lower. A plan's notes say what its tracking costs, and
@@ -207,7 +210,7 @@ from .solver import make_plan, safe_order
 
 __all__ = ["Planner", "StepPlanning", "tracking_scope", "tracking_ops", "tracking_calls",
            "tracking_direct",
-           "tracked_op_count", "tracking_shares",
+           "tracked_op_count", "direct_call_count", "tracking_shares",
            "MAX_REPLANS", "MAX_PLANS", "PROFILED_SIZES",
            "KEPT_TOLERANCE", "STALL_TOLERANCE_S"]
 
@@ -692,7 +695,10 @@ def _with_tracking(plan: Plan, profile: Profile, rates) -> Plan:
     plan.tracking_calls = tracking_calls(plan, profile)
     plan.tracking_direct = tracking_direct(plan, plan.tracking_calls, profile)
     plan.tracked_ops = tracked_op_count(plan, profile)
-    plan.predicted_tracking_s = plan.tracked_ops * (getattr(rates, "track_op_s", 0.0) or 0.0)
+    plan.direct_calls = direct_call_count(plan, profile)
+    plan.predicted_tracking_s = (
+        plan.tracked_ops * (getattr(rates, "track_op_s", 0.0) or 0.0)
+        + plan.direct_calls * (getattr(rates, "track_call_s", 0.0) or 0.0))
     return plan
 
 
@@ -722,8 +728,10 @@ def _priced_plan(profile: Profile, rates, make) -> Plan:
     other = _with_tracking(make(tracking_s=shares, no_recompute=frozenset(
         r.index for r in profile.records if not _prefers_recompute(r))), profile, rates)
     cost, other_cost = plan.predicted_step_cost_s, other.predicted_step_cost_s
+    whole = (f" and {plan.direct_calls} torch calls recorded whole" if plan.direct_calls
+             else "")
     what = (f"recomputing {len(chosen)} tensors needs producer tracking over "
-            f"{plan.tracked_ops} ops per forward (predicted "
+            f"{plan.tracked_ops} ops{whole} per forward (predicted "
             f"{plan.predicted_tracking_s * 1e3:.2f} ms)")
     if _unreachable(other):   # fewer bytes freed: the budget needs them
         plan.notes.append(f"tracking: {what}; the budget is not reachable without them")
@@ -850,23 +858,35 @@ def _record_pairs(record) -> tuple:
 
 
 def tracked_op_count(plan: Plan, profile: Profile) -> int:
-    """Aten ops per forward a step following ``plan`` tracks, as the profile
-    counted them (0: it recomputes nothing, or nothing was counted). NOTE
-    [Tracking priced]."""
+    """Aten ops per forward a step following ``plan`` hands the dispatch mode,
+    as the profile counted them (0: it recomputes nothing, or nothing was
+    counted); the calls it records whole are :func:`direct_call_count`'s.
+    NOTE [Tracking priced]."""
     if not profile.call_ops:
         return 0
     scope = tracking_scope(plan, profile)
     if scope is None:
         return _pair_ops(profile, None, None)
     calls = tracking_calls(plan, profile)
+    direct = tracking_direct(plan, calls, profile) or {}
     total = 0
     for module in scope:
         names = None if calls is None else calls.get(module)
         if names is None:
             total += _pair_ops(profile, module, None)
         else:
-            total += sum(_pair_ops(profile, module, c) for c in names)
+            whole = direct.get(module, {})
+            total += sum(_pair_ops(profile, module, c) for c in names if c not in whole)
     return total
+
+
+def direct_call_count(plan: Plan, profile: Profile) -> int:
+    """Torch calls per forward a step following ``plan`` records whole (each
+    one op in the profile: NOTE [Calls recorded whole] in producers.py)."""
+    if not profile.call_ops:
+        return 0
+    direct = tracking_direct(plan, tracking_calls(plan, profile), profile) or {}
+    return sum(_pair_ops(profile, m, c) for m, names in direct.items() for c in names)
 
 
 def tracking_shares(profile: Profile, rates) -> dict:
@@ -876,6 +896,8 @@ def tracking_shares(profile: Profile, rates) -> dict:
     per_op = getattr(rates, "track_op_s", 0.0) or 0.0
     if not profile.call_ops or per_op <= 0:
         return {}
+    per_call = getattr(rates, "track_call_s", 0.0) or 0.0
+    single = profile.single_op_calls
     users: dict = {}
     for r in profile.records:
         if r.recomputable:
@@ -884,6 +906,7 @@ def tracking_shares(profile: Profile, rates) -> dict:
     shares = {}
     for r in profile.records:
         if r.recomputable:
-            shares[r.index] = sum(_pair_ops(profile, m, c) * per_op / users[(m, c)]
-                                  for m, c in set(_record_pairs(r)))
+            shares[r.index] = sum(
+                _pair_ops(profile, m, c) * (per_call if (m, c) in single else per_op)
+                / users[(m, c)] for m, c in set(_record_pairs(r)))
     return shares
