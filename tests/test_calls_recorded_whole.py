@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from helpers import assert_same_step, compare_records, offloader, reference_steps, run_step, \
     train_steps
 from models import make_case
+from test_call_tracking import LnLinear
 from tiermem.models import GPTConfig, TinyGPT
 from tiermem.producers import CallRecorder, ProducerMode
 from tiermem.tracker import CallGate, ModuleStack
@@ -185,17 +186,6 @@ def test_tiny_gpt_records_its_one_op_calls_whole_and_stays_exact(dropout):
         assert stats["direct"][2] == 0, "every tracked call ran one op"
 
 
-class _LnLinear(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(32)
-        self.fc = nn.Linear(32, 32)
-        self.out = nn.Linear(32, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.tanh(self.fc(self.ln(x))))
-
-
 def test_a_call_whose_other_outputs_the_plan_recomputes_goes_through_the_mode():
     """With min_offload_bytes=0 the plan recomputes the LayerNorm's mean and
     rstd too, which F.layer_norm does not return: layer_norm is then not
@@ -204,15 +194,15 @@ def test_a_call_whose_other_outputs_the_plan_recomputes_goes_through_the_mode():
     x = torch.randn(8, 16, 32)
     for min_bytes, whole in ((0, False), (1024, True)):
         torch.manual_seed(0)
-        model = _LnLinear()
+        model = LnLinear()
         off = offloader("auto", device_budget="10%", min_offload_bytes=min_bytes)
         for _ in range(3):
             run_step(model, (x,), off)
         plan = off.plan
         prof = off._placement.planner._profiles[plan.keys]
         unreturned = {p for r in prof.records for p in r.recipe_unreturned}
-        assert (("_LnLinear.ln", "layer_norm") in unreturned) is not whole, unreturned
-        assert ("layer_norm" in plan.tracking_direct.get("_LnLinear.ln", {})) is whole
+        assert (("LnLinear.ln", "layer_norm") in unreturned) is not whole, unreturned
+        assert ("layer_norm" in plan.tracking_direct.get("LnLinear.ln", {})) is whole
         with off as ctx:
             loss = model(x).square().mean()
         loss.backward()

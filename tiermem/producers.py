@@ -627,19 +627,27 @@ class ProducerMode(TorchDispatchMode):
             rec = Record(info.name, values_op)
             rec.version = o._version
             if recomputable:
-                rec.func, rec.args, rec.kwargs, rec.rng = func, rargs, rkwargs, rng
-                rec.out_index = i if multi else None
-                rec.is_view = info.view
-                if self.module_names:
-                    rec.module = current_module()
-                    rec.call = self.call
-                if self.alias_index and o.is_contiguous():   # NOTE [Views made inside untracked calls]
-                    key = (o.untyped_storage()._cdata, o.storage_offset())
-                    hit = self._by_storage.get(key)
-                    if hit is None or hit[0]() is None:
-                        self._by_storage[key] = (weakref.ref(o), rec)
+                rec.rng = rng
+                self._recipe(rec, o, func, rargs, rkwargs, i if multi else None, info.view,
+                             self.call)
             records[id(o)] = (weakref.ref(o), rec)
         return out
+
+    def _recipe(self, rec: Record, o: torch.Tensor, func, args: tuple, kwargs: dict,
+                out_index: Optional[int], view: bool, call: Optional[str]) -> None:
+        """Make ``rec`` (``o``'s record) a recipe: ``func(*args, **kwargs)``
+        (``[out_index]``) regenerates ``o``."""
+        rec.func, rec.args, rec.kwargs = func, args, kwargs
+        rec.out_index = out_index
+        rec.is_view = view
+        if self.module_names:
+            rec.module = current_module()
+            rec.call = call
+        if self.alias_index and o.is_contiguous():   # NOTE [Views made inside untracked calls]
+            key = (o.untyped_storage()._cdata, o.storage_offset())
+            hit = self._by_storage.get(key)
+            if hit is None or hit[0]() is None:
+                self._by_storage[key] = (weakref.ref(o), rec)
 
     # NOTE [Calls recorded whole]
     # A dispatch mode, entered even for one torch call, costs more than its
@@ -735,17 +743,8 @@ class ProducerMode(TorchDispatchMode):
                 continue
             rec = Record(name, values_op)
             rec.version = o._version
-            rec.func, rec.args, rec.kwargs = func, rec0.args, rec0.kwargs
-            rec.out_index = i if multi else None
-            rec.is_view = view
-            if self.module_names:
-                rec.module = current_module()
-                rec.call = call_name(func)
-            if self.alias_index and o.is_contiguous():   # NOTE [Views made inside untracked calls]
-                key = (o.untyped_storage()._cdata, o.storage_offset())
-                hit = self._by_storage.get(key)
-                if hit is None or hit[0]() is None:
-                    self._by_storage[key] = (weakref.ref(o), rec)
+            self._recipe(rec, o, func, rec0.args, rec0.kwargs, i if multi else None, view,
+                         call_name(func))
             records[id(o)] = (weakref.ref(o), rec)
         return out
 
