@@ -47,7 +47,9 @@ def test_the_profile_marks_the_calls_that_ran_one_recomputable_op():
     assert single[("_Calls", "layer_norm")] == "native_layer_norm"
     assert single[("_Calls", "add")] == "add"
     assert single[("_Calls", "embedding")] is False, "max_norm writes the weight first"
-    assert single[("_Calls", "dropout")] is False, "random: its generator is the mode's"
+    # On the CPU (input requiring grad) F.dropout runs empty_like, bernoulli_,
+    # div_ and mul: not one op (on CUDA one native_dropout: tests/test_gpu.py).
+    assert single[("_Calls", "dropout")] is False
     assert single[("_Calls.fc", "linear")] is False
 
 
@@ -90,6 +92,28 @@ def test_a_call_that_writes_or_returns_an_argument_is_not_recorded():
     with torch.inference_mode():
         w = mode.record_call(torch.sin, (torch.randn(3),), {}, "sin")
     assert mode.record_of(w) is None
+
+
+def test_a_random_call_replays_the_generator_state_it_drew_from():
+    """Rule 5: F.dropout recorded whole replays the default generator's state
+    of before the call, and leaves the generator as it finds it."""
+    from tiermem.tiers.recompute import _Node, _run
+    mode = ProducerMode(names=False)
+    x = torch.randn(64, 64)
+    torch.manual_seed(7)
+    y = mode.record_call(F.dropout, (x, 0.5, True), {}, "native_dropout")
+    rec = mode.record_of(y)
+    assert rec.rng is not None and rec.rng[0] is torch.default_generator
+    after = torch.rand(3)                  # the generator moved on since
+    node = _Node()
+    node.func, node.args, node.kwargs, node.out_index, node.rng = (
+        rec.func, (x, 0.5, True), {}, None, rec.rng)
+    state = torch.get_rng_state()
+    assert torch.equal(_run(node, None), y)
+    assert torch.equal(torch.get_rng_state(), state), "the generator is left as it was"
+    torch.manual_seed(7)
+    torch.nn.functional.dropout(x, 0.5, True)
+    assert torch.equal(torch.rand(3), after)
 
 
 def test_the_gate_records_whole_unless_autocast_is_active():
@@ -142,8 +166,8 @@ def test_plans_recording_calls_whole_train_exactly(name):
 def test_tiny_gpt_records_its_one_op_calls_whole_and_stays_exact(dropout):
     """With the default min_offload_bytes the LayerNorm's mean and rstd are not
     planned, so every layer_norm call is recorded whole; with dropout the
-    dropout calls (random) and the decomposed attention still go through the
-    mode. The same recompute bytes as with every call under the mode."""
+    dropout call (four ops on the CPU) and the decomposed attention still go
+    through the mode. The same recompute bytes as with every call under the mode."""
     torch.manual_seed(0)
     cfg = GPTConfig(vocab=64, layers=2, width=64, heads=4, seq_len=32, dropout=dropout)
     idx = torch.randint(0, cfg.vocab, (2, 32))
@@ -166,7 +190,7 @@ def test_tiny_gpt_records_its_one_op_calls_whole_and_stays_exact(dropout):
             direct = plan.tracking_direct
             assert direct["TinyGPT.blocks.0.ln1"] == {"layer_norm": "native_layer_norm"}
             assert direct["TinyGPT.blocks.0.mlp"] == {"gelu": "gelu"}
-            assert ("dropout" in direct.get("TinyGPT.drop", {})) is False
+            assert "TinyGPT.drop" not in direct   # CPU dropout: four ops, through the mode
         model.zero_grad(set_to_none=True)
         torch.manual_seed(3)
         with off as ctx:

@@ -309,6 +309,41 @@ def test_recompute_cuts_peak_device_memory():
     assert keep_peak - rec_peak >= 0.5 * dropped, (keep_peak, rec_peak, dropped)
 
 
+def test_auto_plan_records_cuda_dropout_whole_and_stays_exact():
+    """On CUDA F.dropout runs one op (native_dropout): a plan recomputing its
+    output records the call whole, its generator state captured and replayed
+    (NOTE [Calls recorded whole], rule 5, in tiermem/producers.py), and the
+    step trains exactly as without tiermem."""
+    from tiermem.models import GPTConfig, TinyGPT
+    cfg = GPTConfig(vocab=64, layers=2, width=64, heads=4, seq_len=32, dropout=0.1)
+    idx = torch.randint(0, cfg.vocab, (2, 32), device=DEV)
+
+    def step(model, ctx, seed):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        with sdpa_kernel(SDPBackend.MATH), ctx:
+            loss = model(idx, idx)
+        loss.backward()
+        return loss.detach().clone(), [p.grad.clone() for p in model.parameters()]
+
+    torch.manual_seed(0)
+    model = TinyGPT(cfg).to(DEV)
+    ref_model = copy.deepcopy(model)
+    # Masks (4 KiB of bool) under min_offload_bytes: a plan recomputing the
+    # mask, which F.dropout does not return, would keep the call under the mode.
+    off = tiermem.Offloader(policy="auto", device_budget="10%", min_offload_bytes=8192)
+    for i in range(3):
+        step(model, off, seed=i)
+        step(ref_model, contextlib.nullcontext(), seed=i)
+    assert off.plan.recomputes
+    assert off.plan.tracking_direct.get("TinyGPT.drop") == {"dropout": "native_dropout"}, \
+        off.plan.tracking_direct
+    got = step(model, off, seed=9)
+    ref = step(ref_model, contextlib.nullcontext(), seed=9)
+    assert_same_step(got, ref, "auto with dropout recorded whole")
+    off.close()
+
+
 def test_conjugate_view_moved_to_cpu_tier_keeps_its_values(monkeypatch):
     """A saved conj view whose D2H copy lands late comes back conjugated (torch's
     D2H copy_ of a conj view conjugates on the host too early, pytorch#146286;

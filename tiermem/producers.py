@@ -144,6 +144,8 @@ _VIEW_NAMES = frozenset(p.__name__ for p in VIEW_OPS)
 RANDOM_OPS = _packets("native_dropout", "bernoulli", "rand_like", "randn_like",
                       "randint_like")
 
+_RANDOM_NAMES = frozenset(p.__name__ for p in RANDOM_OPS)
+
 #: Views that take an *absolute* storage offset or raw strides: replaying them
 #: on an input restored at another offset or with other strides (a copy) would
 #: read other elements, so they are named but never recomputed.
@@ -654,12 +656,11 @@ class ProducerMode(TorchDispatchMode):
     # handler: while one is active the kernels themselves run 3-10% longer on
     # this CPU (benchmarks/results/2026-12-02-cpu-tracking-untracked-pack.md),
     # a floor no handler goes under. Many torch calls a plan's recipes run in
-    # are one op (F.gelu, F.layer_norm, F.embedding, ``x + y``, ``x.view``):
-    # there the call itself can be the recipe. The profiled step learns which
-    # (``note_call``, from its CallRecorder: per (module, torch call), whether
-    # every such call ran exactly one aten op, always the same, recomputable
-    # and not random: a random op's generator state is the mode's to
-    # capture); the plan lists them (``Plan.tracking_direct``), and a step
+    # are one op (F.gelu, F.layer_norm, F.embedding, ``x + y``, ``x.view``;
+    # F.dropout on CUDA): there the call itself can be the recipe. The profiled step
+    # learns which (``note_call``, from its CallRecorder: per (module, torch
+    # call), whether every such call ran exactly one aten op, always the
+    # same, recomputable); the plan lists them (``Plan.tracking_direct``), and a step
     # following it records such a call at the torch-function level
     # (``record_call``, from its CallGate: NOTE [Tracking inside torch calls]
     # in tracker.py) without entering the dispatch mode: a Record whose
@@ -679,7 +680,12 @@ class ProducerMode(TorchDispatchMode):
     #    on the written storage are tainted as the mode would (NOTE [Writes to
     #    dropped tensors]), and a parameter a recipe holds as it is, written
     #    there, is caught by the parameter check at recompute;
-    # 4. subclass arguments and inference mode: not recorded, as by the mode.
+    # 4. subclass arguments and inference mode: not recorded, as by the mode;
+    # 5. a call whose op draws random numbers (F.dropout: native_dropout) has
+    #    the state of the generator it draws from captured before it runs,
+    #    as the mode captures an op's (``_capture_rng``: the generator
+    #    argument, else the default one of its first tensor argument's
+    #    device), and replays it; unknown generator: not recorded.
     # Only the tensors the function returns get records (F.layer_norm's
     # output, not native_layer_norm's mean and rstd), so the profile marks the
     # records of what each call returned (``Record.returned``) and a plan
@@ -698,7 +704,7 @@ class ProducerMode(TorchDispatchMode):
         key = (module, call)
         info = self.last_op if n_ops == 1 else None
         calls = self.single_op_calls
-        if info is None or not info.recomputable or info.random:
+        if info is None or not info.recomputable:
             calls[key] = False
         else:
             seen = calls.get(key)
@@ -712,6 +718,11 @@ class ProducerMode(TorchDispatchMode):
         in the profile), its outputs recorded as made by the call itself: NOTE
         [Calls recorded whole]."""
         captured = None if _inference_mode() else self._capture_all(args, kwargs)
+        rng = None
+        if captured is not None and name in _RANDOM_NAMES:   # rule 5
+            rng = self._capture_rng(args, kwargs)
+            if rng is None:
+                captured = None
         out = func(*args, **kwargs)
         if captured is None:
             return out
@@ -743,6 +754,7 @@ class ProducerMode(TorchDispatchMode):
                 continue
             rec = Record(name, values_op)
             rec.version = o._version
+            rec.rng = rng
             self._recipe(rec, o, func, rec0.args, rec0.kwargs, i if multi else None, view,
                          call_name(func))
             records[id(o)] = (weakref.ref(o), rec)

@@ -258,8 +258,8 @@ class Profile:
     #: tracking them costs (NOTE [Tracking priced] in planner/runtime.py);
     #: empty: not counted.
     call_ops: dict = field(default_factory=dict)
-    #: Per (module, torch call) whose every call ran one recomputable, not
-    #: random op: that op's name (NOTE [Calls recorded whole] in producers.py).
+    #: Per (module, torch call) whose every call ran one recomputable op:
+    #: that op's name (NOTE [Calls recorded whole] in producers.py).
     single_op_calls: dict = field(default_factory=dict)
 
     @property

@@ -813,7 +813,7 @@ def tracking_calls(plan: Plan, profile: Profile) -> Optional[dict]:
 
 def tracking_direct(plan: Plan, calls: Optional[dict], profile: Profile) -> Optional[dict]:
     """Of ``calls`` (``plan``'s :func:`tracking_calls`), per module, those the
-    profile saw run one recomputable, not random op each, by that op's name,
+    profile saw run one recomputable op each, by that op's name,
     and whose returned tensors hold every output of theirs that ``plan``'s
     recipes use: a step records them whole (NOTE [Calls recorded whole] in
     producers.py); ``None`` when ``calls`` is."""
