@@ -41,7 +41,7 @@ def smoke(tmp_path_factory):
     cmd = SUITE + ["--preset", "cpu-smoke", "--out-dir", str(out),
                    "--name", "smoke", "--nvme-dir", str(nvme), "--progress", "none",
                    "--device", "cpu", "--repeat-baseline"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(out / "smoke.json") as f:
         res = json.load(f)
