@@ -297,11 +297,16 @@ class Record:
 
     def refs(self):
         """The :class:`Ref` of every tensor argument (lists flattened)."""
-        for a in self.args + tuple(self.kwargs.values()):
-            if type(a) is Ref:
-                yield a
-            elif type(a) is list:
-                yield from (x for x in a if type(x) is Ref)
+        return _refs(self.args, self.kwargs)
+
+
+def _refs(args: tuple, kwargs: dict):
+    """The :class:`Ref` of every captured tensor argument (lists flattened)."""
+    for a in args + tuple(kwargs.values()):
+        if type(a) is Ref:
+            yield a
+        elif type(a) is list:
+            yield from (x for x in a if type(x) is Ref)
 
 
 class _OpInfo:
@@ -689,9 +694,10 @@ class ProducerMode(TorchDispatchMode):
     # Only the tensors the function returns get records (F.layer_norm's
     # output, not native_layer_norm's mean and rstd), so the profile marks the
     # records of what each call returned (``Record.returned``) and a plan
-    # whose recipes use another output of a call (``RecomputeHandle.unreturned``)
-    # does not record that call whole. Tracking's price (NOTE [Tracking priced] in
-    # planner/runtime.py) still counts such a call as one tracked op.
+    # whose recipes use another output of a call
+    # (``TensorRecord.recipe_unreturned``) does not record that call whole.
+    # Tracking's price (NOTE [Tracking priced] in planner/runtime.py) counts
+    # such a call at ``Rates.track_call_s``.
     def note_call(self, module: str, call: str, n_ops: int, out: Any) -> None:
         """A profiled torch call ``call`` in ``module`` ran ``n_ops`` ops (the
         last of them ``last_op``) and returned ``out``, whose records it marks
@@ -726,14 +732,12 @@ class ProducerMode(TorchDispatchMode):
         out = func(*args, **kwargs)
         if captured is None:
             return out
-        rargs, rkwargs = captured
-        rec0 = Record(name, name)
-        rec0.args = tuple(a.copy() if type(a) is list else a for a in rargs)
-        rec0.kwargs = {k: (v.copy() if type(v) is list else v) for k, v in rkwargs.items()}
+        rargs = tuple(a.copy() if type(a) is list else a for a in captured[0])   # rule 1
+        rkwargs = {k: (v.copy() if type(v) is list else v) for k, v in captured[1].items()}
         multi = isinstance(out, (tuple, list))
         outs = out if multi else (out,)
         ok = True
-        for r in rec0.refs():   # rule 3
+        for r in _refs(rargs, rkwargs):   # rule 3
             t = r.tensor_ref()
             if t is None:
                 continue
@@ -755,7 +759,7 @@ class ProducerMode(TorchDispatchMode):
             rec = Record(name, values_op)
             rec.version = o._version
             rec.rng = rng
-            self._recipe(rec, o, func, rec0.args, rec0.kwargs, i if multi else None, view,
+            self._recipe(rec, o, func, rargs, rkwargs, i if multi else None, view,
                          call_name(func))
             records[id(o)] = (weakref.ref(o), rec)
         return out

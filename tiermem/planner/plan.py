@@ -340,14 +340,16 @@ class Plan:
                      f"predicted {format_bytes(self.predicted_kept_bytes)}, {measured}")
         stall = ("" if self.measured_stall_s is None
                  else f", measured {self.measured_stall_s * 1e3:.2f} ms")
+        tracking = ""
+        if self.tracked_ops or self.direct_calls:
+            whole = (f", {self.direct_calls} calls recorded whole" if self.direct_calls
+                     else "")
+            tracking = (f" + producer tracking {self.predicted_tracking_s * 1e3:.2f} ms "
+                        f"({self.tracked_ops} ops{whole})")
         lines.append(f"stall: predicted {self.predicted_stall_s * 1e3:.2f} ms{stall}; "
                      f"CPU charge of moves: predicted {self.predicted_cpu_s * 1e3:.2f} ms; "
                      f"recompute: predicted {self.predicted_recompute_s * 1e3:.2f} ms"
-                     + (f" + producer tracking {self.predicted_tracking_s * 1e3:.2f} ms "
-                        f"({self.tracked_ops} ops"
-                        + (f", {self.direct_calls} calls recorded whole" if self.direct_calls
-                           else "") + ")" if self.tracked_ops or self.direct_calls else "")
-                     + "; "
+                     f"{tracking}; "
                      f"prefetch window {format_bytes(self.suggested_prefetch_bytes)}")
         hinted = [p for p in self.tensors if p.hint is not None]
         if hinted:

@@ -694,8 +694,7 @@ def _with_tracking(plan: Plan, profile: Profile, rates) -> Plan:
     plan.tracking_ops = tracking_ops(plan, profile)
     plan.tracking_calls = tracking_calls(plan, profile)
     plan.tracking_direct = tracking_direct(plan, plan.tracking_calls, profile)
-    plan.tracked_ops = tracked_op_count(plan, profile)
-    plan.direct_calls = direct_call_count(plan, profile)
+    plan.tracked_ops, plan.direct_calls = _tracked_counts(plan, profile)
     plan.predicted_tracking_s = (
         plan.tracked_ops * (getattr(rates, "track_op_s", 0.0) or 0.0)
         + plan.direct_calls * (getattr(rates, "track_call_s", 0.0) or 0.0))
@@ -857,36 +856,42 @@ def _record_pairs(record) -> tuple:
     return ((None, None),)
 
 
+def _tracked_counts(plan: Plan, profile: Profile) -> tuple:
+    """``(tracked_op_count, direct_call_count)`` of ``plan``, in one pass."""
+    if not profile.call_ops:
+        return 0, 0
+    scope = tracking_scope(plan, profile)
+    if scope is None:
+        return _pair_ops(profile, None, None), 0
+    calls = tracking_calls(plan, profile)
+    direct = tracking_direct(plan, calls, profile) or {}
+    ops = whole_calls = 0
+    for module in scope:
+        names = None if calls is None else calls.get(module)
+        if names is None:
+            ops += _pair_ops(profile, module, None)
+            continue
+        whole = direct.get(module, {})
+        for c in names:
+            if c in whole:
+                whole_calls += _pair_ops(profile, module, c)
+            else:
+                ops += _pair_ops(profile, module, c)
+    return ops, whole_calls
+
+
 def tracked_op_count(plan: Plan, profile: Profile) -> int:
     """Aten ops per forward a step following ``plan`` hands the dispatch mode,
     as the profile counted them (0: it recomputes nothing, or nothing was
     counted); the calls it records whole are :func:`direct_call_count`'s.
     NOTE [Tracking priced]."""
-    if not profile.call_ops:
-        return 0
-    scope = tracking_scope(plan, profile)
-    if scope is None:
-        return _pair_ops(profile, None, None)
-    calls = tracking_calls(plan, profile)
-    direct = tracking_direct(plan, calls, profile) or {}
-    total = 0
-    for module in scope:
-        names = None if calls is None else calls.get(module)
-        if names is None:
-            total += _pair_ops(profile, module, None)
-        else:
-            whole = direct.get(module, {})
-            total += sum(_pair_ops(profile, module, c) for c in names if c not in whole)
-    return total
+    return _tracked_counts(plan, profile)[0]
 
 
 def direct_call_count(plan: Plan, profile: Profile) -> int:
     """Torch calls per forward a step following ``plan`` records whole (each
     one op in the profile: NOTE [Calls recorded whole] in producers.py)."""
-    if not profile.call_ops:
-        return 0
-    direct = tracking_direct(plan, tracking_calls(plan, profile), profile) or {}
-    return sum(_pair_ops(profile, m, c) for m, names in direct.items() for c in names)
+    return _tracked_counts(plan, profile)[1]
 
 
 def tracking_shares(profile: Profile, rates) -> dict:
