@@ -345,3 +345,75 @@ def test_an_auto_offloader_with_hints_tracks_the_whole_forward():
     assert off.plan.recomputes and off.plan.tracking_scope
     assert ctx.tracking is None and off.stats.count_by_tier["recompute"] > 0
     off.close()
+
+
+class _UserFunctionMode(torch.overrides.TorchFunctionMode):
+    """A mode of the user's, entered inside a module's forward: counts the calls it sees."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _UserDispatchMode(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("user_mode", [_UserFunctionMode, _UserDispatchMode])
+@pytest.mark.parametrize("tracked_by", ["mode", "gate_parent", "gate_child"])
+@pytest.mark.parametrize("parent_in_scope", [True, False])
+def test_a_user_mode_entered_inside_a_module_keeps_its_nesting(user_mode, tracked_by,
+                                                                parent_in_scope):
+    """The scope enters and leaves its mode (or gate) at module boundaries,
+    also inside a ``with`` of the user's own mode in a module's forward: the
+    user's mode sees nothing after its block ends (ours never sits above it
+    when it exits, else its exit would pop ours and leave it on), and the
+    stacks are empty after the step."""
+
+    class Parent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.child = nn.Linear(4, 4)
+            self.user = user_mode()
+            self.after = None
+
+        def forward(self, x):
+            with self.user:
+                y = self.child(x)
+            seen = self.user.n
+            z = torch.relu(y) * 2
+            self.after = self.user.n - seen
+            return z
+
+    model = Parent()
+    names = {"Parent.child"} | ({"Parent"} if parent_in_scope else set())
+    calls = {"mode": None,
+             "gate_parent": {"Parent": frozenset({"relu", "mul"}), "Parent.child": None},
+             "gate_child": {"Parent": None, "Parent.child": frozenset({"linear"})}}[tracked_by]
+    mode = _Seen(names=False)
+    _Seen.ops = []
+    with ModuleStack(scope=tiermem.tracker.TrackingScope(mode, names, calls=calls)):
+        model(torch.randn(2, 4))
+    assert model.user.n > 0
+    assert model.after == 0
+    assert torch._C._len_torch_dispatch_stack() == 0
+    assert torch._C._len_torch_function_stack() == 0
+    if not (parent_in_scope and tracked_by == "gate_parent" and user_mode is _UserFunctionMode):
+        assert "Parent.child" in _Seen.ops   # the child's linear ran under ours
+    # (else the parent's gate, under the user's function mode, cannot be left
+    # at the child's start: it stays, and the child runs untracked, its
+    # tensors without recipes: NOTE [Scoped tracking])
+    if parent_in_scope:   # and ours is on again after the user's block: relu and mul
+        assert _Seen.ops.count("Parent") >= 2, _Seen.ops
+    else:
+        assert "Parent" not in _Seen.ops
