@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-step-seconds", type=float, default=None,
                    help="drop a config whose warm-up step takes longer")
     p.add_argument("--time-limit", type=float, default=None,
-                   help="seconds for the whole run; parts past it are reported as skipped")
+                   help="seconds for the whole run (the C++ engine's build, done first, "
+                        "not counted); parts past it are reported as skipped")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-deterministic", dest="deterministic", action="store_false",
                    default=True)
@@ -80,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only redo the merge, Markdown and plots of a (partial) result JSON, "
                         "e.g. of a run stopped by a time limit; writes next to it")
     # children
-    p.add_argument("--role", choices=("main", "probe", "interleaved", "isolated"),
+    p.add_argument("--role", choices=("main", "build", "probe", "interleaved", "isolated"),
                    default="main", help=argparse.SUPPRESS)
     p.add_argument("--child-opts", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)

@@ -39,6 +39,21 @@ def _child_setup(opts: dict):
     return device
 
 
+def role_build(opts: dict) -> dict:
+    """Compile the C++ I/O engine, or find it up to date (NOTE [The engine is
+    built before the clock] in orchestrate.py). A failed build is reported,
+    not raised: the configurations then run on the engine tiermem falls back
+    to (``io_engine`` of the probe says which)."""
+    t0 = time.perf_counter()
+    try:
+        from tiermem.io.build import build
+        path = build(verbose=False)
+    except Exception as e:
+        return {"status": "failed", "reason": err_text(e)[-1500:],
+                "seconds": time.perf_counter() - t0}
+    return {"status": "ok", "path": path, "seconds": time.perf_counter() - t0}
+
+
 def role_probe(opts: dict) -> dict:
     import torch
     from ..models_bench import CONFIGS, peer_versions, probe_config
@@ -346,7 +361,9 @@ def child_main(args) -> int:
     with open(args.child_opts) as f:
         opts = json.load(f)
     try:
-        if args.role == "probe":
+        if args.role == "build":
+            res = role_build(opts)
+        elif args.role == "probe":
             res = role_probe(opts)
         elif args.role == "interleaved":
             res = role_interleaved(opts)
