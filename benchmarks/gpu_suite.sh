@@ -252,7 +252,8 @@ bench() {  # bench PRESET NAME
     local extra=()
     [ -n "$CPU_BUDGET" ] && extra+=(--tiermem-cpu-budget "$CPU_BUDGET")
     "$PY" -m benchmarks.suite --preset "$1" --name "$2" --out-dir "$RES" \
-        --nvme-dir "$NVME" --progress plain --time-limit "$BENCH_LIMIT" ${extra[@]+"${extra[@]}"}
+        --nvme-dir "$NVME" --progress plain --time-limit "$BENCH_LIMIT" --no-build \
+        ${extra[@]+"${extra[@]}"}
 }
 bench_part() {  # bench_part NAME PRESET CAP RESERVE
     local left=$(( $(remaining) - $4 ))

@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-deterministic", dest="deterministic", action="store_false",
                    default=True)
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-build", action="store_true",
+                   help="do not build the C++ engine first (a caller that built it: "
+                        "gpu_suite.sh); else the first use builds it, inside the probe")
     p.add_argument("--repeat-baseline", action="store_true", default=None,
                    help="also run a second baseline in the interleaved process, to check "
                         "that plain runs are bit-identical here (default: on CUDA only)")
