@@ -129,6 +129,42 @@ def test_tracking_cost_per_op_is_measured():
     assert rates.as_dict()["track_call_s"] == rates.track_call_s
 
 
+def _scripted_best(monkeypatch, script):
+    """Make the tracking probe's runs take the times ``script(way, n)`` gives
+    (``way``: chain, tracked or gated; ``n``: that way's run count so far)."""
+    from tiermem.planner import rates as rates_mod
+    monkeypatch.setattr(rates_mod, "_track_cache", [])
+    runs: dict = {}
+
+    def best(fn, repeats=1, clock=None):
+        n = runs[fn.__name__] = runs.get(fn.__name__, 0) + 1
+        return script(fn.__name__, n)
+    monkeypatch.setattr(rates_mod, "_best", best)
+    return rates_mod, runs
+
+
+def test_a_disturbed_tracking_probe_runs_on_until_its_prices_are_positive(monkeypatch):
+    # NOTE [A tracking price of 0]: in the first 6 runs every plain one was
+    # disturbed (1.0 s) and a gated one lucky (0.95 s): no price yet; the
+    # next runs give the plain chain its undisturbed time (0.8 s).
+    times = {"chain": (1.0, 0.8), "tracked": (1.5, 1.3), "gated": (0.95, 0.9)}
+    rates_mod, runs = _scripted_best(monkeypatch, lambda way, n: times[way][n > 6])
+    op_s, call_s = rates_mod._tracking_cost()
+    links = rates_mod.TRACK_PROBE_LINKS
+    assert op_s == pytest.approx((1.3 - 0.8) / (3 * links))
+    assert call_s == pytest.approx((0.9 - 0.8) / (2 * links))
+    assert runs == {"chain": 12, "tracked": 12, "gated": 12}
+
+
+def test_a_tracking_probe_never_positive_reads_0_after_its_attempts(monkeypatch):
+    rates_mod, runs = _scripted_best(
+        monkeypatch, lambda way, n: {"chain": 1.0, "tracked": 1.5, "gated": 0.9}[way])
+    assert rates_mod._tracking_cost() == (pytest.approx(0.5 / (3 * rates_mod.TRACK_PROBE_LINKS)),
+                                          0.0)
+    per_way = rates_mod.TRACK_PROBE_ATTEMPTS * 2 * rates_mod.REPEATS
+    assert runs == {"chain": per_way, "tracked": per_way, "gated": per_way}
+
+
 def test_a_call_recorded_whole_is_priced_per_call():
     # GELU's pair ran one recomputable op per call in the profile: the plan
     # records it whole, priced at track_call_s, not handed to the mode.
