@@ -1,7 +1,8 @@
 """The parent process of a suite run: it starts the child processes (the C++
-engine's build, the probe, then interleaved timing, then the isolated runs, several at a time where asked)
-within the time limit, collects their results into one JSON as they come,
-and shows progress. It never initialises CUDA itself."""
+engine's build, the probe, then interleaved timing, then the isolated runs,
+several at a time where asked) within the time limit, collects their
+results into one JSON as they come, and shows progress. It never initialises
+CUDA itself."""
 
 from __future__ import annotations
 
@@ -30,10 +31,11 @@ _MAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "__main__.py")
 # cold build can exceed on its own: measured on 2 shared cores, 128 s
 # against a CUDA build of torch (torch 2.11+cu130, no GPU), about 60 s
 # against the CPU build; the probe was killed at 105 s and the run lost its
-# ceilings and the smoke tests their link analysis. So a child of its own builds the engine (or finds it up to date,
-# about a second) before the probe, with BUILD_TIMEOUT_S, and its time is
-# not counted against --time-limit (the deadline moves by it): the limit is
-# for measuring, and a one-time compile says nothing about the configurations.
+# ceilings and the smoke tests their link analysis. So a child of its own
+# builds the engine (or finds it up to date, about a second) before the
+# probe, with BUILD_TIMEOUT_S, and its time is not counted against
+# --time-limit (the deadline moves by it): the limit is for measuring, and a
+# one-time compile says nothing about the configurations.
 # ``phases['build']`` and ``engine_build`` report it; a failed build is a note,
 # and the run goes on with the engine tiermem falls back to. ``--no-build``
 # skips it, for a caller that built the engine itself (gpu_suite.sh, whose
