@@ -116,6 +116,36 @@ def test_a_random_call_replays_the_generator_state_it_drew_from():
     assert torch.equal(torch.rand(3), after)
 
 
+def _replayed(rec, args) -> torch.Tensor:
+    from tiermem.tiers.recompute import _Node, _run
+    node = _Node()
+    node.func, node.args, node.kwargs, node.out_index, node.rng = (
+        rec.func, args, rec.kwargs, None, rec.rng)
+    return _run(node, None)
+
+
+def test_a_call_that_draws_where_the_profile_did_not_replays_its_draw():
+    """Rule 6: the profile saw ``torch.rrelu`` run one op that draws nothing
+    (``leaky_relu``, ``training=False``); this step's call of it draws
+    (``training=True``): its record replays the generator's state of before
+    the call, so the recompute gives this step's values. A call that draws
+    nothing holds no state."""
+    mode = ProducerMode(names=False)
+    x = torch.randn(256)
+    y = mode.record_call(torch.rrelu, (x, 0.1, 0.3, True), {}, "leaky_relu")
+    rec = mode.record_of(y)
+    assert rec is not None and rec.rng is not None and rec.rng[0] is torch.default_generator
+    torch.rand(5)                           # the generator moves on
+    assert torch.equal(_replayed(rec, (x, 0.1, 0.3, True)), y)
+    z = mode.record_call(torch.rrelu, (x, 0.1, 0.3, False), {}, "leaky_relu")
+    assert mode.record_of(z).rng is None
+    parts = [torch.randn(3), torch.randn(2)]   # the device read inside a list
+    c = mode.record_call(torch.cat, (parts,), {}, "cat")
+    assert mode.record_of(c) is not None and mode.record_of(c).rng is None
+    meta = torch.empty(3, device="meta")       # no generator known: not recorded
+    assert mode.record_of(mode.record_call(torch.sin, (meta,), {}, "sin")) is None
+
+
 def test_the_gate_records_whole_unless_autocast_is_active():
     mode = ProducerMode(names=False)
     gate = CallGate(mode)

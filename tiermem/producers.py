@@ -342,6 +342,26 @@ def _plain(t: torch.Tensor) -> bool:
     return type(t) in _PLAIN_TYPES and t.layout is _STRIDED and not t.is_inference()
 
 
+def _first_device(args) -> Optional[torch.device]:
+    """The device of the first tensor in ``args`` (lists and tuples looked
+    into), ``None`` if there is none."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device
+        if isinstance(a, (list, tuple)):
+            for x in a:
+                if isinstance(x, torch.Tensor):
+                    return x.device
+    return None
+
+
+def _drew_nothing(rng: tuple) -> bool:
+    """Whether the generator of ``rng`` (generator, state before a call) is
+    still in that state: NOTE [Calls recorded whole], rule 6."""
+    gen, before = rng
+    return gen.get_state().numpy().tobytes() == before.numpy().tobytes()
+
+
 def _generator_for(device: torch.device, explicit) -> Optional[torch.Generator]:
     if explicit is not None:
         return explicit
@@ -691,6 +711,15 @@ class ProducerMode(TorchDispatchMode):
     #    as the mode captures an op's (``_capture_rng``: the generator
     #    argument, else the default one of its first tensor argument's
     #    device), and replays it; unknown generator: not recorded.
+    # 6. so does every other call: the profile's call ran one op that draws
+    #    nothing, but this step's call of the same name in the same module may
+    #    draw (``torch.rrelu`` runs ``leaky_relu`` with ``training=False`` and
+    #    the random ``rrelu_with_noise`` with ``True``). The generator's state
+    #    is compared after the call (a host-side copy, ~1 µs, and a compare of
+    #    its bytes, ~3 µs on the CPU): unchanged, the record holds no state;
+    #    changed, it replays the state of before the call (rule 5's replay).
+    #    A generator other than that one (a call on CUDA tensors drawing from
+    #    the CPU's) is not seen.
     # Only the tensors the function returns get records (F.layer_norm's
     # output, not native_layer_norm's mean and rstd), so the profile marks the
     # records of what each call returned (``Record.returned``) and a plan
@@ -725,13 +754,15 @@ class ProducerMode(TorchDispatchMode):
         [Calls recorded whole]."""
         captured = None if _inference_mode() else self._capture_all(args, kwargs)
         rng = None
-        if captured is not None and name in _RANDOM_NAMES:   # rule 5
+        if captured is not None:   # rules 5 and 6
             rng = self._capture_rng(args, kwargs)
             if rng is None:
                 captured = None
         out = func(*args, **kwargs)
         if captured is None:
             return out
+        if name not in _RANDOM_NAMES and _drew_nothing(rng):   # rule 6
+            rng = None
         rargs = tuple(a.copy() if type(a) is list else a for a in captured[0])   # rule 1
         rkwargs = {k: (v.copy() if type(v) is list else v) for k, v in captured[1].items()}
         multi = isinstance(out, (tuple, list))
@@ -799,11 +830,9 @@ class ProducerMode(TorchDispatchMode):
         """(generator, state) of the generator the op will draw from; ``None``
         if unknown (the op is then not recomputable). ``get_state`` copies the
         host-side state (CUDA: seed and offset), no device sync."""
-        device = None
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                device = a.device
-                break
+        device = _first_device(args)
+        if device is None:
+            device = _first_device(kwargs.values())
         if device is None:
             return None
         gen = _generator_for(device, kwargs.get("generator"))
