@@ -6,6 +6,7 @@ pay is declined for the plan without it, and a step following a plan tracks
 the ops its price counted."""
 
 import functools
+import time
 
 import pytest
 import torch
@@ -137,6 +138,7 @@ def _scripted_best(monkeypatch, script):
     runs: dict = {}
 
     def best(fn, repeats=1, clock=None):
+        assert clock is time.thread_time
         n = runs[fn.__name__] = runs.get(fn.__name__, 0) + 1
         return script(fn.__name__, n)
     monkeypatch.setattr(rates_mod, "_best", best)
@@ -156,13 +158,23 @@ def test_a_disturbed_tracking_probe_runs_on_until_its_prices_are_positive(monkey
     assert runs == {"chain": 12, "tracked": 12, "gated": 12}
 
 
-def test_a_tracking_probe_never_positive_reads_0_after_its_attempts(monkeypatch):
-    rates_mod, runs = _scripted_best(
-        monkeypatch, lambda way, n: {"chain": 1.0, "tracked": 1.5, "gated": 0.9}[way])
-    assert rates_mod._tracking_cost() == (pytest.approx(0.5 / (3 * rates_mod.TRACK_PROBE_LINKS)),
-                                          0.0)
+def test_a_tracking_probe_never_positive_reads_the_op_price_or_0(monkeypatch):
+    """After its attempts a call price not positive reads the op price; an
+    op price not positive reads 0. The probe runs on one thread, by that
+    thread's CPU clock, and gives the thread count back."""
+    clocks = []
+    rates_mod, runs = _scripted_best(monkeypatch, lambda way, n: (
+        clocks.append(torch.get_num_threads()) or
+        {"chain": 1.0, "tracked": 1.5, "gated": 0.9}[way]))
+    torch.set_num_threads(2)
+    op_s = pytest.approx(0.5 / (3 * rates_mod.TRACK_PROBE_LINKS))
+    assert rates_mod._tracking_cost() == (op_s, op_s)
+    assert set(clocks) == {1} and torch.get_num_threads() == 2
     per_way = rates_mod.TRACK_PROBE_ATTEMPTS * 2 * rates_mod.REPEATS
     assert runs == {"chain": per_way, "tracked": per_way, "gated": per_way}
+    rates_mod, _ = _scripted_best(
+        monkeypatch, lambda way, n: {"chain": 1.0, "tracked": 0.9, "gated": 0.9}[way])
+    assert rates_mod._tracking_cost() == (0.0, 0.0)
 
 
 def test_a_call_recorded_whole_is_priced_per_call():

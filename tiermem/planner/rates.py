@@ -28,7 +28,8 @@ machine and cached per process.
   tensors that require grad, run plainly and under a
   :class:`~tiermem.producers.ProducerMode` made as a scoped step makes it
   (the pointwise ops recorded, the linear not); the difference over the op
-  count; measured once per process. What the planner prices a plan's
+  count; measured once per process, on one intra-op thread and by its CPU
+  clock (NOTE [A tracking price of 0]). What the planner prices a plan's
   tracking with (NOTE [Tracking priced] in planner/runtime.py). It grows
   with the tensors' size (15 µs per op at 64 KiB, 22-70 µs at 256 KiB
   here, varying between processes), and in a TinyGPT forward a tracked op
@@ -161,10 +162,31 @@ def _tracking_cost() -> tuple:
     # still not, the price reads 0. (Medians of paired differences, tried as
     # well, were no steadier here under load: with 1 or 2 busy processes on
     # the 2 cores, either estimate read anything from below 0 to 700 µs per
-    # op, and the bests once 6.7 ms.)
+    # op, and the bests once 6.7 ms.) Two things make it rarer: the probe
+    # runs on one thread and is timed by that thread's CPU clock
+    # (``time.thread_time``: time the thread was descheduled, the main way a
+    # busy machine disturbs a run, is not counted; with one intra-op thread
+    # every kernel runs on it), and a call price still not positive after the
+    # attempts reads the op price (a call recorded whole costs about what the
+    # mode costs its op: rough, but never free); the op price still not
+    # positive reads 0.
+    # Seen, one busy process beside the probe on the 2 cores, 4 processes
+    # each way: wall clock, op 36-146 µs and call 40-236 µs; one thread and
+    # its CPU clock, op 44-62 µs and call 15-95 µs.
     """
     if _track_cache:
         return _track_cache[0]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _track_cache.append(_tracking_probe())
+    finally:
+        torch.set_num_threads(threads)
+    return _track_cache[0]
+
+
+def _tracking_probe() -> tuple:
+    """The runs of :func:`_tracking_cost` (one thread set by the caller)."""
     from ..producers import ProducerMode
     from ..tracker import CallGate
     x = torch.linspace(-1.0, 1.0, 256 * 256).view(256, 256).requires_grad_()
@@ -193,16 +215,17 @@ def _tracking_cost() -> tuple:
     chain()
     tracked()
     gated()
+    clock = time.thread_time
     for _ in range(TRACK_PROBE_ATTEMPTS):   # NOTE [A tracking price of 0]
         for _ in range(2 * REPEATS):
-            plain = min(plain, _best(chain, 1))
-            mode = min(mode, _best(tracked, 1))
-            whole = min(whole, _best(gated, 1))
+            plain = min(plain, _best(chain, 1, clock))
+            mode = min(mode, _best(tracked, 1, clock))
+            whole = min(whole, _best(gated, 1, clock))
         if mode > plain and whole > plain:
             break
-    _track_cache.append((max(0.0, mode - plain) / (3 * TRACK_PROBE_LINKS),
-                         max(0.0, whole - plain) / (2 * TRACK_PROBE_LINKS)))
-    return _track_cache[0]
+    op_s = max(0.0, mode - plain) / (3 * TRACK_PROBE_LINKS)
+    call_s = (whole - plain) / (2 * TRACK_PROBE_LINKS) if whole > plain else op_s
+    return op_s, call_s
 
 
 def _cuda_rates() -> tuple:
