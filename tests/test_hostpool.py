@@ -204,6 +204,70 @@ def test_a_buffer_of_an_earlier_step_is_waited_for_rather_than_allocating_anew()
     assert late.waits == 1 and pool.earlier_waits == 1
 
 
+class _Event:
+    """A CUDA event stand-in: complete once synchronised."""
+
+    def __init__(self) -> None:
+        self.synced = False
+
+    def query(self) -> bool:
+        return self.synced
+
+    def synchronize(self) -> None:
+        self.synced = True
+
+
+def test_a_staging_buffer_of_an_earlier_step_is_waited_for_through_its_lease():
+    """A staged nvme move's buffer comes back through its lease as an
+    ``AllDone`` of the move and the copies out of the buffer: the next step
+    waits for all of them and reuses it (``AllDone.wait_host`` was once
+    missing, and the pool's wait silently did nothing)."""
+    from tiermem.leases import StagingLease
+    pool = HostPool(1 << 20)
+    buf = pool.acquire(100 * KiB, pinned=False)
+    lease = StagingLease(pool, buf, pinned=False)
+    move = _Job(False)
+    lease.job = move
+    out = _Event()
+    lease.events.append(out)
+    lease.release()
+    pool.start_step()
+    again = pool.acquire(100 * KiB, pinned=False)
+    assert again.data_ptr() == buf.data_ptr() and pool.allocations == 1
+    assert move.waits == 1 and out.synced and pool.earlier_waits == 1
+
+
+def test_every_job_class_can_wait_on_the_host_and_a_pool_says_when_one_cannot():
+    import inspect
+    from tiermem import jobs
+    classes = [c for _, c in inspect.getmembers(jobs, inspect.isclass)
+               if issubclass(c, jobs.Job) and c is not jobs.Job]
+    assert len(classes) >= 8
+    missing = [c.__name__ for c in classes if c.wait_host is jobs.Job.wait_host]
+    assert not missing, f"no wait_host: {missing}"
+
+    class _Failed(_Job):
+        def wait_host(self):
+            self._done = True
+            raise OSError("the copy failed")
+
+    pool = HostPool(1 << 20)
+    a = pool.acquire(100 * KiB, pinned=False)
+    pool.release(a, _Failed(False))
+    pool.start_step()
+    assert pool.acquire(100 * KiB, pinned=False).data_ptr() == a.data_ptr(), \
+        "a failed copy leaves its buffer free"
+    class _CannotWait(jobs.Job):
+        def done(self):
+            return False
+
+    b = pool.acquire(100 * KiB, pinned=False)
+    pool.release(b, _CannotWait())
+    pool.start_step()
+    with pytest.raises(NotImplementedError):
+        pool.acquire(100 * KiB, pinned=False)
+
+
 def test_a_buffer_given_back_in_this_step_is_not_waited_for():
     pool = HostPool(1 << 20)
     pool.start_step()

@@ -87,6 +87,23 @@ _log = logging.getLogger("tiermem")
 
 __all__ = ["HostPool"]
 
+_PROGRAMMING_ERRORS = (NotImplementedError, AssertionError, AttributeError, TypeError)
+
+
+def _wait_for_copy(job) -> None:
+    """Wait on the host for the last copy that used a buffer. A copy that
+    failed leaves its buffer free all the same (its error reaches the one who
+    reads that tensor); a job that cannot wait at all is a bug and raises (a
+    ``wait_host`` missing from a job class once made every such wait a silent
+    no-op, and with it NOTE [Buffers of earlier steps])."""
+    try:
+        job.wait_host()
+    except _PROGRAMMING_ERRORS:
+        raise
+    except Exception:
+        pass
+
+
 _MIN_PINNED_CLASS_BYTES = 4096
 
 
@@ -234,10 +251,7 @@ class HostPool:
                 if job is None:
                     break
             self.earlier_waits += 1
-            try:
-                job.wait_host()   # outside the lock
-            except Exception:     # a failed copy: its buffer is free all the same
-                pass
+            _wait_for_copy(job)   # outside the lock
         with self._lock:
             self._drain()
             over = self._in_use_bytes + self._free_bytes + cls - self.budget_bytes
@@ -282,10 +296,7 @@ class HostPool:
             running = [job for entries in self._free.values() for _, job in entries
                        if job is not None and not job.done()]
         for job in running:   # outside the lock
-            try:
-                job.wait_host()
-            except Exception:   # a failed copy: its buffer is free all the same
-                pass
+            _wait_for_copy(job)
         with self._lock:
             self._drain()
             self._trim(self._free_bytes)

@@ -367,6 +367,15 @@ class AllDone(Job):
         return ((self.job is None or self.job.done())
                 and all(e.query() for e in self.events))
 
+    def wait_host(self) -> None:
+        """Block the host until ``job`` (re-raising its error) and every event
+        are complete. ``events`` is the lease's list, which its
+        ``hold_until`` may still change: a copy is walked."""
+        if self.job is not None:
+            self.job.wait_host()
+        for e in list(self.events):
+            e.synchronize()
+
 
 class StagedJob(Job):
     """A move through a staging buffer (NOTE [Staged moves] in tiers/moving.py):
