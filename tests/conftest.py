@@ -20,7 +20,8 @@ tiers, engines and models.
 - ``model_case``: a fresh :class:`models.Case` of each of
   :data:`models.MODEL_NAMES` (same parameters and inputs as
   ``make_case(case.name)``).
-- ``deterministic``: deterministic kernels for the test (GPU bit-exactness).
+- ``deterministic``: deterministic kernels for the test (GPU bit-exactness;
+  ``CUBLAS_WORKSPACE_CONFIG`` is set at import, before CUDA starts).
 - ``TIERMEM_TEST_TIMEOUT_S`` (read once, at start; benchmarks/gpu_suite.sh sets
   it): a test running longer fails with ``TimeoutError`` and the run goes on
   (SIGALRM, main thread; a test stuck in C code without the GIL is only
@@ -32,6 +33,11 @@ from __future__ import annotations
 import os
 import signal
 import sys
+
+# cuBLAS under deterministic algorithms (the ``deterministic`` fixture) needs
+# this set before CUDA starts: here, so that any one test file run alone has
+# it (tests/test_gpu.py and test_gpu_engine.py set it too, for themselves).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import pytest
 import torch
