@@ -377,6 +377,29 @@ def test_rates_measure_both_link_directions_at_once_on_cuda():
     assert rates.d2h and rates.h2d and rates.link_both
     # Each direction while both run is no faster than alone (some slack for noise).
     assert rates.link_both <= 1.2 * max(rates.d2h, rates.h2d)
+    # The model's device named (a profile's record says "cuda:N"): the same
+    # cached figures for the current device, its free memory read.
+    here = f"cuda:{torch.cuda.current_device()}"
+    assert measure_rates(cuda=here) is rates
+    from tiermem.planner.rates import default_device_budget_bytes
+    assert default_device_budget_bytes("cuda", device=here) >= 0
+
+
+def test_the_planner_reads_the_device_of_the_model_not_the_current_one():
+    """A profile's first CUDA record names the device whose links and free
+    memory the planner reads; none: the CPU's. Without CUDA a device name
+    reads as no device (nothing is initialised)."""
+    from types import SimpleNamespace as NS
+    from tiermem.planner.rates import _cuda_device
+    from tiermem.planner.runtime import _cuda_of
+    assert _cuda_of([NS(device="cpu"), NS(device="cuda:1"), NS(device="cuda:0")]) == "cuda:1"
+    assert _cuda_of([NS(device="cpu")]) is None and _cuda_of([]) is None
+    assert _cuda_device(False) is None and _cuda_device("cpu") is None
+    if not torch.cuda.is_available():
+        assert _cuda_device("cuda:1") is None and _cuda_device(True) is None
+    else:
+        assert _cuda_device("cuda:0") == torch.device("cuda", 0)
+        assert _cuda_device(True).index == torch.cuda.current_device()
 
 
 def test_move_cpu_probe_makes_the_nvme_tiers_cpu_round_trip():

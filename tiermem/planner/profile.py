@@ -372,13 +372,14 @@ class Recorder:
         step = planning.step
         seen = set()
         input_bytes = 0
-        cuda = False
+        cuda = None   # the device of the first CUDA input: its stream is timed
         found = []   # (arg position, tensor, dedup key, earlier saver's index or None)
         for k, a in enumerate(args):
             if isinstance(a, torch.Tensor) and id(a) not in seen:
                 seen.add(id(a))
                 input_bytes += a.nbytes
-                cuda = cuda or a.is_cuda
+                if cuda is None and a.is_cuda:
+                    cuda = a.device
                 key = _dedup_key(step, a)
                 before = None if key is None else step.find(key)
                 found.append((k, a, key, None if before is None
@@ -387,20 +388,23 @@ class Recorder:
         placing = self.placing_s
         kept0, recorded0 = self.stats.bytes_by_tier[Tier.KEEP.value], self._recorded_kept
         events = None
-        if cuda and torch.cuda.is_available():
+        if cuda is not None and torch.cuda.is_available():
             # The GPU's time, read in finish(), after backward: the forward
             # is never synchronized (the host's time is only the launches').
+            # On the inputs' device's current stream, which need not be the
+            # current device's.
+            stream = torch.cuda.current_stream(cuda)
             events = (torch.cuda.Event(enable_timing=True),
-                      torch.cuda.Event(enable_timing=True))
-            events[0].record()
+                      torch.cuda.Event(enable_timing=True), stream)
+            events[0].record(stream)
         t0 = time.perf_counter()
         out = run()
         # Less the time the profile's own placements took in it (recipes,
         # moves): a checkpoint's recompute pays none of that.
         forward_s = time.perf_counter() - t0 - (self.placing_s - placing)
         if events is not None:
-            events[1].record()
-            self._block_events[index] = events
+            events[1].record(events[2])
+            self._block_events[index] = events[:2]
         inputs = tuple(self._input(step, k, a, key, before, start, planning.count)
                        for k, a, key, before in found)
         fixed = ((self.stats.bytes_by_tier[Tier.KEEP.value] - kept0)

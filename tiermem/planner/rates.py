@@ -228,9 +228,14 @@ def _tracking_probe() -> tuple:
     return op_s, call_s
 
 
-def _cuda_rates() -> tuple:
+def _cuda_rates(device: torch.device) -> tuple:
+    with torch.cuda.device(device):   # streams, synchronize: that device's
+        return _cuda_probe(device)
+
+
+def _cuda_probe(device: torch.device) -> tuple:
     n = PROBE_BYTES // 4
-    dev = torch.empty(n, device="cuda")
+    dev = torch.empty(n, device=device)
     host = torch.empty(n, pin_memory=True)
 
     def d2h():
@@ -241,7 +246,7 @@ def _cuda_rates() -> tuple:
         dev.copy_(host, non_blocking=True)
         torch.cuda.synchronize()
     d2h()
-    dev2 = torch.empty(n, device="cuda")
+    dev2 = torch.empty(n, device=device)
     host2 = torch.empty(n, pin_memory=True)
     out_stream, back_stream = torch.cuda.Stream(), torch.cuda.Stream()
 
@@ -306,11 +311,16 @@ def _round_trip(f, srcs: list) -> None:
         j.wait()
 
 
-def measure_rates(nvme_store=None, cuda: bool = False) -> Rates:
-    """The rates of this process (measured once per (cuda, nvme directory) and
-    cached). ``nvme_store``: the nvme tier's store, if any (its engine and
-    directory are probed)."""
-    key = (cuda, None if nvme_store is None else os.path.dirname(nvme_store.path))
+def measure_rates(nvme_store=None, cuda=False) -> Rates:
+    """The rates of this process (measured once per (CUDA device, nvme
+    directory) and cached). ``nvme_store``: the nvme tier's store, if any (its
+    engine and directory are probed). ``cuda``: ``False``, else the CUDA
+    device whose links to probe (``True``: the current one; a device or its
+    name, ``"cuda:1"``: the device the model's tensors are on, which need not
+    be the current one)."""
+    device = _cuda_device(cuda)
+    key = (None if device is None else str(device),
+           None if nvme_store is None else os.path.dirname(nvme_store.path))
     with _lock:
         hit = _cache.get(key)
         if hit is not None:
@@ -319,8 +329,8 @@ def measure_rates(nvme_store=None, cuda: bool = False) -> Rates:
         host_copy, pointwise = _host_rates()
         track_op_s, track_call_s = _tracking_cost()
         d2h = h2d = link_both = None
-        if cuda and torch.cuda.is_available():
-            d2h, h2d, link_both = _cuda_rates()
+        if device is not None:
+            d2h, h2d, link_both = _cuda_rates(device)
         disk = (None, None, None, 0.0, 0.0, None, None, 0.0)
         if nvme_store is not None:
             try:
@@ -336,16 +346,32 @@ def measure_rates(nvme_store=None, cuda: bool = False) -> Rates:
         return rates
 
 
+def _cuda_device(cuda) -> Optional[torch.device]:
+    """The CUDA device ``cuda`` names (:func:`measure_rates`), ``None`` for
+    ``False`` or where CUDA is not available."""
+    if cuda is False or cuda is None or not torch.cuda.is_available():
+        return None
+    if cuda is True:
+        return torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(cuda)
+    if device.type != "cuda":
+        return None
+    if device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def default_device_budget_bytes(device_type: str, free_bytes: Optional[int] = None,
-                                total_bytes: Optional[int] = None) -> int:
+                                total_bytes: Optional[int] = None, device=None) -> int:
     """The device budget when ``device_budget`` is unset: the device's free
     memory now less :data:`HEADROOM_FRACTION` of its total (CUDA:
-    ``torch.cuda.mem_get_info``; CPU: available RAM). ``free_bytes`` /
-    ``total_bytes`` override the measurement (tests). Measured when a plan is
-    made, after the profiled step's backward freed its tensors."""
+    ``torch.cuda.mem_get_info`` of ``device``, the current one if ``None``;
+    CPU: available RAM). ``free_bytes`` / ``total_bytes`` override the
+    measurement (tests). Measured when a plan is made, after the profiled
+    step's backward freed its tensors."""
     if free_bytes is None or total_bytes is None:
         if device_type == "cuda":
-            free, total = torch.cuda.mem_get_info()
+            free, total = torch.cuda.mem_get_info(device)
         else:
             import psutil
             vm = psutil.virtual_memory()

@@ -254,6 +254,17 @@ class _Rank:
         return f"<a shape of rank {self.n}{most}>"
 
 
+def _cuda_of(records) -> Optional[str]:
+    """The CUDA device of the first CUDA tensor among ``records`` (a
+    profile's), as named there (``"cuda:1"``), else ``None``: the device whose
+    links and free memory the planner reads (a model on ``cuda:1`` need not
+    have made it the current device)."""
+    for r in records:
+        if r.device.startswith("cuda"):
+            return r.device
+    return None
+
+
 def _numel(shape) -> int:
     n = 1
     for d in shape:
@@ -591,9 +602,9 @@ class Planner:
         rec = self._pending
         records = [] if rec is None else rec.records
         try:   # whatever fails here, this rank must reach the exchange
-            cuda = any(r.device.startswith("cuda") for r in records)
+            cuda = _cuda_of(records)
             rates = self._measure_rates(cuda) if records else None
-            default = (default_device_budget_bytes("cuda" if cuda else "cpu")
+            default = (default_device_budget_bytes("cuda" if cuda else "cpu", device=cuda)
                        if records and self.cfg.device_budget is None else None)
             profile = rec.finish() if rec is not None and rec.backward_seen else None
         except Exception as e:
@@ -611,8 +622,8 @@ class Planner:
                     None if rates is None else rates.disk_engine))
             _log.info("tiermem: auto: %s", self.agreement.describe(profile))
 
-    def _measure_rates(self, cuda: bool):
-        return measure_rates(self._placement.stores.get(Tier.NVME), cuda=cuda)
+    def _measure_rates(self, cuda: Optional[str]):
+        return measure_rates(self._placement.stores.get(Tier.NVME), cuda=cuda or False)
 
     # -- planning ----------------------------------------------------------------------
     def _budget(self, profile: Profile) -> tuple:
@@ -624,15 +635,15 @@ class Planner:
         if setting is not None:
             return setting, ("device_budget" if a is None or self.cfg.device_budget is not None
                              else "default: free memory") + agreed
-        cuda = any(r.device.startswith("cuda") for r in profile.records)
-        return default_device_budget_bytes("cuda" if cuda else "cpu"), "default: free memory"
+        cuda = _cuda_of(profile.records)
+        return (default_device_budget_bytes("cuda" if cuda else "cpu", device=cuda),
+                "default: free memory")
 
     def _plan(self, profile: Profile, target: Optional[int] = None, rate_factor: float = 1.0,
               replans: int = 0, reason: str = "") -> Plan:
         placement = self._placement
         if self.rates is None:
-            self.rates = self._measure_rates(
-                any(r.device.startswith("cuda") for r in profile.records))
+            self.rates = self._measure_rates(_cuda_of(profile.records))
         rates = self.rates if rate_factor == 1.0 else self.rates.scaled(rate_factor)
         budget, setting = self._budget(profile)
         nvme = placement.stores.get(Tier.NVME)
