@@ -17,10 +17,13 @@
 #             to a machine without network): installed with pip --target
 #   build     python -m tiermem build (the C++ I/O engine, with its CUDA chain when
 #             CUDA_HOME has nvcc; prints which)
-#   gpu-tests python -m pytest -m gpu tests/ (right after the build: see PLAN)
+#   gpu-tests python -m pytest -m gpu tests/, but for the ranks' files (right
+#             after the build: see PLAN)
 #   doctor    python -m tiermem doctor
 #   size-a    python -m benchmarks.suite --preset gpu-a: the baseline fits, activations dominate
 #   size-b    python -m benchmarks.suite --preset gpu-b: a 24 GiB budget the baseline does not fit
+#   gpu-ranks the gpu tests that spawn NCCL ranks (tests/test_fsdp.py,
+#             tests/test_planner_ranks.py), with what time is left
 # Without CUDA it dry-runs: the CUDA parts are skipped (said so in SUMMARY.md)
 # and the CPU smoke matrix (--preset cpu-smoke) runs instead.
 #
@@ -43,16 +46,23 @@ START=$(date +%s)
 LIMIT=${TIERMEM_SUITE_SECONDS:-450}
 
 # The time plan: part, cap (s), reserve kept for the parts after it (s), in
-# the order they run. The GPU tests come right after the build, so that a run
-# cut short still gives their verdict. Caps are estimates, not measurements:
-# time each part on the first real GPU run and write the figures here.
-PLAN="env 20 400
-wheels 60 330
-build 150 260
-gpu-tests 200 40
-doctor 30 30
-size-a 120 20
-size-b 120 0"
+# the order they run, which is the order of priority: the single-process GPU
+# tests right after the build, so that a run cut short still gives their
+# verdict; then the benchmark rows; the tests that spawn NCCL ranks (a
+# module fixture of up to 240 s that the per-test timeout does not cover)
+# last, with what is left. Caps are estimates, not measurements (the cold
+# build took 112-128 s on 2 cores against torch 2.11+cu130; the GPU machine
+# has 16): time each part on the first real GPU run and write the figures
+# here. The caps add up to more than the budget: in the worst case the later
+# parts get less or are skipped (``--dry-run`` shows it), never the earlier.
+PLAN="env 20 420
+wheels 60 360
+build 150 270
+gpu-tests 120 150
+doctor 30 120
+size-a 120 0
+size-b 110 0
+gpu-ranks 90 0"
 plan_of() { echo "$PLAN" | awk -v n="$1" '$1 == n {print $2, $3}'; }
 
 if [ "${1:-}" = "--dry-run" ]; then
@@ -224,18 +234,21 @@ export -f build_engine
 run_part build $(plan_of build) build_engine
 
 # --- GPU tests -------------------------------------------------------------------------
-gpu_tests() {
-    local rc
+RANK_TESTS="tests/test_fsdp.py tests/test_planner_ranks.py"
+gpu_tests() {  # gpu_tests NAME PYTEST-ARGS...
+    local rc name=$1
+    shift
     if [ "$HAVE_CUDA" = 1 ]; then
-        # -rfE: the reason of each failure and error in the log; junit XML
-        # for the details; the slowest tests listed; TIERMEM_TEST_TIMEOUT_S:
-        # a test running longer fails (tests/conftest.py) and the rest run.
-        TIERMEM_TEST_TIMEOUT_S=${TIERMEM_TEST_TIMEOUT_S:-60} "$PY" -m pytest -m gpu -q -rfE \
-            --durations=15 --junitxml="$LOGS/gpu-tests.xml" -p no:cacheprovider tests/
+        # -v: a line per test as it ends (a run killed by its cap keeps
+        # them); -rfE: the reason of each failure and error; junit XML for
+        # the details; the slowest tests listed; TIERMEM_TEST_TIMEOUT_S: a
+        # test running longer fails (tests/conftest.py) and the rest run.
+        TIERMEM_TEST_TIMEOUT_S=${TIERMEM_TEST_TIMEOUT_S:-60} "$PY" -m pytest -m gpu -v -rfE \
+            --durations=15 --junitxml="$LOGS/$name.xml" -p no:cacheprovider "$@"
         return
     fi
     echo "note: no CUDA device: every gpu test is expected to be skipped"
-    "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/
+    "$PY" -m pytest -m gpu -q -p no:cacheprovider "$@"
     rc=$?
     # pytest exits 5 when no test ran, which is the expected outcome here.
     if [ "$rc" = 5 ]; then echo "dry run: no gpu test ran (exit 5), as expected"; return 0; fi
@@ -243,7 +256,9 @@ gpu_tests() {
 }
 export HAVE_CUDA
 export -f gpu_tests
-run_part gpu-tests $(plan_of gpu-tests) gpu_tests
+ignore=()
+for f in $RANK_TESTS; do ignore+=(--ignore="$f"); done
+run_part gpu-tests $(plan_of gpu-tests) gpu_tests gpu-tests "${ignore[@]}" tests/
 # What tiermem sees here (engine, O_DIRECT and bandwidth of the NVMe dir, RAM, GPU).
 run_part doctor $(plan_of doctor) "$PY" -m tiermem doctor --dir "$NVME"
 
@@ -275,6 +290,8 @@ else
     skip_part size-b "no CUDA device: the GPU matrix (preset gpu-b) needs one"
     bench_part cpu-smoke cpu-smoke 120 15
 fi
+# shellcheck disable=SC2086  # RANK_TESTS: a list of paths without spaces
+run_part gpu-ranks $(plan_of gpu-ranks) gpu_tests gpu-ranks $RANK_TESTS
 
 # --- collect -----------------------------------------------------------------------------
 TOTAL=$(( $(date +%s) - START ))
@@ -294,10 +311,12 @@ TOTAL=$(( $(date +%s) - START ))
         echo "| $n | $s | $d | $t | $l |"
     done <"$STATUS"
     echo
-    if [ -f "$LOGS/gpu-tests.log" ]; then
-        echo "gpu tests: \`$(grep -E '(passed|failed|skipped|error|no tests ran)' "$LOGS/gpu-tests.log" | tail -1)\`"
-        echo
-    fi
+    for n in gpu-tests gpu-ranks; do
+        if [ -f "$LOGS/$n.log" ]; then
+            echo "$n: \`$(grep -E '(passed|failed|skipped|error|no tests ran)' "$LOGS/$n.log" | tail -1)\`"
+            echo
+        fi
+    done
     for stem in size-a size-b cpu-smoke; do
         if [ -f "$RES/$stem.md" ]; then
             sed 's/^## /## /' "$RES/$stem.md"

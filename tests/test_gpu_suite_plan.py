@@ -23,6 +23,17 @@ def test_dry_run_puts_the_gpu_tests_right_after_the_build():
     assert order.index("gpu-tests") < min(order.index(p) for p in ("doctor", "size-a", "size-b"))
 
 
+def test_the_tests_that_spawn_ranks_run_last_and_the_first_benchmark_keeps_its_window():
+    """The NCCL-rank tests (a module fixture of up to 240 s that the per-test
+    timeout does not cover) come after the benchmark rows, and in the worst
+    case (every part before it using its whole cap) size-a still gets most of
+    its cap (it once got 10 s)."""
+    plan = _plan(450)
+    order = sorted(plan, key=lambda name: plan[name][0])
+    assert order[-1] == "gpu-ranks" and order.index("size-b") < order.index("gpu-ranks"), order
+    assert plan["size-a"][2] >= 100, plan
+
+
 def test_dry_run_gives_the_gpu_tests_a_window_within_the_budget():
     for seconds in (450, 600):
         plan = _plan(seconds)
