@@ -146,6 +146,17 @@ def test_a_call_that_draws_where_the_profile_did_not_replays_its_draw():
     assert mode.record_of(mode.record_call(torch.sin, (meta,), {}, "sin")) is None
 
 
+def test_a_device_argument_names_the_generator_drawn_from():
+    """``torch.rand_like(x, device=...)`` draws on that device, not on
+    ``x``'s: its generator is the one captured (a device with no known
+    generator: none, so the op is not recomputable)."""
+    x = torch.randn(3)
+    assert ProducerMode._capture_rng((x,), {})[0] is torch.default_generator
+    assert ProducerMode._capture_rng((x,), {"device": torch.device("meta")}) is None
+    assert ProducerMode._capture_rng((x,), {"device": "cpu"})[0] is torch.default_generator
+    assert ProducerMode._capture_rng((x,), {"device": None})[0] is torch.default_generator
+
+
 def test_the_gate_records_whole_unless_autocast_is_active():
     mode = ProducerMode(names=False)
     gate = CallGate(mode)

@@ -830,8 +830,14 @@ class ProducerMode(TorchDispatchMode):
     def _capture_rng(args, kwargs):
         """(generator, state) of the generator the op will draw from; ``None``
         if unknown (the op is then not recomputable). ``get_state`` copies the
-        host-side state (CUDA: seed and offset), no device sync."""
-        device = _first_device(args)
+        host-side state (CUDA: seed and offset), no device sync. A ``device``
+        argument (``torch.rand_like(x, device="cuda")``) names the device the
+        op draws on, before its tensors'."""
+        device = kwargs.get("device")
+        if device is not None:
+            device = torch.device(device)
+        else:
+            device = _first_device(args)
         if device is None:
             device = _first_device(kwargs.values())
         if device is None:

@@ -324,11 +324,14 @@ def _timeline(profile: Profile) -> List[float]:
     return out
 
 
-def exchange(row: List[float], profile: Optional[Profile]) -> Optional[Agreement]:
+def exchange(row: List[float], profile: Optional[Profile],
+             cuda_device: Optional[str] = None) -> Optional[Agreement]:
     """Run the exchange on the default group (every rank calls it at the same
     point: NOTE [Ranks agree once]): all_gather the rows, combine them, and
     broadcast the timeline from the chosen rank when there is one. ``None``
-    when the group's backend takes neither CPU nor CUDA tensors."""
+    when the group's backend takes neither CPU nor CUDA tensors. Over NCCL
+    the tensors are on ``cuda_device`` (the device of this rank's model, as
+    its profile names it), else on the current CUDA device."""
     import torch.distributed as dist
     backend = str(dist.get_backend())
     kind = collective_device_type(backend)
@@ -337,8 +340,12 @@ def exchange(row: List[float], profile: Optional[Profile]) -> Optional[Agreement
                      "ranks can agree over (gloo, mpi, nccl); each rank plans from its own "
                      "numbers", backend)
         return None
-    device = (torch.device("cuda", torch.cuda.current_device()) if kind == "cuda"
-              else torch.device("cpu"))
+    if kind != "cuda":
+        device = torch.device("cpu")
+    elif cuda_device is not None and torch.device(cuda_device).index is not None:
+        device = torch.device(cuda_device)
+    else:
+        device = torch.device("cuda", torch.cuda.current_device())
     mine = torch.tensor(row, dtype=torch.float64, device=device)
     table = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(table, mine)

@@ -601,6 +601,7 @@ class Planner:
         import torch.distributed as dist
         rec = self._pending
         records = [] if rec is None else rec.records
+        cuda = None
         try:   # whatever fails here, this rank must reach the exchange
             cuda = _cuda_of(records)
             rates = self._measure_rates(cuda) if records else None
@@ -615,7 +616,7 @@ class Planner:
         row = _agree.local_row(dist.get_rank(), rates, self.cfg.device_budget, default,
                                self._placement.cpu_budget_bytes,
                                None if nvme is None else nvme.arena.budget_bytes, profile)
-        self.agreement = _agree.exchange(row, profile)
+        self.agreement = _agree.exchange(row, profile, cuda)
         if self.agreement is not None:
             if self.agreement.rates is not None:
                 self.rates = dataclasses.replace(self.agreement.rates, disk_engine=(
