@@ -443,3 +443,49 @@ def test_move_cpu_probe_makes_the_nvme_tiers_cpu_round_trip():
     assert f.writes == [(s.data_ptr(), i * 4096) for i, s in enumerate(srcs)]
     assert [o for _, o in f.reads] == [0, 4096]
     assert all(p % 4096 == 0 and p not in {s.data_ptr() for s in srcs} for p, _ in f.reads)
+
+
+@pytest.mark.gpu
+def test_a_profiled_cuda_step_is_timed_on_the_gpus_timeline(monkeypatch):
+    """NOTE [Profile times on a GPU]: the host runs ahead of the kernels, so
+    a profile stamped on host times saw a forward of launches only. With
+    the compute stream synchronized at each stamp, the profiled forward is
+    at least the GPU's time for the same forward (measured with events),
+    and its packs come in order."""
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    layers = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(4096, 4096),
+                                                       torch.nn.GELU()) for _ in range(8)])
+    layers = layers.to(dev)
+    x = torch.randn(2048, 4096, device=dev, requires_grad=True)
+    for _ in range(2):   # warm-up: kernels chosen, allocator filled
+        layers(x).sum().backward()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    layers(x).sum().backward()
+    end.record()
+    end.synchronize()
+    gpu_step_s = start.elapsed_time(end) / 1e3
+    syncs = []
+    real_sync = torch.cuda.Stream.synchronize
+    monkeypatch.setattr(torch.cuda.Stream, "synchronize",
+                        lambda self: syncs.append(self) or real_sync(self))
+    off = tiermem.Offloader(policy="auto", device_budget="50%")
+    with off:
+        loss = layers(x).sum()
+    loss.backward()
+    profiled_syncs = len(syncs)
+    profile = next(iter(off._placement.planner._profiles.values()), None)
+    if profile is None:   # the plan is made when the next step starts
+        with off:
+            loss = layers(x).sum()
+        loss.backward()
+        profile = next(iter(off._placement.planner._profiles.values()))
+    packs = [r.pack_s for r in profile.records]
+    assert packs == sorted(packs)
+    # A stamp per pack and per first unpack at least, on the compute stream.
+    assert profiled_syncs >= 2 * len(profile.records), (profiled_syncs, len(profile.records))
+    # The forward is about a third of the step's GPU time; host launches of
+    # 16 ops take a small fraction of it.
+    assert profile.forward_end_s >= 0.2 * gpu_step_s, (profile.forward_end_s, gpu_step_s)
+    off.close()

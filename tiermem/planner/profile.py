@@ -10,9 +10,29 @@ and times the regeneration of recomputed ones. Only profiled steps pay for
 this: other steps use the plain unpack hook.
 
 Times are ``time.perf_counter()`` seconds from the step's start (the context's
-entry). On CUDA they are host times: kernels run ahead of the host, so a
-window read here is the host's view (the profile of a GPU step is not
-calibrated yet: no GPU run has been made).
+entry), on CUDA read once the compute stream is done: NOTE [Profile times on
+a GPU].
+
+NOTE [Profile times on a GPU]
+  On CUDA the host runs ahead of the kernels: a pack's host time is when its
+  op was *launched*, a regeneration's host time only its launches, and a
+  restore's wait a stream wait the host never sees. Priced on host times,
+  recompute looked free and windows were the host's, not the GPU's. So once
+  a profiled step has seen a CUDA tensor, each of its time stamps (a pack,
+  a first unpack and the end of its regeneration or restore, a leaf's use,
+  the end of the forward) first synchronizes the current stream of that
+  tensor's device (the compute stream: ``torch.cuda.current_stream``, not
+  the copy side streams, whose moves would otherwise be timed as if they
+  blocked; in backward, autograd's stream): the stamp is when the GPU has
+  done the work before it. The step starts with the current device's stream
+  synchronized when CUDA is initialised (the last step's optimizer kernels
+  are not this step's). The price: one profiled step (per signature) waits
+  for the GPU at each saved tensor, and the GPU idles while the host
+  launches the next kernels, so its timeline is the GPU's stretched by the
+  launch time (windows a little longer, regeneration a little dearer: both
+  on the safe side). Blocks' forward times are CUDA events as before. Steps
+  that follow a plan have no recorder and no such wait. Not yet run on a
+  GPU.
 """
 
 from __future__ import annotations
@@ -305,6 +325,9 @@ class Recorder:
         self._record_t = 0.0
         #: CUDA blocks: (start, end) timing events by block index.
         self._block_events: Dict[int, tuple] = {}
+        #: The device of the first CUDA tensor recorded: its current stream
+        #: is synchronized at each time stamp (NOTE [Profile times on a GPU]).
+        self._cuda: Optional[torch.device] = None
         #: Records whose first unpack is running now, innermost last (a
         #: regeneration unpacks its recipe's inputs).
         self._reading: List[int] = []
@@ -316,13 +339,24 @@ class Recorder:
     def start(self, stats) -> None:
         """The step starts now; its stats are ``stats``."""
         self.stats = stats
+        if torch.cuda.is_initialized():   # NOTE [Profile times on a GPU]
+            torch.cuda.current_stream().synchronize()
         self.t0 = time.perf_counter()
+
+    def _now(self) -> float:
+        """``time.perf_counter()``, once the compute stream of a CUDA step has
+        done its work so far: NOTE [Profile times on a GPU]."""
+        if self._cuda is not None:
+            torch.cuda.current_stream(self._cuda).synchronize()
+        return time.perf_counter()
 
     # -- forward -------------------------------------------------------------------
     def record(self, index: int, t, nbytes: int, module: str, op: Optional[str],
                hint: Optional[tuple] = None) -> None:
         """Tensor ``index`` is about to be placed (``hint``: see TensorRecord)."""
-        now = time.perf_counter()
+        if self._cuda is None and t.is_cuda:
+            self._cuda = t.device
+        now = self._now()
         self._record_t = now
         self.records.append(TensorRecord(
             index, module, op, tuple(t.shape), str(t.dtype).replace("torch.", ""),
@@ -361,7 +395,7 @@ class Recorder:
         self.positions.append(None if index is None else ~index)
 
     def end_forward(self) -> None:
-        self.forward_end_s = time.perf_counter() - self.t0
+        self.forward_end_s = self._now() - self.t0
         kept = self.stats.bytes_by_tier[Tier.KEEP.value]
         self.measured_kept_bytes = kept
         self.fixed_kept_bytes = max(0, kept - self._recorded_kept)
@@ -446,7 +480,7 @@ class Recorder:
     # -- backward ------------------------------------------------------------------
     def unpack(self, handle: Any):
         """The unpack hook of a profiled step: the plain unpack, timed."""
-        now = time.perf_counter() - self.t0
+        now = self._now() - self.t0
         if self.first_unpack_s is None:
             self.first_unpack_s = now
         index = self._by_handle.get(id(handle))
@@ -462,12 +496,12 @@ class Recorder:
                 out = self._unpack(handle)
             finally:
                 self._reading.pop()
-            took = time.perf_counter() - start
+            took = self._now() - start
             if id(handle) in self._recompute_handles:
                 rec.recompute_s = took
             if outermost:
                 rec.unpack_s = took
-        self.last_unpack_s = time.perf_counter() - self.t0
+        self.last_unpack_s = self._now() - self.t0
         return out
 
     def leaf_unpack(self, handle: Any):
@@ -478,7 +512,7 @@ class Recorder:
         if index is not None and self._reading:
             rec = self.records[index]
             if rec.first_use_s is None and rec.leaf_use_s is None:
-                rec.leaf_use_s = time.perf_counter() - self.t0
+                rec.leaf_use_s = self._now() - self.t0
                 rec.leaf_reader = self._reading[-1]
         return self._unpack(handle)
 
