@@ -63,6 +63,35 @@ DEFAULTS = dict(device="auto", layers=4, width=256, heads=4, seq_len=256, batch=
                 device_budget=None)
 
 
+# NOTE [Interleaving must fit the device]
+# The interleaved child holds every configuration's model and AdamW states at
+# once (a runner each), and one step's activations on top. For gpu-a (625 M
+# parameters in bf16) that is 4.7 GiB of state per configuration, 79 GiB for
+# 17: more than an 80 GB card holds, and the configurations timed last in a
+# round ran out of memory and were reported as such, though each fits alone.
+# So on CUDA, where the states of all configurations would take more than
+# INTERLEAVE_STATE_SHARE of the device's memory, the suite times each
+# configuration alone instead (each in its own process, one after another,
+# as gpu-b always does), and says so in the JSON's notes.
+INTERLEAVE_STATE_SHARE = 0.75
+
+#: Bytes of training state per parameter byte: the parameter, its gradient and
+#: AdamW's two states, all in the model's dtype (pure low-precision training).
+STATE_BYTES_PER_PARAMETER_BYTE = 4
+
+
+def interleaved_state_bytes(parameter_bytes: int, n_runners: int) -> int:
+    """Bytes of model and optimizer state the interleaved child holds at once."""
+    return STATE_BYTES_PER_PARAMETER_BYTE * parameter_bytes * n_runners
+
+
+def interleave_fits(parameter_bytes: int, n_runners: int, device_total_bytes: int) -> bool:
+    """Whether ``n_runners`` configurations fit in one process on a device of
+    ``device_total_bytes``: NOTE [Interleaving must fit the device]."""
+    return (interleaved_state_bytes(parameter_bytes, n_runners)
+            <= INTERLEAVE_STATE_SHARE * device_total_bytes)
+
+
 def merge_config(e: dict, opts: dict) -> None:
     """Fill the headline fields of one configuration from its runs."""
     inter, iso = e.get("interleaved"), e.get("isolated")

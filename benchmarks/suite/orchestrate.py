@@ -158,6 +158,28 @@ class Suite:
                                 "(io_engine)")
         prog.advance("build")
 
+    def _fit_interleaving(self, res: dict, runnable: list) -> None:
+        """On CUDA, time each configuration alone where the interleaved child
+        could not hold them all: NOTE [Interleaving must fit the device] in
+        configs.py."""
+        from .configs import interleave_fits, interleaved_state_bytes
+        opts = self.opts
+        if not (opts["interleave"] and opts["device"] == "cuda" and runnable):
+            return
+        total = ((res.get("machine") or {}).get("cuda_device") or {}).get("memory_bytes")
+        pbytes = res["model"].get("parameter_bytes")
+        if not total or not pbytes:
+            return
+        n = len(runnable) + (1 if opts.get("repeat_baseline") and "baseline" in runnable else 0)
+        if interleave_fits(pbytes, n, total):
+            return
+        self.opts = dict(opts, interleave=False)
+        res["settings"]["interleave"] = False
+        res["notes"].append(
+            f"timed each configuration alone, not interleaved: {n} configurations' model and "
+            f"AdamW states ({interleaved_state_bytes(pbytes, n) / 2**30:.1f} GiB) would take more "
+            f"than the interleaved process can hold on this device ({total / 2**30:.1f} GiB)")
+
     def run(self) -> dict:
         a, opts = self.args, self.opts
         requested = opts["configs"]
@@ -224,6 +246,8 @@ class Suite:
         self.write_json()
 
         # 2. interleaved timing
+        self._fit_interleaving(res, runnable)
+        opts = self.opts
         inter = None
         if opts["interleave"] and runnable:
             budget = self.remaining() * (0.5 if len(runnable) > 1 else 0.6)
