@@ -19,7 +19,11 @@ orchestrates and never initialises CUDA):
    ``--warmup`` rounds are discarded; median/min/max of ``--steps``. A step is
    zero_grad + forward + backward + AdamW, timed on the host between device
    synchronizations; forward/backward/optimizer split by CUDA events on the
-   compute stream (no sync inside the step) or host clocks on the CPU.
+   compute stream (no sync inside the step) or host clocks on the CPU. On
+   CUDA, where every configuration's model and AdamW states would take more
+   than 3/4 of the device, the configurations are timed each alone instead
+   (NOTE [Interleaving must fit the device] in ``configs.py``; a note in
+   the JSON says so).
 3. *isolated*: one fresh process per configuration for peak memory: CUDA
    ``max_memory_allocated`` (with ``--device-budget``: a
    ``set_per_process_memory_fraction`` budget, so a configuration that does
