@@ -36,11 +36,32 @@ def test_gpu_a_interleaves_on_an_h200_and_not_on_an_h100():
     assert not configs.interleave_fits(pbytes, n, 80 * GB)       # H100
     assert configs.interleave_fits(pbytes, n, 141 * GB)          # H200
     assert configs.interleave_fits(pbytes, 8, 80 * GB)
+    order = configs.PRESETS["gpu-a"]["configs"].split(",")
+    assert sorted(order) == sorted(configs.ALL_CONFIGS), "every configuration, once"
+    assert order[:2] == ["baseline", "tiermem_auto_50"], "the bar's rows first"
+
+
+def test_a_timing_from_a_run_that_shared_the_machine_is_not_taken():
+    """NOTE [Timings of runs that shared the machine]."""
+    opts = {"spec": {"batch": 2, "seq_len": 8}}
+    iso = {"status": "ok", "times": [0.5, 0.5], "shared_device": True}
+    e = {"interleaved": {"status": "ok", "times": []}, "isolated": dict(iso)}
+    configs.merge_config(e, opts)
+    assert e["status"] == "partial" and "shared the machine" in e["reason"]
+    assert "step_seconds" not in e
+    e = {"interleaved": {"status": "error", "reason": "boom"}, "isolated": dict(iso)}
+    configs.merge_config(e, opts)
+    assert e["status"] == "partial" and "boom" in e["reason"]
+    alone = dict(iso, shared_device=False)
+    e = {"interleaved": {"status": "ok", "times": []}, "isolated": alone}
+    configs.merge_config(e, opts)
+    assert e["status"] == "ok" and e["timing_mode"] == "isolated"
 
 
 def _suite(interleave: bool = True, device: str = "cuda") -> Suite:
     s = Suite.__new__(Suite)
-    s.opts = {"interleave": interleave, "device": device, "repeat_baseline": True}
+    s.opts = {"interleave": interleave, "device": device, "repeat_baseline": True,
+              "steps": 8, "warmup": 2}
     return s
 
 
@@ -55,6 +76,7 @@ def test_the_suite_times_each_configuration_alone_where_they_do_not_fit():
     s, res = _suite(), _res(80 * GB, 1_250_000_000)
     s._fit_interleaving(res, runnable)
     assert s.opts["interleave"] is False and res["settings"]["interleave"] is False
+    assert s.opts["solo_steps"] == res["settings"]["solo_steps"] == configs.SOLO_STEPS_CUDA
     assert "timed each configuration alone" in res["notes"][0]
     s, res = _suite(), _res(141 * GB, 1_250_000_000)
     s._fit_interleaving(res, runnable)

@@ -132,7 +132,9 @@ def _enable_determinism(device: torch.device) -> Callable[[], None]:
             torch.is_deterministic_algorithms_warn_only_enabled())
     # Must be set before cuBLAS creates its first handle, i.e. before any matmul.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    # Strict: flash / memory-efficient attention use their deterministic
+    # backward only then (warn_only keeps the atomics).
+    torch.use_deterministic_algorithms(True)
     return lambda: torch.use_deterministic_algorithms(prev[0], warn_only=prev[1])
 
 

@@ -37,7 +37,8 @@ orchestrates and never initialises CUDA):
 Exactness: every configuration trains from the same parameters with the same
 batches and dropout seeds; losses at every step and a fingerprint of the final
 parameters and AdamW states are compared with the baseline's (on CUDA with
-``torch.use_deterministic_algorithms(True, warn_only=True)`` and
+``torch.use_deterministic_algorithms(True)`` (strict: attention's
+deterministic backward) and
 ``CUBLAS_WORKSPACE_CONFIG=:4096:8``, unless ``--no-deterministic``).
 
 Presets: ``cpu-smoke`` (CI, < 1 min on 2 cores), ``cpu`` (the recorded CPU

@@ -173,12 +173,16 @@ class Suite:
         n = len(runnable) + (1 if opts.get("repeat_baseline") and "baseline" in runnable else 0)
         if interleave_fits(pbytes, n, total):
             return
-        self.opts = dict(opts, interleave=False)
+        from .configs import SOLO_STEPS_CUDA
+        solo_steps = min(opts["steps"], SOLO_STEPS_CUDA)
+        self.opts = dict(opts, interleave=False, solo_steps=solo_steps)
         res["settings"]["interleave"] = False
+        res["settings"]["solo_steps"] = solo_steps
         res["notes"].append(
             f"timed each configuration alone, not interleaved: {n} configurations' model and "
             f"AdamW states ({interleaved_state_bytes(pbytes, n) / 2**30:.1f} GiB) would take more "
-            f"than the interleaved process can hold on this device ({total / 2**30:.1f} GiB)")
+            f"than the interleaved process can hold on this device ({total / 2**30:.1f} GiB); "
+            f"{opts['warmup']} warm-up and {solo_steps} measured steps each")
 
     def run(self) -> dict:
         a, opts = self.args, self.opts
@@ -287,13 +291,16 @@ class Suite:
         pool = [c for c in iso_cfgs if c not in solo]
         t = time.perf_counter()
 
-        def launch(c):
+        def launch(c, shared=False):
             rem = self.remaining()
             if rem < 10:
                 return {"status": "skipped", "reason": "suite time limit reached"}
             left = max(1, len([x for x in iso_cfgs if res["configs"][x].get("isolated") is None]))
-            cap = max(30.0, rem / max(1.0, left / max(1, opts["memory_jobs"])) * 1.5)
+            at_once = opts["memory_jobs"] if shared else 1   # solo runs go one by one
+            cap = max(30.0, rem / max(1.0, left / max(1, at_once)) * 1.5)
             extra = {"timeline": c in timeline}
+            if shared and opts["memory_jobs"] > 1:
+                extra["shared_device"] = True   # NOTE [Timings of runs that shared the machine]
             if opts["memory_jobs"] > 1 and opts["device"] == "cpu":
                 # Concurrent CPU children share the cores: no oversubscription
                 # (their memory is what is measured, not their time). All of them,
@@ -313,7 +320,7 @@ class Suite:
             prog.note(f"[suite] isolated memory runs of {len(pool)} configs, "
                       f"{opts['memory_jobs']} at a time")
             with concurrent.futures.ThreadPoolExecutor(max_workers=opts["memory_jobs"]) as ex:
-                futs = {ex.submit(launch, c): c for c in pool}
+                futs = {ex.submit(launch, c, True): c for c in pool}
                 for fu in concurrent.futures.as_completed(futs):
                     c = futs[fu]
                     r = fu.result()

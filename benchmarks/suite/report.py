@@ -66,8 +66,12 @@ def finalize(res: dict, out_dir: str, name: str, no_plots: bool = False) -> None
         "Timing: " + ("interleaved (round-robin in one process, each round's order from a "
                       "Williams design: NOTE [Order of the interleaved steps])"
                       if s["interleave"] else
-                      "each configuration alone in its own process, one after another "
-                      "(a per-process device budget cannot be shared)")):
+                      "each configuration alone in its own process, one after another ("
+                      + ("a per-process device budget cannot be shared" if
+                         s.get("device_budget_bytes") else
+                         "one process could not hold every configuration: NOTE "
+                         "[Interleaving must fit the device]" if s.get("solo_steps") else
+                         "as asked: --no-interleave") + ")")):
         if n and n not in notes:
             notes.append(n)
     if not cuda and s.get("device_budget_bytes"):

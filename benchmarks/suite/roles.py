@@ -30,7 +30,11 @@ def _child_setup(opts: dict):
             total = torch.cuda.get_device_properties(0).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), 0)
         if opts.get("deterministic"):
-            torch.use_deterministic_algorithms(True, warn_only=True)
+            # Strict, not warn_only: flash and memory-efficient attention take
+            # their deterministic backward only in strict mode (warn_only keeps
+            # the atomics and warns once), and every row's exactness is
+            # checked bit for bit against the baseline's.
+            torch.use_deterministic_algorithms(True)
             # Deterministic mode also fills every torch.empty with NaN by default:
             # a memset per allocation (pinned host buffers of save_on_cpu too)
             # that would tax the configurations unevenly. Not needed here.
@@ -263,13 +267,16 @@ def role_isolated(opts: dict, name: str) -> dict:
     spec = ModelSpec(**opts["spec"])
     seed = opts["seed"]
     res = {"config": name, "status": "ok"}
+    if opts.get("shared_device"):   # NOTE [Timings of runs that shared the machine]
+        res["shared_device"] = True
     try:
         runner = Runner(name, build_model(spec, device, seed), spec, device, opts)
     except Exception as e:
         res.update(status="oom" if is_oom(e) else "error", reason=err_text(e),
                    traceback=traceback.format_exc()[-2000:], failed_at_step="setup")
         return res
-    n_meas = opts["memory_steps"] if opts["interleave"] else opts["steps"]
+    n_meas = opts["memory_steps"] if opts["interleave"] else opts.get("solo_steps",
+                                                                       opts["steps"])
     n = opts["warmup"] + n_meas
     batches = make_batches(spec, device, n + 1, seed)
     gc.collect()
