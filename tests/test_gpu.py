@@ -309,6 +309,51 @@ def test_recompute_cuts_peak_device_memory():
     assert keep_peak - rec_peak >= 0.5 * dropped, (keep_peak, rec_peak, dropped)
 
 
+def test_a_recomputed_tensor_read_on_two_streams_is_ordered_after_its_recipe(monkeypatch):
+    """``y`` is saved by ``sin`` on the default stream and by ``cos`` on a side
+    stream; backward runs ``cos``'s backward first, on the side stream, which
+    regenerates ``y`` there (slowed by a sleep queued before the recipe), then
+    ``sin``'s on the default stream, which takes the kept copy: it must wait
+    for the recipe (NOTE [Recomputed for consumers on several streams] in
+    tiermem/tiers/recompute.py), else it reads unwritten memory."""
+    from tiermem.tiers import recompute
+    original = recompute._run
+    streams = []
+
+    def slowed(node, step):
+        streams.append(torch.cuda.current_stream())
+        torch.cuda._sleep(SLEEP_CYCLES)
+        return original(node, step)
+
+    torch.manual_seed(0)
+    x0 = torch.randn(1024, 1024, device=DEV)
+    side = torch.cuda.Stream()
+
+    def step(ctx):
+        x = x0.clone().requires_grad_()
+        with ctx:
+            y = x.exp()                    # 4 MiB, regenerated from the leaf x
+            a = y.sin()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                b = y.cos()
+            torch.cuda.current_stream().wait_stream(side)
+            del y
+            loss = a.sum() + b.sum()
+        loss.backward()
+        torch.cuda.synchronize()
+        return loss.detach(), [x.grad]
+
+    ref = step(contextlib.nullcontext())
+    monkeypatch.setattr(recompute, "_run", slowed)
+    off = tiermem.Offloader(policy="recompute", min_offload_bytes=1 << 20)
+    got = step(off)
+    assert off.stats.recompute_count == 1, off.stats
+    assert streams == [side], "the recipe did not run on the side stream"
+    assert_same_step(got, ref, "recomputed tensor read on two streams")
+    off.close()
+
+
 def test_auto_plan_records_cuda_dropout_whole_and_stays_exact():
     """On CUDA F.dropout runs one op (native_dropout): a plan recomputing its
     output records the call whole, its generator state captured and replayed

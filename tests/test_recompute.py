@@ -723,3 +723,58 @@ def test_a_long_chain_of_recomputable_ops_is_exact_and_bounded(policy):
     assert deep == n // (MAX_RECIPE_DEPTH + 1), chained
     assert s.count_by_tier["recompute"] >= n - deep - 1
     off.close()
+
+
+class _FakeStream:
+    def __init__(self, name):
+        self.name = name
+        self.waited = []
+
+    def wait_event(self, event):
+        self.waited.append(event)
+
+
+class _FakeEvent:
+    def __init__(self):
+        self.on = None
+
+    def record(self, stream):
+        self.on = stream
+
+
+class _FakeCudaTensor:
+    """What ``_Cached`` reads of a CUDA tensor: ``is_cuda``, ``device`` and
+    ``record_stream``."""
+    is_cuda = True
+    device = "cuda:0"
+
+    def __init__(self):
+        self.recorded_on = []
+
+    def record_stream(self, stream):
+        self.recorded_on.append(stream)
+
+
+def test_a_kept_regenerated_tensor_is_ordered_for_a_consumer_on_another_stream(monkeypatch):
+    """NOTE [Recomputed for consumers on several streams] in
+    tiermem/tiers/recompute.py, its stream logic with fake CUDA objects (the
+    real race is tests/test_gpu.py's
+    test_a_recomputed_tensor_read_on_two_streams_is_ordered_after_its_recipe):
+    an event is recorded after the recipe on the stream that ran it; a consumer
+    on that stream takes the tensor as is, one on another stream waits for the
+    event and records the tensor on its stream; a CPU tensor needs neither."""
+    from tiermem.tiers import recompute
+    side, default = _FakeStream("side"), _FakeStream("default")
+    current = [side]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    out = _FakeCudaTensor()
+    kept = recompute._Cached(out)
+    assert kept.event.on is side
+    assert kept.for_current_stream() is out
+    assert side.waited == [] and out.recorded_on == []
+    current[0] = default
+    assert kept.for_current_stream() is out
+    assert default.waited == [kept.event] and out.recorded_on == [default]
+    cpu = recompute._Cached(torch.ones(2))
+    assert cpu.event is None and cpu.for_current_stream() is cpu.out

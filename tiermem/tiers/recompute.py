@@ -39,6 +39,19 @@ producer op and whose leaves are handles of tensors tiermem stores anyway.
 # PyTorch's built-in backward formulas) and the next step are not disturbed.
 # If the saved tensor itself is still alive at unpack (someone else kept it),
 # it is returned as is: nothing was freed, and nothing needs computing.
+#
+# NOTE [Recomputed for consumers on several streams]
+# A tensor saved by several ops is regenerated once per backward pass, by the
+# first unpack, on that consumer's current stream, and kept for the others
+# (``more_uses``). On CUDA the ops of one forward may run on several streams
+# and autograd runs each backward op on its forward op's stream, so a later
+# consumer may be on another stream than the one the recipe's kernels were
+# queued on: it would read the tensor before they finish, and the caching
+# allocator could hand its block to the producer stream once the cache lets
+# go. So the kept tensor carries an event recorded after the recipe
+# (:class:`_Cached`); a consumer on another stream waits for it (a GPU-side
+# wait, no host sync) and ``record_stream``-s the tensor on its own stream,
+# as the moving tiers order a restore for each of its consumers.
 """
 
 from __future__ import annotations
@@ -334,7 +347,7 @@ class RecomputeStore(TierStore):
         if cached is not None:
             if more_uses <= 0:
                 h.cached = None
-            return cached, None
+            return cached.for_current_stream(), None
         return None, _Recompute(h, more_uses)
 
 
@@ -366,7 +379,33 @@ class _Recompute:
                 f"{' in module ' + h.module if h.module else ''}) failed: {e}") from e
         h.step.recomputed(time.perf_counter() - t0)
         if self.more_uses > 0:
-            h.cached = out   # for the other saves of this tensor in this pass
+            h.cached = _Cached(out)   # for the other saves of this tensor in this pass
+        return out
+
+
+class _Cached:
+    """A regenerated tensor kept for the other consumers of this backward
+    pass; on CUDA, with an event recorded after its recipe on the stream that
+    ran it (NOTE [Recomputed for consumers on several streams])."""
+
+    __slots__ = ("out", "stream", "event")
+
+    def __init__(self, out: torch.Tensor) -> None:
+        self.out = out
+        self.stream = self.event = None
+        if out.is_cuda:
+            self.stream = torch.cuda.current_stream(out.device)
+            self.event = torch.cuda.Event()
+            self.event.record(self.stream)
+
+    def for_current_stream(self) -> torch.Tensor:
+        """The tensor, ordered after its recipe on the caller's current stream."""
+        out = self.out
+        if self.event is not None:
+            current = torch.cuda.current_stream(out.device)
+            if current != self.stream:
+                current.wait_event(self.event)
+                out.record_stream(current)
         return out
 
 
