@@ -26,7 +26,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 import tiermem
 import tiermem.testing
 from helpers import assert_same_step, offloader, run_step
-from models import Block, make_case
+from models import make_case
 from tiermem.policy import CHECKPOINT_POLICY_TIERS, TierOrder, is_constraint, tier_order
 
 C = CheckpointPolicy

@@ -39,7 +39,7 @@ def _train(rank: int, variant: str, ctx_factory):
     ddp = DDP(TinyLM(checkpoint=variant == "checkpoint"))
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(100 + rank)
-    losses, syncs = [], []
+    losses = []
     for step in range(STEPS):
         for micro in range(MICRO_BATCHES):
             tokens = torch.randint(0, 64, (4, 16), generator=gen)

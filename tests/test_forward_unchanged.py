@@ -16,7 +16,6 @@ import contextlib
 import pytest
 import torch
 
-import tiermem
 from helpers import TIERS, same_bits
 
 
