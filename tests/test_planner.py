@@ -483,3 +483,57 @@ def test_must_answers_of_wrapped_blocks_are_obeyed_under_auto(nvme_dir, tmp_path
         wrapping.unwrap()
     assert inside == [], inside                                # kept, never placed
     assert any(tier != "keep" for tier in outside), outside   # the rest is planned
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["graph_freed", "loss_held_a_step"])
+def test_a_profiled_step_without_backward_is_profiled_again(nvme_dir, held):
+    """NOTE [Steps that never reach backward], rule 1: a first step whose
+    loss is thrown away (no backward) leaves no profile waiting for ever; the
+    planner profiles again (a step later when the loss is held until the next
+    forward has run) and then follows a plan, exactly."""
+    off = offloader("auto", device_budget="50%", nvme_dir=nvme_dir)
+    ref_case, case = make_case("mlp"), make_case("mlp")
+    planner = tiermem.testing.planner_of(off)
+    x = torch.randn(32, 24, generator=torch.Generator().manual_seed(5))
+    with off:
+        loss = case.model(x).square().mean()   # never backward
+    if not held:
+        del loss
+    for i in range(4):
+        if held and i == 1:
+            del loss
+        got = _mlp_step(off, case, x)
+        ref = _mlp_step(contextlib.nullcontext(), ref_case, x)
+        assert torch.equal(got[0], ref[0])
+        for n in ref[1]:
+            assert torch.equal(got[1][n], ref[1][n]), n
+    assert off.plan is not None, "no plan: the profile without backward was never dropped"
+    assert planner.profiles == 2
+    off.close()
+
+
+def test_a_failed_forward_keeps_the_plan(nvme_dir):
+    """NOTE [Steps that never reach backward], rule 2: a step following a plan
+    that raises midway (a bad batch skipped) changes nothing: the next step
+    follows the same plan, with no new profile."""
+    off = offloader("auto", device_budget="50%", nvme_dir=nvme_dir)
+    case = make_case("mlp")
+    planner = tiermem.testing.planner_of(off)
+    x = torch.randn(32, 24, generator=torch.Generator().manual_seed(5))
+    for _ in range(3):
+        _mlp_step(off, case, x)
+    plan = off.plan
+    assert plan is not None and planner.profiles == 1
+
+    class Bad(Exception):
+        pass
+
+    for _ in range(3):
+        with pytest.raises(Bad):
+            with off:
+                h = case.model[0](x)
+                raise Bad(h.shape)
+        _mlp_step(off, case, x)
+        assert off.plan is plan
+    assert planner.profiles == 1
+    off.close()

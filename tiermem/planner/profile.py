@@ -42,6 +42,7 @@ import hashlib
 import re
 import statistics
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -335,6 +336,13 @@ class Recorder:
         self.op_counts: Optional[dict] = None
         #: The profiled step's producer mode's ``single_op_calls`` (set by the step).
         self.single_op_calls: Optional[dict] = None
+        #: Weak references to the handles of the recorded tensors, the step
+        #: (set at ``end_forward``), and whether a handle could not be
+        #: watched: ``graph_dropped`` (NOTE [Steps that never reach backward]
+        #: in planner/runtime.py).
+        self._handle_refs: list = []
+        self._step_ref = None
+        self._unwatched = False
 
     def start(self, stats) -> None:
         """The step starts now; its stats are ``stats``."""
@@ -388,13 +396,33 @@ class Recorder:
         else:
             rec.profile_tier = handle.store.tier.value
         self._by_handle[id(handle)] = index
+        try:   # NOTE [Steps that never reach backward] in planner/runtime.py
+            self._handle_refs.append(weakref.ref(handle))
+        except TypeError:
+            self._unwatched = True
 
     def hit(self, handle: Any) -> None:
         """The tensor at the next pack position was a dedup hit of ``handle``."""
         index = self._by_handle.get(id(handle))
         self.positions.append(None if index is None else ~index)
 
-    def end_forward(self) -> None:
+    @property
+    def graph_dropped(self) -> bool:
+        """The step's graph is gone with no unpack seen: its step object has
+        died, or every handle it recorded has (and each could be watched).
+        NOTE [Steps that never reach backward] in planner/runtime.py."""
+        if self.backward_seen or self.forward_end_s is None:
+            return False
+        step = self._step_ref
+        if step is not None and step() is None:
+            return True
+        refs = self._handle_refs
+        return bool(refs) and not self._unwatched and all(r() is None for r in refs)
+
+    def end_forward(self, step: Any = None) -> None:
+        """The forward is over; ``step``: the profiled Step (watched weakly)."""
+        if step is not None:
+            self._step_ref = weakref.ref(step)
         self.forward_end_s = self._now() - self.t0
         kept = self.stats.bytes_by_tier[Tier.KEEP.value]
         self.measured_kept_bytes = kept

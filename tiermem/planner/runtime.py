@@ -12,6 +12,26 @@ follows, and the closed loop that corrects a plan from measurement.
 # producer tracking, recomputes and moves, and its timeline (the windows the
 # plan reads) is the timeline of that placement.
 #
+# NOTE [Steps that never reach backward]
+# A forward whose backward never runs (a loss found non-finite and skipped, a
+# warm-up or validation forward with grad on) or that raises must not steer
+# the planner:
+# 1. A profiled step's profile waits for its backward (the windows and
+#    regeneration times come from it), and the steps after it follow the
+#    safe order meanwhile. If its graph is freed without a backward (every
+#    handle it recorded has died, or the step itself has, with no unpack
+#    seen), the profile is dropped when the next step starts and that step
+#    profiles instead (``Recorder.graph_dropped``). A graph still held then
+#    (``loss`` rebound only after the next forward) is seen dropped a step
+#    later: at most two safe-order steps, never a planner stuck in the safe
+#    order for the rest of the run.
+# 2. A step following a plan that raised in its forward (a bad batch, an
+#    out-of-memory caught and skipped) stopped early: fewer tensors than the
+#    plan's says nothing of the next step's signature, so the plans and the
+#    current one are left as they are (no profile, no check). A step that
+#    left its plan before it raised still asks for a profile, as any step
+#    off its plan does.
+#
 # NOTE [Following a plan]
 # A plan is a tier order per pack index (``TensorInfo.index``), valid for one
 # step signature: the (shape, dtype, device) of each tensor in pack order.
@@ -489,7 +509,7 @@ class Planner:
             if failed:
                 self._need_profile = True
                 return
-            sp.recorder.end_forward()
+            sp.recorder.end_forward(sp.step)
             self._pending = sp.recorder
             self.profiles += 1
             return
@@ -497,6 +517,8 @@ class Planner:
         if plan is None:
             if sp.off_plan:
                 self._need_profile = True
+            return
+        if failed:   # NOTE [Steps that never reach backward], rule 2
             return
         if sp.count != len(plan.orders):   # a shorter step: a plan for it, or a profile
             plan = None if _is_resized(plan) else self.plans.get(plan.keys[:sp.count])
@@ -511,6 +533,12 @@ class Planner:
         """Plan from a profile whose backward ran, and check the last planned
         step (NOTE [Closed loop]); returns the current plan."""
         rec = self._pending
+        if rec is not None and not rec.backward_seen and rec.graph_dropped:
+            # NOTE [Steps that never reach backward], rule 1
+            _log.info("tiermem: auto: the profiled step's graph was freed without a "
+                      "backward; the next step profiles again")
+            self._pending = rec = None
+            self._need_profile = True
         if rec is not None and rec.backward_seen and not self._awaits_ranks():
             self._pending = None
             profile = rec.finish()
