@@ -191,16 +191,40 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
             if contexts[i] is self:
                 del contexts[i]
                 break
+        failed = exc_type is not None
+        planning = self.planning
+        _run_all(   # NOTE [Every exit step runs]
+            lambda: torch.autograd.graph.saved_tensors_hooks.__exit__(self, exc_type, exc, tb),
+            lambda: self._modules.__exit__(exc_type, exc, tb),
+            lambda: (planning is None or self._off._placement.planner.end_forward(
+                planning, self.stats, failed=failed)),
+            self.step.end_forward,
+            self._packer.clear,
+            lambda: self._off._exit(self, failed=failed))
+
+
+# NOTE [Every exit step runs]
+# Leaving a step's context undoes several things in order (the hooks, the
+# module stack, the planner's end of forward, the step's, the Offloader's
+# launch or drain and its "active" mark). An exception in one of them, or a
+# KeyboardInterrupt landing there (a second Ctrl-C while the exit drains slow
+# copies after the first), must not skip the others: a skipped reset left the
+# Offloader "already active in this thread" for good, every later ``with``
+# refused. So each runs whatever the earlier ones did, and the first error is
+# raised once all have run (``_run_all``); ``Offloader._exit`` clears its
+# active mark in a ``finally``.
+def _run_all(*steps: Callable[[], Any]) -> None:
+    """Call each of ``steps`` in order, even after one raised (any
+    ``BaseException``); then raise the first error, if any."""
+    first: Optional[BaseException] = None
+    for run in steps:
         try:
-            super().__exit__(exc_type, exc, tb)
-        finally:
-            self._modules.__exit__(exc_type, exc, tb)
-            if self.planning is not None:
-                self._off._placement.planner.end_forward(self.planning, self.stats,
-                                                         failed=exc_type is not None)
-            self.step.end_forward()
-            self._packer.clear()
-            self._off._exit(self, failed=exc_type is not None)
+            run()
+        except BaseException as e:
+            if first is None:
+                first = e
+    if first is not None:
+        raise first
 
 
 class _NoOpContext:
@@ -308,16 +332,18 @@ class Offloader:
 
     def _exit(self, ctx: OffloadContext, failed: bool) -> None:
         self._ctx = None
-        if failed:
-            # The forward pass is abandoned: finish copies now so that the
-            # partial graph's handles free their buffers when it is dropped.
-            self._tail.release_step(ctx.step)
-            self._placement.drain()
-        else:
-            self._placement.launch()
-            self._placement.poll()
-        with self._lock:
-            self._active_thread = None
+        try:
+            if failed:
+                # The forward pass is abandoned: finish copies now so that the
+                # partial graph's handles free their buffers when it is dropped.
+                self._tail.release_step(ctx.step)
+                self._placement.drain()
+            else:
+                self._placement.launch()
+                self._placement.poll()
+        finally:   # NOTE [Every exit step runs]
+            with self._lock:
+                self._active_thread = None
 
     def _active_here(self) -> bool:
         """Whether a forward pass is under this Offloader in this thread now."""
