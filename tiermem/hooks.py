@@ -209,7 +209,30 @@ def _has_fsdp_module(module: torch.nn.Module) -> bool:
 
 
 def _movable(t: torch.Tensor) -> bool:
-    return type(t) is torch.Tensor and t.device.type in ("cpu", "cuda")
+    if type(t) is not torch.Tensor:
+        return False
+    kind = t.device.type
+    return kind == "cpu" or (kind == "cuda" and not _capturing())   # NOTE [CUDA graph capture]
+
+
+# NOTE [CUDA graph capture]
+# A CUDA graph captures the kernels queued on a stream; tiermem's moves are
+# host-driven (side streams joined by events, host polls of those events,
+# pinned buffers, reads from disk), none of which a capture may contain: the
+# first move would fail inside CUDA (an event queried while captured, a side
+# stream never joined back). And a captured graph's tensors live in its own
+# memory pool at fixed addresses. So:
+# 1. entering an Offloader while the current stream is capturing raises a
+#    ``TierMemError`` saying so (``Offloader.__enter__``);
+# 2. a CUDA tensor saved while a capture runs (one begun inside the step,
+#    e.g. ``torch.cuda.make_graphed_callables`` called in an attached
+#    forward) is kept where it is, as an unmovable tensor (``_movable``):
+#    one C call per CUDA tensor that reaches the tiers, none on the planned
+#    keep's fast path.
+def _capturing() -> bool:
+    """The current CUDA stream is capturing a graph (CUDA is initialised:
+    only asked for a CUDA tensor)."""
+    return torch.cuda.is_current_stream_capturing()
 
 
 class Packer:

@@ -300,6 +300,11 @@ class Offloader:
             raise TierMemError(
                 "tiermem: this Offloader was closed (its pools, files and threads are "
                 "gone); make a new Offloader for further steps")
+        if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+            raise TierMemError(   # NOTE [CUDA graph capture] in hooks.py
+                "tiermem: the current CUDA stream is capturing a CUDA graph: tiermem's copies, "
+                "event polls and disk reads cannot be captured. Enter the Offloader outside "
+                "the captured region (or run that region under tiermem.no_offload())")
         me = threading.get_ident()
         with self._lock:
             if self._active_thread is not None:
