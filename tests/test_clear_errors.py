@@ -115,3 +115,60 @@ def test_a_step_that_fails_to_start_leaves_the_offloader_usable(monkeypatch):
     y.backward()
     assert torch.equal(x.grad, 2 * x.detach())
     off.close()
+
+
+@pytest.fixture
+def a_file(tmp_path):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    return str(f)
+
+
+def test_a_bad_nvme_dir_given_as_an_argument_is_named_by_the_argument(a_file, monkeypatch):
+    """NOTE [Setting names in messages]: the user looks in their code, not
+    their environment."""
+    monkeypatch.delenv("TIERMEM_NVME_DIR", raising=False)
+    with pytest.raises(tiermem.ConfigError) as e:
+        tiermem.Offloader(policy="nvme", nvme_dir=a_file)
+    assert f"nvme_dir={a_file!r} is a file" in str(e.value)
+    assert "TIERMEM_NVME_DIR" not in str(e.value)
+
+
+@pytest.mark.parametrize("make", ["Offloader", "offload"])
+def test_a_bad_nvme_dir_from_the_environment_is_named_by_the_variable(a_file, monkeypatch,
+                                                                      make):
+    monkeypatch.setenv("TIERMEM_NVME_DIR", a_file)
+    with pytest.raises(tiermem.ConfigError, match=f"TIERMEM_NVME_DIR={a_file!r} is a file"):
+        getattr(tiermem, make)(policy="nvme")
+
+
+@pytest.mark.parametrize("given_as", ["argument", "environment"])
+def test_an_nvme_dir_without_room_for_the_private_dir_is_named_as_given(
+        tmp_path, monkeypatch, given_as):
+    import errno
+    from tiermem.tiers import nvme
+
+    def refuse(root):
+        raise PermissionError(errno.EACCES, "Permission denied", root)
+    monkeypatch.setattr(nvme, "PrivateDir", refuse)
+    if given_as == "argument":
+        monkeypatch.delenv("TIERMEM_NVME_DIR", raising=False)
+        settings, name = {"nvme_dir": str(tmp_path)}, "nvme_dir"
+    else:
+        monkeypatch.setenv("TIERMEM_NVME_DIR", str(tmp_path))
+        settings, name = {}, "TIERMEM_NVME_DIR"
+    with pytest.raises(tiermem.ConfigError, match="cannot create tiermem's private") as e:
+        tiermem.Offloader(policy="nvme", engine="python", **settings)
+    assert str(e.value).startswith(f"tiermem: {name}={str(tmp_path)!r}:")
+
+
+def test_a_null_byte_in_nvme_dir_is_a_config_error_naming_the_setting():
+    with pytest.raises(tiermem.ConfigError, match="null byte") as e:
+        tiermem.Offloader(policy="nvme", nvme_dir="\x00bad")
+    assert "nvme_dir='\\x00bad'" in str(e.value)
+
+
+def test_checking_an_nvme_dir_with_a_null_byte_is_a_config_error():
+    from tiermem.spilldir import check_nvme_dir
+    with pytest.raises(tiermem.ConfigError, match=r"--dir='/x\\x00y' contains a null byte"):
+        check_nvme_dir("/x\x00y", "--dir")

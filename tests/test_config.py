@@ -251,3 +251,129 @@ def test_settings_and_the_projects_own_variables_do_not_warn(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         Config.from_env(env)
+
+
+# -- integers: ASCII digits only ---------------------------------------------------
+
+@pytest.mark.parametrize("text", ["4_0", "٤", "５", "+4", "-4", "4.0", "0x10", "1e1", "4 0"])
+def test_integer_settings_take_ascii_digits_only(text):
+    with pytest.raises(ConfigError) as err:
+        Config.from_env({"TIERMEM_IO_THREADS": text})
+    assert f"TIERMEM_IO_THREADS={text!r}" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        Config.from_env({}, io_threads=text)
+    assert f"io_threads={text!r}" in str(err.value)
+
+
+def test_integer_settings_allow_surrounding_whitespace():
+    assert Config.from_env({"TIERMEM_IO_THREADS": " 16 "}).io_threads == 16
+    assert Config.from_env({}, io_threads="\t2\n").io_threads == 2
+
+
+# -- which name an error gives a setting -------------------------------------------
+
+def test_setting_name_is_the_argument_when_given_as_one_else_the_variable():
+    """NOTE [Setting names in messages]."""
+    env = {"TIERMEM_NVME_DIR": "/tmp/a", "TIERMEM_CPU_BUDGET": "1GiB"}
+    cfg = Config.from_env(env, nvme_dir="/tmp/b", policy=None)
+    assert cfg.setting_name("nvme_dir") == "nvme_dir"
+    assert cfg.setting_name("cpu_budget") == "TIERMEM_CPU_BUDGET"
+    assert cfg.setting_name("policy") == "TIERMEM_POLICY"      # None: not given
+    assert Config.from_env(env).setting_name("nvme_dir") == "TIERMEM_NVME_DIR"
+    assert Config().setting_name("nvme_dir") == "TIERMEM_NVME_DIR"
+
+
+def test_replace_records_its_changes_as_arguments():
+    cfg = Config.from_env({"TIERMEM_NVME_DIR": "/tmp/a"}, cpu_budget="1GiB")
+    new = cfg.replace(nvme_dir="/tmp/b", cpu_budget=None)
+    assert new.setting_name("nvme_dir") == "nvme_dir"
+    assert new.setting_name("cpu_budget") == "TIERMEM_CPU_BUDGET"
+    assert cfg.setting_name("nvme_dir") == "TIERMEM_NVME_DIR"   # the original is unchanged
+    assert new == dataclasses.replace(cfg, nvme_dir="/tmp/b", cpu_budget=None)
+
+
+# -- the default cpu budget in a memory cgroup (NOTE [Container memory limits]) ----
+
+_GiB = 2**30
+
+
+def _cgroup_v2(root, limit, current, inactive_file=None):
+    (root / "memory.max").write_text(f"{limit}\n")
+    (root / "memory.current").write_text(f"{current}\n")
+    if inactive_file is not None:
+        (root / "memory.stat").write_text(
+            f"anon 123\nfile 456\ninactive_file {inactive_file}\nactive_file 7\n")
+    return str(root)
+
+
+def _cgroup_v1(root, limit, usage, inactive_file=None):
+    mem = root / "memory"
+    mem.mkdir()
+    (mem / "memory.limit_in_bytes").write_text(f"{limit}\n")
+    (mem / "memory.usage_in_bytes").write_text(f"{usage}\n")
+    if inactive_file is not None:
+        (mem / "memory.stat").write_text(
+            f"cache 9\ninactive_file 1\ntotal_inactive_file {inactive_file}\n")
+    return str(root)
+
+
+def test_cgroup_v2_limit_less_usage_is_available(tmp_path):
+    from tiermem.placement import cgroup_memory_available_bytes
+    root = _cgroup_v2(tmp_path, 8 * _GiB, 3 * _GiB)
+    assert cgroup_memory_available_bytes(root) == 5 * _GiB
+
+
+def test_cgroup_inactive_file_cache_is_not_counted_as_used(tmp_path):
+    from tiermem.placement import cgroup_memory_available_bytes
+    root = _cgroup_v2(tmp_path, 8 * _GiB, 8 * _GiB, inactive_file=2 * _GiB)
+    assert cgroup_memory_available_bytes(root) == 2 * _GiB
+
+
+def test_cgroup_v2_max_means_no_limit(tmp_path):
+    from tiermem.placement import cgroup_memory_available_bytes
+    assert cgroup_memory_available_bytes(_cgroup_v2(tmp_path, "max", 3 * _GiB)) is None
+
+
+def test_cgroup_v1_limit_less_usage_is_available(tmp_path):
+    from tiermem.placement import cgroup_memory_available_bytes
+    root = _cgroup_v1(tmp_path, 4 * _GiB, 3 * _GiB, inactive_file=1 * _GiB)
+    assert cgroup_memory_available_bytes(root) == 2 * _GiB
+
+
+def test_cgroup_v1_huge_limit_means_no_limit(tmp_path):
+    from tiermem.placement import cgroup_memory_available_bytes
+    assert cgroup_memory_available_bytes(_cgroup_v1(tmp_path, 9223372036854771712, 1)) is None
+
+
+def test_cgroup_over_its_limit_has_nothing_available(tmp_path):
+    from tiermem.placement import cgroup_memory_available_bytes
+    assert cgroup_memory_available_bytes(_cgroup_v2(tmp_path, 2 * _GiB, 3 * _GiB)) == 0
+
+
+@pytest.mark.parametrize("files", ["none", "limit only", "garbage"])
+def test_cgroup_files_that_cannot_be_read_mean_no_limit_known(tmp_path, files):
+    from tiermem.placement import cgroup_memory_available_bytes
+    if files == "limit only":
+        (tmp_path / "memory.max").write_text(f"{_GiB}\n")
+    elif files == "garbage":
+        _cgroup_v2(tmp_path, "lots", 1)
+    assert cgroup_memory_available_bytes(str(tmp_path)) is None
+
+
+@pytest.mark.parametrize("cgroup_gib, expected_gib", [(None, 8), (6, 3), (40, 8)])
+def test_default_cpu_budget_is_half_the_least_of_ram_and_the_cgroup_room(
+        tmp_path, monkeypatch, cgroup_gib, expected_gib):
+    import collections
+    from tiermem import placement
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    mem = collections.namedtuple("mem", "available total")(16 * _GiB, 64 * _GiB)
+    monkeypatch.setattr(placement.psutil, "virtual_memory", lambda: mem)
+    if cgroup_gib is not None:
+        _cgroup_v2(tmp_path, (cgroup_gib + 1) * _GiB, 1 * _GiB)
+    monkeypatch.setattr(placement, "_CGROUP_ROOT", str(tmp_path))
+    assert placement.default_cpu_budget_bytes() == expected_gib * _GiB
+    off = tiermem.Offloader(policy="cpu")
+    try:
+        assert off.cpu_budget_bytes == expected_gib * _GiB
+    finally:
+        off.close()

@@ -432,7 +432,7 @@ def test_private_directory_is_0700(nvme_dir):
 def test_nvme_dir_that_is_a_file_is_a_config_error(tmp_path):
     f = tmp_path / "file"
     f.write_text("x")
-    with pytest.raises(tiermem.ConfigError, match=f"TIERMEM_NVME_DIR='{f}' is a file"):
+    with pytest.raises(tiermem.ConfigError, match=f"nvme_dir='{f}' is a file"):
         _off(str(f))
 
 
@@ -461,7 +461,7 @@ def test_unwritable_nvme_dir_is_a_config_error(tmp_path):
     try:
         with pytest.raises(tiermem.ConfigError, match="not writable") as e:
             _off(str(d))
-        assert repr(str(d)) in str(e.value) and "TIERMEM_NVME_DIR" in str(e.value)
+        assert repr(str(d)) in str(e.value) and "nvme_dir=" in str(e.value)
     finally:
         subprocess.run(["chattr", "-i", str(d)], capture_output=True)
 

@@ -44,9 +44,10 @@ def ranks(monkeypatch):
 
 
 def test_default_cpu_budget_is_half_the_available_ram_split_among_the_nodes_ranks(
-        ranks, monkeypatch):
+        ranks, monkeypatch, tmp_path):
     mem = collections.namedtuple("mem", "available total")(8 * _GiB, 16 * _GiB)
     monkeypatch.setattr("tiermem.placement.psutil.virtual_memory", lambda: mem)
+    monkeypatch.setattr("tiermem.placement._CGROUP_ROOT", str(tmp_path))   # no memory limit
     assert default_cpu_budget_bytes() == 4 * _GiB
     ranks(0, 4)
     assert default_cpu_budget_bytes() == 1 * _GiB
@@ -209,3 +210,13 @@ def test_doctor_says_whether_the_ranks_plan_from_agreed_numbers(ranks, capsys, m
     monkeypatch.setenv("TIERMEM_AGREE_RANKS", "0")
     doctor._print(doctor.diagnose())
     assert "each rank plans from its own budgets and rates" in capsys.readouterr().out
+
+
+def test_a_launchers_rank_variable_takes_ascii_digits_only(monkeypatch):
+    """``LOCAL_WORLD_SIZE=4_0`` is not 40 (``int()`` would read it so)."""
+    from tiermem.ranks import local_world_size
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4_0")
+    with pytest.raises(tiermem.ConfigError, match="LOCAL_WORLD_SIZE='4_0'"):
+        local_world_size()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", " 4 ")
+    assert local_world_size() == 4

@@ -20,10 +20,10 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Union
 
-from .errors import ConfigError
+from .errors import ConfigError, TierMemError
 
-__all__ = ["Config", "env_table_markdown", "parse_size", "parse_bool", "BudgetShare",
-           "parse_device_budget"]
+__all__ = ["Config", "env_table_markdown", "parse_size", "parse_bool", "parse_int",
+           "BudgetShare", "parse_device_budget"]
 
 _log = logging.getLogger("tiermem")
 
@@ -145,17 +145,34 @@ def _bool(text: str, name: str) -> bool:
     return parse_bool(text, name=name)
 
 
+_INT_RE = re.compile(r"^\s*([0-9]+)\s*$", re.ASCII)
+
+
+def parse_int(text: str, *, name: str) -> int:
+    """Parse a whole number written in ASCII digits (``8``, `` 8 ``).
+
+    ``int()`` alone would also take ``4_0`` (as 40), ``+4`` and digits of other
+    scripts (``٤``, ``５``), none of which anyone means as a thread count; like
+    sizes (:func:`parse_size`), an integer setting is ASCII digits only.
+    Raises :class:`ConfigError` naming ``name`` and the value otherwise.
+    """
+    m = _INT_RE.match(str(text))
+    if m is None:
+        raise ConfigError(
+            f"tiermem: {name}={text!r} is not an integer; use ASCII digits only, e.g. 8")
+    return int(m.group(1))
+
+
 def _int(text: str, name: str) -> int:
-    try:
-        return int(str(text).strip())
-    except ValueError:
-        raise ConfigError(f"tiermem: {name}={text!r} is not an integer") from None
+    return parse_int(text, name=name)
 
 
 def _path(text: str, name: str) -> str:
     text = str(text)
     if not text.strip():
         raise ConfigError(f"tiermem: {name}={text!r} is an empty path")
+    if "\x00" in text:   # only an argument can hold one; os.* would raise a bare ValueError
+        raise ConfigError(f"tiermem: {name}={text!r} contains a null byte, which no path may")
     return os.path.abspath(os.path.expanduser(text))
 
 
@@ -198,7 +215,8 @@ class Config:
     cpu_budget: Optional[int] = _setting(
         "TIERMEM_CPU_BUDGET", _size,
         "Most host bytes the cpu tier holds, per rank; when full, tensors stay on the "
-        "device (one warning). Unset: half the RAM available at start, divided by "
+        "device (one warning). Unset: half the RAM available at start (in a container with "
+        "a memory limit, at most half of what the limit leaves), divided by "
         "LOCAL_WORLD_SIZE.", default_doc="auto", minimum=0)
     nvme_budget: Optional[int] = _setting(
         "TIERMEM_NVME_BUDGET", _size,
@@ -282,6 +300,7 @@ class Config:
                 values[name] = _check_min(f, f.metadata["parse"](text, env), env, shown=text)
         _warn_unknown_variables(environ, {f.metadata["env"] for f in known.values()})
         cfg = cls(**values)
+        cfg._set_arguments(n for n, v in overrides.items() if v is not None)
         if "log" in values:  # only when asked: never override the user's own logging setup
             _configure_logging(cfg.log)
         return cfg
@@ -294,7 +313,43 @@ class Config:
             if name not in fields:
                 raise ConfigError(f"tiermem: unknown setting {name}; valid: {', '.join(fields)}")
             checked[name] = None if value is None else _from_argument(fields[name], value)
-        return dataclasses.replace(self, **checked)
+        copy = dataclasses.replace(self, **checked)
+        given = {n for n, v in checked.items() if v is not None}
+        copy._set_arguments((self._arguments - set(checked)) | given)
+        return copy
+
+    #: Settings given as keyword arguments (NOTE [Setting names in messages]).
+    #: A plain class attribute, set on the instance by :meth:`from_env` and
+    #: :meth:`replace`; unannotated, so that it is no field, not even a ClassVar
+    #: one in ``__dataclass_fields__`` (which offload() iterates).
+    _arguments = frozenset()
+
+    def _set_arguments(self, names) -> None:
+        object.__setattr__(self, "_arguments", frozenset(names))   # frozen dataclass
+
+    def setting_name(self, name: str) -> str:
+        """How the user gave setting ``name``, for a message about its value: the
+        argument (``nvme_dir``) when it came from a keyword argument, else its
+        variable (``TIERMEM_NVME_DIR``; NOTE [Setting names in messages])."""
+        if name in self._arguments:
+            return name
+        for f in dataclasses.fields(self):
+            if f.name == name:
+                return f.metadata["env"]
+        raise TierMemError(f"tiermem: setting_name({name!r}): no such setting; this is a bug")
+
+
+# NOTE [Setting names in messages]
+# An error about a value names the setting the way the user gave it: a keyword
+# argument by the argument (``nvme_dir='/x' is a file``), an environment
+# variable by the variable (``TIERMEM_NVME_DIR='/x' is a file``), so that the
+# user looks in the right place: their code or their launch script. Parsers
+# are told the name by from_env. Checks made later, on the Config (the NVMe
+# dir, when its store is made), ask Config.setting_name, which reads the set
+# of settings that came from arguments, recorded by from_env and replace.
+# That set is not a dataclass field: fields are the settings (the README's
+# table, the doctor's listing and equality are derived from them), and two
+# Configs of the same values are equal wherever the values came from.
 
 
 # NOTE [Unknown variables]

@@ -499,8 +499,9 @@ def offload(policy: Any = None, *, hints: Optional[Callable] = None,
             # closing earlier would lose saved tensors (NVMe files, buffers).
             _tls.retired.append(cache.pop(next(iter(cache))))
             _close_retired()
-        off = cache[key] = Offloader(hints=hints,
-                                     **{f: getattr(cfg, f) for f in cfg.__dataclass_fields__})
+        # The same arguments, not cfg's fields: a value from the environment
+        # stays named by its variable (NOTE [Setting names in messages]).
+        off = cache[key] = Offloader(policy, hints=hints, **settings)
     return off
 
 

@@ -26,6 +26,7 @@ import logging
 import os
 from typing import Optional
 
+from .config import parse_int
 from .errors import ConfigError
 
 __all__ = ["local_world_size", "rank", "local_rank", "rank_label", "per_rank_share",
@@ -42,8 +43,8 @@ def _env_int(name: str, minimum: int) -> Optional[int]:
     if not text:
         return None
     try:
-        value = int(text)
-    except ValueError:
+        value = parse_int(text, name=name)   # ASCII digits only: "4_0" is not 40
+    except ConfigError:
         value = None
     if value is None or value < minimum:
         raise ConfigError(f"tiermem: {name}={text!r} is not an integer of at least {minimum} "

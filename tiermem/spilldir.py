@@ -59,8 +59,12 @@ def _start_ms(pid: int) -> Optional[int]:
 def check_nvme_dir(path: str, setting: str = "TIERMEM_NVME_DIR") -> str:
     """Create ``path`` like ``mkdir -p`` and check that it is a writable
     directory on a writable filesystem; :class:`ConfigError` names the setting,
-    the value and what is wrong."""
+    the value and what is wrong. ``setting``: the name the user gave it under
+    (``nvme_dir``, ``TIERMEM_NVME_DIR``, ``--dir``;
+    NOTE [Setting names in messages] in config.py)."""
     where = f"tiermem: {setting}={path!r}"
+    if "\x00" in path:   # os.* would raise a bare ValueError
+        raise ConfigError(f"{where} contains a null byte, which no path may")
     if os.path.islink(path) and not os.path.exists(path):
         raise ConfigError(f"{where} is a symbolic link to {os.readlink(path)!r}, "
                           "which does not exist")

@@ -366,7 +366,8 @@ def default_device_budget_bytes(device_type: str, free_bytes: Optional[int] = No
     """The device budget when ``device_budget`` is unset: the device's free
     memory now less :data:`HEADROOM_FRACTION` of its total (CUDA:
     ``torch.cuda.mem_get_info`` of ``device``, the current one if ``None``;
-    CPU: available RAM). ``free_bytes`` / ``total_bytes`` override the
+    CPU: available RAM, or what the memory cgroup may still take if less:
+    NOTE [Container memory limits] in placement.py). ``free_bytes`` / ``total_bytes`` override the
     measurement (tests). Measured when a plan is made, after the profiled
     step's backward freed its tensors."""
     if free_bytes is None or total_bytes is None:
@@ -374,8 +375,13 @@ def default_device_budget_bytes(device_type: str, free_bytes: Optional[int] = No
             free, total = torch.cuda.mem_get_info(device)
         else:
             import psutil
+
+            from ..placement import cgroup_memory_available_bytes
             vm = psutil.virtual_memory()
             free, total = vm.available, vm.total
+            in_cgroup = cgroup_memory_available_bytes()   # NOTE [Container memory limits]
+            if in_cgroup is not None:
+                free = min(free, in_cgroup)
         free_bytes = free if free_bytes is None else free_bytes
         total_bytes = total if total_bytes is None else total_bytes
     return max(0, int(free_bytes - HEADROOM_FRACTION * total_bytes))
