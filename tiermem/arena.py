@@ -9,18 +9,59 @@ loop whose steps save the same shapes reuses the same extents every step and
 the file stops growing after the first step.
 """
 
+# NOTE [Interrupted updates]
+# An asynchronous exception (KeyboardInterrupt raised by a signal handler,
+# which Python runs in the main thread between two bytecodes: at a function's
+# entry, after a call returns, at a loop's back edge) can cut any Python code
+# short, the arena's methods included. A free list kept in two structures (a
+# sorted list of offsets and a dict of lengths) was once left with an offset
+# the dict did not hold, and every later ``alloc`` raised KeyError. Rules:
+# 1. The arena's whole state (free extents, ``used_bytes``, ``size_bytes``) is
+#    one immutable ``_State``. An update builds the new state aside and
+#    publishes it with one assignment, the last thing it does: an exception
+#    before it leaves the old state, after it the new one. So the invariants
+#    (free extents sorted, disjoint, coalesced, within the file; ``used_bytes
+#    == size_bytes`` - their bytes) hold at every bytecode boundary, and an
+#    interrupted ``alloc`` or ``free`` has happened entirely or not at all
+#    (and ``with`` releases the lock wherever a signal handler may run).
+#    Readers (``used_bytes``, ``size_bytes``) read one state, without the lock.
+# 2. Growth resizes the file before it publishes the larger size: interrupted
+#    in between, the file is larger than ``size_bytes``, which is harmless (the
+#    next growth sets the size again).
+# 3. What an interruption can still lose lies with the caller, between the
+#    arena and the caller's own records: an offset ``alloc`` returned that the
+#    caller never stored stays in use (leaked, not corrupt), and a caller that
+#    repeats a ``free`` it was interrupted after gives back an extent twice.
+#    An extent given back that overlaps free bytes is such a repeat (or a
+#    bug): it is ignored and counted in ``repeated_frees``, since applying it
+#    would hand the same bytes out twice. A repeat after the extent was handed
+#    out again cannot be told from a valid free: a caller must drop its record
+#    of an extent before it gives the extent back, never after.
+
 from __future__ import annotations
 
 import bisect
 import errno
+import logging
 import threading
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
+
+from .errors import TierMemError
 
 __all__ = ["Arena", "round_up"]
+
+_log = logging.getLogger("tiermem")
 
 
 def round_up(n: int, align: int) -> int:
     return (n + align - 1) // align * align
+
+
+class _State(NamedTuple):
+    """One published state of an arena (NOTE [Interrupted updates], rule 1)."""
+    free: tuple        # ((offset, nbytes), ...): sorted, disjoint, coalesced
+    used_bytes: int
+    size_bytes: int
 
 
 class Arena:
@@ -30,7 +71,9 @@ class Arena:
     while growing (after a retry with just the missing bytes) makes the arena
     full at its current size for the rest of its life (``disk_full``: it no
     longer grows; ``alloc`` still hands out freed extents and returns ``None``
-    for what they cannot hold) rather than failing. Thread-safe.
+    for what they cannot hold) rather than failing. Thread-safe, and left
+    consistent by a KeyboardInterrupt wherever it lands (NOTE [Interrupted
+    updates]).
     """
 
     def __init__(self, resize: Callable[[int], None], budget_bytes: int, align: int = 4096,
@@ -39,81 +82,104 @@ class Arena:
         self.align = align
         self.budget_bytes = budget_bytes // align * align
         self.grow_bytes = round_up(max(grow_bytes, align), align)
-        self.size_bytes = 0
-        self.used_bytes = 0
         self.disk_full = False
-        self._starts: list = []   # sorted offsets of free extents
-        self._lengths: dict = {}  # offset -> length
+        #: Extents given back that overlapped free bytes, ignored (NOTE
+        #: [Interrupted updates], rule 3).
+        self.repeated_frees = 0
+        self._state = _State((), 0, 0)
         self._lock = threading.Lock()
+
+    @property
+    def size_bytes(self) -> int:
+        """Bytes of the file the arena has grown to."""
+        return self._state.size_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the extents handed out and not given back."""
+        return self._state.used_bytes
 
     @property
     def free_extents(self) -> int:
         """Number of free extents (coalesced: adjacent free bytes are one extent)."""
-        return len(self._starts)
+        return len(self._state.free)
+
+    @property
+    def free_list(self) -> tuple:
+        """The free extents, ``((offset, nbytes), ...)`` in offset order."""
+        return self._state.free
 
     def alloc(self, nbytes: int) -> Optional[int]:
         """Offset of a free extent of ``round_up(nbytes, align)`` bytes, or ``None``."""
         need = round_up(max(nbytes, 1), self.align)
         with self._lock:
-            best = None
-            for start in self._starts:
-                length = self._lengths[start]
-                if length >= need and (best is None or length < self._lengths[best]):
-                    best = start
-                    if length == need:
-                        break
-            if best is None and not self._grow(need):
-                return None
-            if best is None:
-                best = self._starts[-1]   # growth extended (or created) the last extent
-            self._take(best, need)
-            self.used_bytes += need
-            return best
+            state = self._state
+            i = _best_fit(state.free, need)
+            if i is None:
+                state = self._grown(state, need)
+                if state is None:
+                    return None
+                i = len(state.free) - 1   # growth extended (or created) the last extent
+            free = state.free
+            start, length = free[i]
+            rest = ((start + need, length - need),) if length > need else ()
+            # Published at once: NOTE [Interrupted updates], rule 1.
+            self._state = _State(free[:i] + rest + free[i + 1:], state.used_bytes + need,
+                                 state.size_bytes)
+            return start
 
     def free(self, offset: int, nbytes: int) -> None:
-        """Give back the extent ``alloc`` returned for ``nbytes``."""
+        """Give back the extent ``alloc`` returned for ``nbytes``. One that
+        overlaps free bytes is ignored (NOTE [Interrupted updates], rule 3)."""
         length = round_up(max(nbytes, 1), self.align)
+        end = offset + length
         with self._lock:
-            self.used_bytes -= length
-            self._insert(offset, length)
-
-    def _take(self, start: int, need: int) -> None:
-        length = self._lengths.pop(start)
-        del self._starts[bisect.bisect_left(self._starts, start)]
-        if length > need:
-            self._insert(start + need, length - need)
-
-    def _insert(self, start: int, length: int) -> None:
-        i = bisect.bisect_left(self._starts, start)
-        if i < len(self._starts) and start + length == self._starts[i]:  # merge right
-            length += self._lengths.pop(self._starts[i])
-            del self._starts[i]
-        if i > 0:
-            left = self._starts[i - 1]
-            if left + self._lengths[left] == start:                      # merge left
-                self._lengths[left] += length
+            state = self._state
+            free = state.free
+            if offset < 0 or end > state.size_bytes or offset % self.align:
+                raise TierMemError(
+                    f"tiermem: an extent [{offset}, {end}) was given back to an arena of "
+                    f"{state.size_bytes} bytes (alignment {self.align}); this is a bug")
+            i = bisect.bisect_left(free, (offset,))   # extents before i start below offset
+            left = free[i - 1] if i > 0 else None
+            right = free[i] if i < len(free) else None
+            if (left is not None and sum(left) > offset) or (right is not None
+                                                             and right[0] < end):
+                self._repeated(offset, end)
                 return
-        self._starts.insert(i, start)
-        self._lengths[start] = length
+            lo, hi, start = i, i, offset
+            if left is not None and sum(left) == offset:    # merge left
+                lo, start = i - 1, left[0]
+            if right is not None and right[0] == end:       # merge right
+                hi, end = i + 1, sum(right)
+            # Published at once: NOTE [Interrupted updates], rule 1.
+            self._state = _State(free[:lo] + ((start, end - start),) + free[hi:],
+                                 state.used_bytes - length, state.size_bytes)
 
-    def _grow(self, need: int) -> bool:
-        """Extend the file so that its last free extent holds ``need`` bytes."""
+    def _repeated(self, offset: int, end: int) -> None:
+        """NOTE [Interrupted updates], rule 3 (caller holds the lock)."""
+        self.repeated_frees += 1
+        if self.repeated_frees == 1:
+            _log.warning("tiermem: the arena extent [%d, %d) was given back while free "
+                         "(a release repeated after an interruption?); ignored (shown once; "
+                         "Arena.repeated_frees)", offset, end)
+
+    def _grown(self, state: _State, need: int) -> Optional[_State]:
+        """``state`` with the file extended (now) so that its last free extent
+        holds ``need`` bytes; ``None`` if it cannot grow (NOTE [Interrupted
+        updates], rule 2: the caller publishes it)."""
         if self.disk_full:
-            return False
-        tail_free = 0
-        if self._starts:
-            last = self._starts[-1]
-            if last + self._lengths[last] == self.size_bytes:
-                tail_free = self._lengths[last]
+            return None
+        free, size = state.free, state.size_bytes
+        tail_free = free[-1][1] if free and sum(free[-1]) == size else 0
         missing = need - tail_free
-        new_size = self.size_bytes + max(missing, self.grow_bytes)
-        new_size = min(new_size, self.budget_bytes)
-        if new_size - self.size_bytes < missing:
-            return False
-        for size in dict.fromkeys((new_size, self.size_bytes + missing)):
+        new_size = min(size + max(missing, self.grow_bytes), self.budget_bytes)
+        if new_size - size < missing:
+            return None
+        for candidate in dict.fromkeys((new_size, size + missing)):
             try:
-                self._resize(size)
-                new_size = size
+                self._resize(candidate)
+                new_size = candidate
                 break
             except OSError as e:
                 if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
@@ -121,11 +187,26 @@ class Arena:
         else:  # the disk is full even for this request: stay at the current size
             self.disk_full = True
             try:
-                self._resize(self.size_bytes)
+                self._resize(size)
             except OSError:
                 pass
-            return False
-        old = self.size_bytes
-        self.size_bytes = new_size
-        self._insert(old, new_size - old)
-        return True
+            return None
+        if tail_free:
+            last = free[-1][0]
+            free = free[:-1] + ((last, new_size - last),)
+        else:
+            free = free + ((size, new_size - size),)
+        return _State(free, state.used_bytes, new_size)
+
+
+def _best_fit(free: tuple, need: int) -> Optional[int]:
+    """Index of the smallest free extent of at least ``need`` bytes (the first
+    of them), or ``None``."""
+    best = None
+    best_len = 0
+    for i, (_, length) in enumerate(free):
+        if length >= need and (best is None or length < best_len):
+            best, best_len = i, length
+            if length == need:
+                break
+    return best

@@ -114,6 +114,7 @@ given at ``put`` (``handle.step``, :class:`~tiermem.tiers.base.StepEvents`).
 from __future__ import annotations
 
 import collections
+import gc
 import logging
 import threading
 import time
@@ -142,18 +143,91 @@ DEFAULT_WINDOW_TENSORS = 5
 DEFAULT_WINDOW_BYTES = 256 * 1024 ** 2
 
 
+# NOTE [Interrupted releases]
+# A handle gives its room back when autograd drops it. A KeyboardInterrupt (a
+# signal handler, run in the main thread at a function's entry, after a call
+# returns or at a loop's back edge) can land in that release: Python prints
+# "Exception ignored in ..." and drops it, and a plain ``__del__`` lost the
+# release for good (host or disk bytes counted in use forever). It mostly
+# landed at ``__del__``'s very entry: the signal arrives during C work that
+# frees the handle (a backward on the CPU), and the finalizer is the first
+# Python code to run after it. So:
+# 1. No Python code runs before a dying handle is kept: ``MovedHandle.__del__``
+#    is a property whose getter, ``_DYING.__getitem__``, runs in C and stores
+#    the handle (resurrecting it) in ``_DYING`` under a fresh ``_Finalizer``
+#    (made in C too: it has no ``__init__``), which the finalizer then calls.
+#    The handle stays in ``_DYING`` until its release is over.
+# 2. ``_release_dying`` releases the handle of the ``_Finalizer`` called, and
+#    every other one whose finalizer has run (``gc.is_finalized``: kept after
+#    an interrupted release), and then drops them from ``_DYING``. A release
+#    that was interrupted is so run again at the next handle's death (of any
+#    store), not lost.
+# 3. A release may so run twice (or on two threads at once): each step of
+#    ``MovingStore._release`` is idempotent, or claimed before it is done
+#    (a field swapped, or ``released`` set, in bytecodes where no signal
+#    handler runs), so that none is done twice: giving a host buffer or an
+#    extent back twice would hand it to two tensors. An interrupt at the
+#    entry of the store's ``_free``/``_unreserve`` right after the claim
+#    loses that room instead: a signal must arrive within those few
+#    bytecodes for that (one that arrived during C work before is handled at
+#    an earlier entry). A launch likewise takes the reservation off the
+#    handle before ``_launch``, which gives it back if it raises (a
+#    KeyboardInterrupt too): the handle, when it dies, does not do it again.
+# 4. Reading ``__del__`` of a live handle (a debugger listing attributes)
+#    stores it in ``_DYING`` too. It is not released there (its finalizer has
+#    not run, rule 2) but is kept, with its room, for the rest of the process.
+
+
+class _Finalizer:
+    """What a dying handle's ``__del__`` returns, then called: NOTE
+    [Interrupted releases], rule 1. One per handle; made in C."""
+
+    __slots__ = ()
+
+    def __call__(self) -> None:
+        self.release_dying(self)
+
+
+#: Dying handles whose release is not over: NOTE [Interrupted releases].
+_DYING: collections.defaultdict = collections.defaultdict(_Finalizer)
+
+
+def _release_dying(token: _Finalizer, _dying=_DYING, _finalized=gc.is_finalized) -> None:
+    """Release the handle stored under ``token`` and those kept after an
+    interrupted release (NOTE [Interrupted releases], rule 2). A release that
+    fails with an ``Exception`` (not an interruption) is not tried again.
+    The defaults keep what it needs through interpreter shutdown."""
+    for h, t in list(_dying.items()):
+        if t is token or _finalized(h):
+            try:
+                store = getattr(h, "store", None)   # unset: dead inside put()
+                if store is not None:
+                    store._release(h)
+            except Exception:
+                _dying.pop(h, None)
+                raise
+            _dying.pop(h, None)
+
+
+_Finalizer.release_dying = staticmethod(_release_dying)   # kept through shutdown
+
+
 class MovedHandle:
     """A saved tensor moved away by a :class:`MovingStore`. Owned by autograd;
-    when autograd drops it, the store gets its slot back."""
+    when autograd drops it, the store gets its slot back (NOTE [Interrupted
+    releases]). ``released``: the store's ``_free`` was called (rule 3)."""
 
     __slots__ = ("store", "step", "entry", "layout", "nbytes", "slot", "version", "module",
                  "src", "host", "lease", "last_job", "restore", "cached", "tainted", "failed",
-                 "tail", "__weakref__")
+                 "tail", "released", "__weakref__")
 
-    def __del__(self) -> None:
-        store = getattr(self, "store", None)
-        if store is not None:
-            store._release(self)
+    def __new__(cls) -> "MovedHandle":
+        h = super().__new__(cls)
+        h.released = False
+        return h
+
+    # NOTE [Interrupted releases], rule 1: a C getter, whose value is called.
+    __del__ = property(_DYING.__getitem__)
 
 
 def _where_kept(h: "MovedHandle") -> str:
@@ -286,20 +360,21 @@ class MovingStore(TierStore):
             h.failed = True
             h.step.move_failed()
             return
+        # Claimed: ``_launch`` gives it back if it raises, a KeyboardInterrupt
+        # too (NOTE [Interrupted releases], rule 3).
+        reservation, h.slot = h.slot, None
         try:
-            slot, job = self._launch(h.src, h.layout, h.slot)
+            slot, job = self._launch(h.src, h.layout, reservation)
         except Exception as error:   # the reservation was given back
-            h.slot = None
             h.failed = True          # the source stays: as a move that failed
             if not isinstance(error, TierMemError):
                 error = TierMemError(f"tiermem: moving a tensor to the {self.tier.value} "
                                      f"tier failed: {type(error).__name__}: {error}")
             self._on_failure(h, error)
             return
+        h.slot, h.last_job, h.lease = slot, job, getattr(job, "lease", None)
         if h.step.params_may_be_freed:
             self._guard_freed_source(h.src, job)
-        h.slot, h.last_job = slot, job
-        h.lease = getattr(job, "lease", None)
         with self._lock:
             ref = weakref.ref(h)
             self._pending.append((ref, job))
@@ -577,11 +652,16 @@ class MovingStore(TierStore):
 
     # -- release --------------------------------------------------------------
     def _release(self, h: MovedHandle) -> None:
+        """Give back what a dying ``h`` holds. It may run again after an
+        interruption, or on two threads: every step is idempotent or claimed
+        first (NOTE [Interrupted releases], rule 3)."""
+        if h.released:
+            return
         h.tail = None
         if h.last_job is None:     # never launched (or its launch failed)
             h.src = None
-            if h.slot is not None:
-                reservation, h.slot = h.slot, None
+            reservation, h.slot = h.slot, None   # claimed
+            if reservation is not None:
                 self._unreserve(reservation, h.layout)
             return
         if h.src is not None:      # died before its move out landed (last_job is that move)
@@ -589,13 +669,16 @@ class MovingStore(TierStore):
             h.src = None
         h.host = None
         if h.lease is not None:    # the pool may reuse it once the move is over
-            h.lease.release()
+            h.lease.release()      # idempotent
+            h.lease = None
         h.cached = None
         if h.restore is not None:  # prefetched, never consumed
             dev, job = h.restore
             job.abandon(dev)
             h.restore = None
-        self._free(h)
+        if not h.released:
+            h.released = True      # claimed
+            self._free(h)
 
 
 def _storage_bytes(t: torch.Tensor) -> int:

@@ -394,15 +394,18 @@ class NvmeStore(MovingStore):
             released = self._released
             while released:
                 self._deferred.append(released.popleft())
-            if not self._deferred:
-                return
-            keep = []
-            for job, offset, nbytes in self._deferred:
+            deferred = self._deferred
+            i = 0
+            while i < len(deferred):
+                job, offset, nbytes = deferred[i]
                 if job is None or job.done():   # None: reserved, never written
+                    # Off the list before it is freed: an interrupt between the
+                    # two leaks the extent, never frees it twice (NOTE
+                    # [Interrupted updates] in arena.py, rule 3).
+                    del deferred[i]
                     self.arena.free(offset, nbytes)
                 else:
-                    keep.append((job, offset, nbytes))
-            self._deferred = keep
+                    i += 1
 
     def poll(self) -> None:
         super().poll()
