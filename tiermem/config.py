@@ -229,7 +229,8 @@ class Config:
         "memory for CUDA tensors, RAM for CPU tensors), per rank: a size, or a percentage "
         "(0% to 100%) of what a plain step keeps, measured by the planner's first step. "
         "Unset: the device's free memory less a tenth of its total (on the CPU: available "
-        "RAM), measured when the plan is made; if everything fits, nothing moves.",
+        "RAM, at most what a container's memory limit leaves), measured when the plan is "
+        "made; if everything fits, nothing moves.",
         default_doc="auto", minimum=0)
     agree_ranks: bool = _setting(
         "TIERMEM_AGREE_RANKS", _bool,

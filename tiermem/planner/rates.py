@@ -367,8 +367,8 @@ def default_device_budget_bytes(device_type: str, free_bytes: Optional[int] = No
     memory now less :data:`HEADROOM_FRACTION` of its total (CUDA:
     ``torch.cuda.mem_get_info`` of ``device``, the current one if ``None``;
     CPU: available RAM, or what the memory cgroup may still take if less:
-    NOTE [Container memory limits] in placement.py). ``free_bytes`` / ``total_bytes`` override the
-    measurement (tests). Measured when a plan is made, after the profiled
+    NOTE [Container memory limits] in cgroup.py). ``free_bytes`` /
+    ``total_bytes`` override the measurement (tests). Measured when a plan is made, after the profiled
     step's backward freed its tensors."""
     if free_bytes is None or total_bytes is None:
         if device_type == "cuda":
@@ -376,7 +376,7 @@ def default_device_budget_bytes(device_type: str, free_bytes: Optional[int] = No
         else:
             import psutil
 
-            from ..placement import cgroup_memory_available_bytes
+            from ..cgroup import cgroup_memory_available_bytes
             vm = psutil.virtual_memory()
             free, total = vm.available, vm.total
             in_cgroup = cgroup_memory_available_bytes()   # NOTE [Container memory limits]
