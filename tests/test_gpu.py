@@ -354,6 +354,28 @@ def test_a_recomputed_tensor_read_on_two_streams_is_ordered_after_its_recipe(mon
     off.close()
 
 
+def test_the_closed_loop_reads_the_stall_on_the_gpus_timeline(monkeypatch):
+    """NOTE [Stall on the GPU's timeline] in tiermem/planner/runtime.py: with
+    every H2D copy delayed on its side stream, a cpu-tier restore makes the
+    consumer's stream wait while the host goes on; the plan's first step
+    measures that wait with CUDA timing events, not the host's few µs."""
+    model = _model(layers=2)
+    x = torch.randn(2, 128, 256, device=DEV)
+    off = tiermem.Offloader(policy="auto", device_budget="10%", min_offload_bytes=0)
+    _step(model, x, off)            # profiled
+    plan = off.plan
+    assert plan is not None and plan.bytes_by_tier()["cpu"] > 0, plan
+    _slow_stream(monkeypatch, "in")
+    _step(model, x, off)            # the plan's first step: its restore waits are timed
+    torch.cuda.synchronize()
+    host_stall = off.stats.stall_seconds
+    off.plan                        # the check runs (as at the next step's start)
+    assert plan.measured_steps == 1
+    assert plan.measured_stall_s >= 0.02, (plan.measured_stall_s, host_stall)
+    assert host_stall < plan.measured_stall_s
+    off.close()
+
+
 def test_auto_plan_records_cuda_dropout_whole_and_stays_exact():
     """On CUDA F.dropout runs one op (native_dropout): a plan recomputing its
     output records the call whole, its generator state captured and replayed

@@ -194,6 +194,21 @@ def test_default_budget_is_free_memory_less_headroom():
     assert default_device_budget_bytes("cuda", free_bytes=4 * gib, total_bytes=80 * gib) == 0
 
 
+def test_default_cpu_budget_respects_a_container_memory_limit(monkeypatch, tmp_path):
+    """NOTE [Container memory limits] in tiermem/cgroup.py: on the CPU the
+    default device budget is free RAM less headroom, where free RAM is at most
+    what the memory cgroup may still take."""
+    import collections
+    gib = 1 << 30
+    mem = collections.namedtuple("mem", "available total")(100 * gib, 200 * gib)
+    monkeypatch.setattr("psutil.virtual_memory", lambda: mem)
+    monkeypatch.setattr("tiermem.cgroup._CGROUP_ROOT", str(tmp_path))
+    assert default_device_budget_bytes("cpu") == 80 * gib          # no limit: the host's
+    (tmp_path / "memory.max").write_text(str(40 * gib))
+    (tmp_path / "memory.current").write_text(str(10 * gib))
+    assert default_device_budget_bytes("cpu") == 10 * gib          # 30 GiB left - 20 GiB
+
+
 class _CountingProducers(tiermem.offloader.ProducerMode):
     """ProducerMode that counts the forwards it tracks (class attribute ``entered``)."""
 
@@ -320,23 +335,50 @@ def test_a_branch_midway_profiles_once_per_branch_and_stays_exact(nvme_dir):
     off.close()
 
 
-def test_a_wrong_first_plan_is_corrected_once_and_then_holds(nvme_dir, monkeypatch):
+class _FakeTimingEvent:
+    """What the closed loop reads of a CUDA timing event: ``synchronize`` and
+    ``elapsed_time`` (milliseconds), from its time stamp ``at_ms``."""
+
+    def __init__(self, at_ms):
+        self.at_ms = at_ms
+        self.synchronized = False
+
+    def synchronize(self):
+        self.synchronized = True
+
+    def elapsed_time(self, end):
+        assert end.synchronized, "read before its end event completed"
+        return end.at_ms - self.at_ms
+
+
+@pytest.mark.parametrize("source", ["host_waits", "gpu_events"])
+def test_a_wrong_first_plan_is_corrected_once_and_then_holds(nvme_dir, monkeypatch, source):
     # Rates that make every nvme move look free (predicted stall 0), and a
-    # measured stall of 10 ms written into the first planned step's stats as
-    # the closed loop reads them (later steps: 0, so that the machine's own
-    # timing noise cannot trigger the one correction late). The first plan is
-    # corrected once, at the next step, with the rates halved and the same
-    # target; every later step keeps that plan (MAX_REPLANS: no oscillation,
-    # no new profile).
+    # measured stall of 10 ms in the first planned step as the closed loop
+    # reads it: written into its stats (the host's waits), or as CUDA timing
+    # events of its restore waits (two waits of 4 and 6 ms; NOTE [Stall on the
+    # GPU's timeline]: they replace the host's waits). Later steps: 0, so that
+    # the machine's own timing noise cannot trigger the one correction late.
+    # The first plan is corrected once, at the next step, with the rates
+    # halved and the same target; every later step keeps that plan
+    # (MAX_REPLANS: no oscillation, no new profile).
     from tiermem.planner.rates import Rates
     from tiermem.planner.runtime import Planner
     check = Planner._check
     seen = []
 
-    def measured(self, plan, stats):
-        stats.stall_seconds = 0.010 if not seen else 0.0
+    def measured(self, plan, stats, gpu_waits=None):
+        assert (gpu_waits is not None) == (plan.measured_steps == 0), \
+            "restore waits are timed in a plan's first step only"
+        if source == "host_waits":
+            stats.stall_seconds = 0.010 if not seen else 0.0
+        else:
+            stats.stall_seconds = 0.0
+            if not seen:
+                gpu_waits = [(_FakeTimingEvent(1.0), _FakeTimingEvent(5.0)),
+                             (_FakeTimingEvent(7.0), _FakeTimingEvent(13.0))]
         seen.append(plan)
-        return check(self, plan, stats)
+        return check(self, plan, stats, gpu_waits)
 
     monkeypatch.setattr(Planner, "_check", measured)
     off = offloader("auto", device_budget="25%", nvme_dir=nvme_dir)
@@ -353,7 +395,7 @@ def test_a_wrong_first_plan_is_corrected_once_and_then_holds(nvme_dir, monkeypat
     # [Planner cost model]; at these fake rates it predicts picoseconds)
     assert first.replans == 0 and first.predicted_stall_s < 1e-6
     assert first.bytes_by_tier()["nvme"] > 0
-    assert first.measured_stall_s == 0.010
+    assert first.measured_stall_s == pytest.approx(0.010)
     assert fixed is not first and fixed.replans == 1
     assert fixed.replan_reason == "stall 10.00 ms, predicted 0.00 ms"
     assert fixed.rate_factor == 0.5
@@ -495,13 +537,14 @@ def test_a_profiled_step_without_backward_is_profiled_again(nvme_dir, held):
     ref_case, case = make_case("mlp"), make_case("mlp")
     planner = tiermem.testing.planner_of(off)
     x = torch.randn(32, 24, generator=torch.Generator().manual_seed(5))
+    graphs = []
     with off:
-        loss = case.model(x).square().mean()   # never backward
+        graphs.append(case.model(x).square().mean())   # never backward
     if not held:
-        del loss
+        graphs.clear()
     for i in range(4):
         if held and i == 1:
-            del loss
+            graphs.clear()
         got = _mlp_step(off, case, x)
         ref = _mlp_step(contextlib.nullcontext(), ref_case, x)
         assert torch.equal(got[0], ref[0])

@@ -229,6 +229,25 @@ class Step:
             stats.late_restores += 1
         stats.stall_seconds += seconds
 
+    def gpu_wait_start(self, device: torch.device):
+        """A CUDA timing event recorded now on ``device``'s current stream, if
+        this step's restore waits are timed on the GPU (the first step that
+        follows an auto plan: NOTE [Stall on the GPU's timeline] in
+        planner/runtime.py), else ``None``."""
+        planning = self.planning
+        if planning is None or planning.gpu_waits is None or device.type != "cuda":
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(device))
+        return event
+
+    def gpu_wait_end(self, start, device: torch.device) -> None:
+        """The restore wait begun at ``start`` (from :meth:`gpu_wait_start`)
+        is queued: record its end on the same stream."""
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(torch.cuda.current_stream(device))
+        self.planning.gpu_waits.append((start, end))
+
     def recomputed(self, seconds: float) -> None:
         self.stats.recompute_count += 1
         self.stats.recompute_seconds += seconds

@@ -106,6 +106,24 @@ follows, and the closed loop that corrects a plan from measurement.
 # nothing), so the plan is stable after at most three steps (profile, plan,
 # one correction) and cannot oscillate.
 #
+# NOTE [Stall on the GPU's timeline]
+# The closed loop compares a measured stall with the plan's prediction, which
+# on CUDA is made on the GPU's timeline (NOTE [Profile times on a GPU] in
+# planner/profile.py). The host's waits (``stats.stall_seconds``) are not that
+# stall there: a restore from the cpu tier makes the consumer's stream wait
+# for the copy's event and the host goes on (a few µs whatever the GPU
+# waits), and a read from disk blocks the host while the GPU may still run
+# queued work. So the first step that follows a plan (the one the check
+# reads) times each restore's wait on the consumer's stream: a timing event
+# recorded before the unpack starts or waits for the restore and one after
+# its stream is ordered after the copy (``Step.gpu_wait_start`` /
+# ``gpu_wait_end``, from the moving tiers' unpack); the time between them is
+# how long that stream sat idle for the restore (the host's own wait
+# included, when the GPU ran dry meanwhile). Their sum is the measured stall
+# of a CUDA step, read when the check runs (the next step's start: one host
+# wait for the last event, once per plan). On the CPU, and where no restore
+# was timed, the host's waits are the stall, as before.
+#
 # NOTE [Tracking priced]
 # A step that follows a plan recomputing something tracks producers in the
 # (module, torch call) pairs its recipes ran in (NOTE [Tracking inside torch
@@ -306,7 +324,8 @@ class StepPlanning:
 
     __slots__ = ("planner", "plan", "recorder", "safe", "off_plan", "count", "tracks", "pos",
                  "kept_at", "step", "blocks_seen", "block_depth", "in_checkpoint", "revived",
-                 "scope", "scope_ops", "scope_calls", "scope_direct", "kick", "checkpoint_inputs")
+                 "scope", "scope_ops", "scope_calls", "scope_direct", "kick", "checkpoint_inputs",
+                 "gpu_waits")
 
     def __init__(self, planner: "Planner", plan: Optional[Plan],
                  recorder: Optional[Recorder]) -> None:
@@ -361,6 +380,10 @@ class StepPlanning:
         #: [Calls recorded whole] in producers.py).
         self.scope_direct = (None if self.scope_calls is None
                              else getattr(plan, "tracking_direct", None))
+        #: The first step following ``plan``: (start, end) CUDA timing events
+        #: of its restore waits (NOTE [Stall on the GPU's timeline]), else None.
+        self.gpu_waits: Optional[list] = (
+            [] if plan is not None and plan.measured_steps == 0 else None)
 
     def order(self, index: int, t, nbytes: int, module: str, producers) -> tuple:
         """The tier order of tensor ``index`` (NOTE [Following a plan])."""
@@ -527,7 +550,7 @@ class Planner:
                 return
         self.current = plan
         if not failed:
-            self._last = (plan, stats)
+            self._last = (plan, stats, sp.gpu_waits)
 
     def settle(self) -> Optional[Plan]:
         """Plan from a profile whose backward ran, and check the last planned
@@ -547,9 +570,9 @@ class Planner:
             self._profiles[profile.keys] = profile
             self.current = self._plan(profile)
         if self._last is not None:
-            plan, stats = self._last
+            plan, stats, gpu_waits = self._last
             self._last = None
-            self._check(plan, stats)
+            self._check(plan, stats, gpu_waits)
         return self.current
 
     def switch(self, keys: tuple, index: int, t) -> Optional[Plan]:
@@ -700,9 +723,11 @@ class Planner:
         self._remember(profile.keys, plan)
         return plan
 
-    def _check(self, plan: Plan, stats) -> None:
+    def _check(self, plan: Plan, stats, gpu_waits: Optional[list] = None) -> None:
         kept = stats.bytes_by_tier[Tier.KEEP.value]
         stall = stats.stall_seconds
+        if gpu_waits:   # NOTE [Stall on the GPU's timeline]
+            stall = gpu_stall_seconds(gpu_waits)
         plan.measured_kept_bytes = kept
         plan.measured_stall_s = stall
         plan.measured_steps += 1
@@ -726,6 +751,15 @@ class Planner:
         new = self._plan(profile, target, factor, plan.replans + 1, "; ".join(why))
         if self.current is plan:
             self.current = new
+
+
+def gpu_stall_seconds(waits: list) -> float:
+    """Seconds the consumers' streams waited for restores: the sum over
+    ``waits`` ((start, end) CUDA timing events, NOTE [Stall on the GPU's
+    timeline]); waits for the last of them to complete."""
+    for _, end in waits:
+        end.synchronize()
+    return sum(start.elapsed_time(end) for start, end in waits) / 1e3
 
 
 def _with_tracking(plan: Plan, profile: Profile, rates) -> Plan:

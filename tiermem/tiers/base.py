@@ -175,6 +175,13 @@ class StepEvents(Protocol):
     def restored(self, prefetched: bool, seconds: float, late: bool) -> None:
         """An unpack took a restore (started ahead of need or not) and waited for it."""
 
+    def gpu_wait_start(self, device: torch.device) -> Any:
+        """A CUDA timing event recorded now on ``device``'s current stream if
+        this step times its restore waits on the GPU, else ``None``."""
+
+    def gpu_wait_end(self, start: Any, device: torch.device) -> None:
+        """The restore wait begun at ``start`` is queued on the stream."""
+
     def recomputed(self, seconds: float) -> None:
         """A recipe ran in backward."""
 

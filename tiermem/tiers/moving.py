@@ -636,6 +636,9 @@ class MovingStore(TierStore):
             return (out, None) if job is None else (None, _Ordered(out, job))
         prefetched = h.restore is not None
         start_s = 0.0
+        # NOTE [Stall on the GPU's timeline] in planner/runtime.py: None
+        # unless this step's restore waits are timed on the GPU.
+        gpu_wait = h.step.gpu_wait_start(h.layout.device)
         if not prefetched:
             # Read on demand: starting it (buffer, submission) is part of the
             # unpack's wait too (counted in stall_seconds by _Waited).
@@ -648,7 +651,7 @@ class MovingStore(TierStore):
         if more_uses > 0:
             # For the other consumers of this pass (each orders itself after the copy).
             h.cached = (out, job)
-        return None, _Waited(out, dev, job, h.step, prefetched, start_s)
+        return None, _Waited(out, dev, job, h.step, prefetched, start_s, gpu_wait)
 
     # -- release --------------------------------------------------------------
     def _release(self, h: MovedHandle) -> None:
@@ -705,15 +708,19 @@ class _Ordered:
 class _Waited:
     """``finish`` of a restore taken now: wait for it, and report the wait
     (``start_s``: the seconds the unpack spent starting it, for a read on
-    demand; they count as stall too)."""
+    demand; they count as stall too). ``gpu_wait``: a CUDA timing event
+    recorded on the consumer's stream before the unpack started or waited
+    for the restore, when the step times its waits on the GPU (NOTE [Stall
+    on the GPU's timeline] in planner/runtime.py), else ``None``."""
 
-    __slots__ = ("out", "dev", "job", "step", "prefetched", "start_s")
+    __slots__ = ("out", "dev", "job", "step", "prefetched", "start_s", "gpu_wait")
 
     def __init__(self, out: torch.Tensor, dev: torch.Tensor, job, step,
-                 prefetched: bool, start_s: float = 0.0) -> None:
+                 prefetched: bool, start_s: float = 0.0, gpu_wait=None) -> None:
         self.out, self.dev, self.job, self.step = out, dev, job, step
         self.prefetched = prefetched
         self.start_s = start_s
+        self.gpu_wait = gpu_wait
 
     def __call__(self) -> torch.Tensor:
         job = self.job
@@ -723,4 +730,6 @@ class _Waited:
         job.order_before_use(self.dev)
         self.step.restored(self.prefetched, self.start_s + time.perf_counter() - t0, late,
                            host_wait)
+        if self.gpu_wait is not None:
+            self.step.gpu_wait_end(self.gpu_wait, self.dev.device)
         return self.out
