@@ -361,7 +361,10 @@ def test_the_closed_loop_reads_the_stall_on_the_gpus_timeline(monkeypatch):
     measures that wait with CUDA timing events, not the host's few µs."""
     model = _model(layers=2)
     x = torch.randn(2, 128, 256, device=DEV)
-    off = tiermem.Offloader(policy="auto", device_budget="10%", min_offload_bytes=0)
+    # The hint makes the cpu tier the first the planner tries for the bytes the
+    # budget needs moved (recompute would otherwise be cheaper on a GPU).
+    off = tiermem.Offloader(policy="auto", device_budget="10%", min_offload_bytes=0,
+                            hints=lambda info: "cpu")
     _step(model, x, off)            # profiled
     plan = off.plan
     assert plan is not None and plan.bytes_by_tier()["cpu"] > 0, plan
