@@ -367,7 +367,7 @@ def test_default_cpu_budget_is_half_the_least_of_ram_and_the_cgroup_room(
     from tiermem import placement
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     mem = collections.namedtuple("mem", "available total")(16 * _GiB, 64 * _GiB)
-    monkeypatch.setattr(placement.psutil, "virtual_memory", lambda: mem)
+    monkeypatch.setattr("psutil.virtual_memory", lambda: mem)
     if cgroup_gib is not None:
         _cgroup_v2(tmp_path, (cgroup_gib + 1) * _GiB, 1 * _GiB)
     monkeypatch.setattr("tiermem.cgroup._CGROUP_ROOT", str(tmp_path))

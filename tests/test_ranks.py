@@ -46,7 +46,7 @@ def ranks(monkeypatch):
 def test_default_cpu_budget_is_half_the_available_ram_split_among_the_nodes_ranks(
         ranks, monkeypatch, tmp_path):
     mem = collections.namedtuple("mem", "available total")(8 * _GiB, 16 * _GiB)
-    monkeypatch.setattr("tiermem.placement.psutil.virtual_memory", lambda: mem)
+    monkeypatch.setattr("psutil.virtual_memory", lambda: mem)
     monkeypatch.setattr("tiermem.cgroup._CGROUP_ROOT", str(tmp_path))   # no memory limit
     assert default_cpu_budget_bytes() == 4 * _GiB
     ranks(0, 4)

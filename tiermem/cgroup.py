@@ -1,8 +1,8 @@
 """What a container's memory cgroup still allows (NOTE [Container memory limits]).
 
-A leaf module (standard library only): the cpu tier's default budget
+A leaf module (no tiermem imports): the cpu tier's default budget
 (placement.py) and the auto planner's default device budget on the CPU
-(planner/rates.py) both read it.
+(planner/rates.py) both read :func:`available_memory_bytes`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,18 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-__all__ = ["cgroup_memory_available_bytes"]
+import psutil
+
+__all__ = ["available_memory_bytes", "cgroup_memory_available_bytes"]
+
+
+def available_memory_bytes() -> int:
+    """RAM this process may still take: what the OS reports available
+    (``psutil``), or what its memory cgroup may still take if that is less
+    (NOTE [Container memory limits])."""
+    available = psutil.virtual_memory().available
+    in_cgroup = cgroup_memory_available_bytes()
+    return available if in_cgroup is None else min(available, in_cgroup)
 
 # NOTE [Container memory limits]
 # In a container, /proc/meminfo (what psutil reads) describes the host: a job

@@ -19,10 +19,9 @@ import errno
 import logging
 from typing import Any, Dict, Optional, Tuple
 
-import psutil
 import torch
 
-from .cgroup import cgroup_memory_available_bytes
+from .cgroup import available_memory_bytes
 from .config import Config
 from .errors import ConfigError, TierMemError
 from .policy import AUTO, FALLBACK, Tier, TensorInfo, TierOrder, resolve_policy, tier_order
@@ -33,8 +32,8 @@ from .tiers.host import HostStore
 from .tiers.keep import KeepStore
 from .tiers.recompute import RecomputeStore
 
-__all__ = ["Placement", "cgroup_memory_available_bytes", "default_cpu_budget_bytes",
-           "default_nvme_budget_bytes", "default_staging_bytes"]
+__all__ = ["Placement", "default_cpu_budget_bytes", "default_nvme_budget_bytes",
+           "default_staging_bytes"]
 
 _log = logging.getLogger("tiermem")
 
@@ -44,19 +43,15 @@ def default_cpu_budget_bytes() -> int:
 
     Available: what the OS reports (``psutil``), or, in a memory cgroup with a
     limit (a container), what the cgroup may still take if that is less
-    (:func:`~tiermem.cgroup.cgroup_memory_available_bytes`; NOTE [Container
-    memory limits] in cgroup.py).
+    (:func:`~tiermem.cgroup.available_memory_bytes`; NOTE [Container memory
+    limits] in cgroup.py).
     Half, because the rest of the process (data loading, optimizer state on the
     host, pinned staging of other libraries, page cache) needs room too and an
     out-of-memory kill loses the run; divided by ``LOCAL_WORLD_SIZE`` (set by
     torchrun) because every rank on the node starts its own Offloader (NOTE
     [Per-rank budgets] in ranks.py).
     """
-    available = psutil.virtual_memory().available
-    in_cgroup = cgroup_memory_available_bytes()
-    if in_cgroup is not None:
-        available = min(available, in_cgroup)
-    return per_rank_share(available // 2)
+    return per_rank_share(available_memory_bytes() // 2)
 
 
 def default_staging_bytes(prefetch_bytes: Optional[int]) -> int:

@@ -368,20 +368,17 @@ def default_device_budget_bytes(device_type: str, free_bytes: Optional[int] = No
     ``torch.cuda.mem_get_info`` of ``device``, the current one if ``None``;
     CPU: available RAM, or what the memory cgroup may still take if less:
     NOTE [Container memory limits] in cgroup.py). ``free_bytes`` /
-    ``total_bytes`` override the measurement (tests). Measured when a plan is made, after the profiled
-    step's backward freed its tensors."""
+    ``total_bytes`` override the measurement (tests). Measured when a plan
+    is made, after the profiled step's backward freed its tensors."""
     if free_bytes is None or total_bytes is None:
         if device_type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
         else:
             import psutil
 
-            from ..cgroup import cgroup_memory_available_bytes
-            vm = psutil.virtual_memory()
-            free, total = vm.available, vm.total
-            in_cgroup = cgroup_memory_available_bytes()   # NOTE [Container memory limits]
-            if in_cgroup is not None:
-                free = min(free, in_cgroup)
+            from ..cgroup import available_memory_bytes
+            free = available_memory_bytes()   # NOTE [Container memory limits]
+            total = psutil.virtual_memory().total
         free_bytes = free if free_bytes is None else free_bytes
         total_bytes = total if total_bytes is None else total_bytes
     return max(0, int(free_bytes - HEADROOM_FRACTION * total_bytes))

@@ -549,14 +549,13 @@ class Planner:
                 self._need_profile = True
                 return
         self.current = plan
-        if not failed:
-            self._last = (plan, stats, sp.gpu_waits)
+        self._last = (plan, stats, sp.gpu_waits)
 
     def settle(self) -> Optional[Plan]:
         """Plan from a profile whose backward ran, and check the last planned
         step (NOTE [Closed loop]); returns the current plan."""
         rec = self._pending
-        if rec is not None and not rec.backward_seen and rec.graph_dropped:
+        if rec is not None and rec.graph_dropped:
             # NOTE [Steps that never reach backward], rule 1
             _log.info("tiermem: auto: the profiled step's graph was freed without a "
                       "backward; the next step profiles again")
