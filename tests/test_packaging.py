@@ -25,9 +25,27 @@ def test_wheel_contains_the_engine_sources(tmp_path):
                 "bindings.cpp", "checks.h", "cuda_chain.h", "cuda_chain.cpp", "cuda_bindings.h",
                 "cuda_bindings.cpp"):
         assert f"tiermem/_csrc/{src}" in names, sorted(names)
-    assert "tiermem/tiers/recompute.py" in names and "tiermem/io/cpp.py" in names
+    # Every module of the source tree is in the wheel (packages are discovered,
+    # so a new subpackage cannot be left out).
+    pkg = os.path.join(ROOT, "tiermem")
+    for dirpath, _, files in os.walk(pkg):
+        for f in files:
+            if f.endswith(".py"):
+                rel = os.path.relpath(os.path.join(dirpath, f), ROOT).replace(os.sep, "/")
+                assert rel in names, f"{rel} missing from the wheel"
+    assert any(n.endswith("licenses/LICENSE") for n in names), sorted(names)
 
 
 def test_source_checkout_uses_its_csrc():
     from tiermem.io import cpp
     assert os.path.samefile(cpp._CSRC, os.path.join(ROOT, "csrc"))
+
+
+def test_version_has_one_source_and_the_cli_prints_it():
+    import tiermem
+    from tiermem._version import __version__
+    assert tiermem.__version__ == __version__
+    proc = subprocess.run([sys.executable, "-m", "tiermem", "--version"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"tiermem {__version__}"

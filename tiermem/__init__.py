@@ -7,6 +7,7 @@ from its producer op. :func:`wrap_blocks` combines this with checkpointing.
 Importing tiermem does not initialise CUDA.
 """
 
+from ._version import __version__
 from .attach import Attachment
 from .blocks import BlockWrapping, wrap_blocks
 from .config import Config, env_table_markdown
@@ -33,5 +34,3 @@ __all__ = [
     "offload",
     "wrap_blocks",
 ]
-
-__version__ = "0.1.0"

@@ -22,6 +22,7 @@ import sys
 import traceback
 from typing import Callable, Optional, Sequence
 
+from ._version import __version__
 from .errors import ConfigError, TierMemError
 
 __all__ = ["main", "build_parser"]
@@ -79,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m tiermem",
         description="tiermem: per-tensor activation offloading for PyTorch training.")
+    parser.add_argument("--version", action="version", version=f"tiermem {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="log the tiermem logger at INFO level")
     sub = parser.add_subparsers(dest="command", metavar="<command>")
