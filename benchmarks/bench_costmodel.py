@@ -9,10 +9,10 @@ round-robin so slow periods of a shared machine hit all alike): ``keep``,
 the head and the loss kept, the rest to nvme), ``auto@50%``, ``auto@25%``
 (with the same nvme dir). A name ending in ``/nokick`` runs its
 configuration with every KickKept made a plain Kept (NOTE [Restores start
-with backward] in tiermem/hooks.py), in the same process and rounds: the
+with backward] in tiermem/runtime/hooks.py), in the same process and rounds: the
 kick's effect, like for like. A name ending in ``/nohold`` runs it with
 ``tail_hold_bytes=0`` (no tail hold: NOTE [Tail hold] in
-tiermem/tailhold.py). Per measured step and configuration:
+tiermem/runtime/tailhold.py). Per measured step and configuration:
 
 - forward / backward wall seconds, the main thread's CPU seconds in each
   (``time.thread_time``; on the CPU autograd runs the backward in the calling
@@ -49,10 +49,10 @@ import tiermem  # noqa: E402
 import tiermem.testing  # noqa: E402
 from common import add_gpt_args, emit, gpt_config, machine  # noqa: E402
 from tiermem.models import TinyGPT  # noqa: E402
-from tiermem.step import Step  # noqa: E402
-import tiermem.hooks  # noqa: E402
+from tiermem.runtime.step import Step  # noqa: E402
+import tiermem.runtime.hooks  # noqa: E402
 
-_KICK_KEPT = tiermem.hooks.KickKept
+_KICK_KEPT = tiermem.runtime.hooks.KickKept
 
 
 def _no_kick(kept, step, top=None):
@@ -117,7 +117,7 @@ class Runner:
         torch.manual_seed(seed)
         self.opt.zero_grad(set_to_none=True)
         sampler = _KeptSampler(self.off)
-        tiermem.hooks.KickKept = _KICK_KEPT if self.kick else _no_kick
+        tiermem.runtime.hooks.KickKept = _KICK_KEPT if self.kick else _no_kick
         del _restores[:]
         c0, p0, t0 = time.thread_time(), time.process_time(), time.perf_counter()
         with self.off as ctx:

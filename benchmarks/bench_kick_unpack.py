@@ -1,5 +1,5 @@
 """What a KickKept costs a kept tensor (NOTE [Restores start with backward],
-rule 5, in tiermem/hooks.py): the unpack hook on a plain ``Kept`` against a
+rule 5, in tiermem/runtime/hooks.py): the unpack hook on a plain ``Kept`` against a
 ``KickKept`` whose step's restores have started (every KickKept of a step
 but the one that kicks), and the pack hook of a step without a plan on a
 kept tensor before and after its first move (a small tensor, kept under
@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tiermem  # noqa: E402
 from common import emit, machine  # noqa: E402
-from tiermem.hooks import unpack  # noqa: E402
+from tiermem.runtime.hooks import unpack  # noqa: E402
 from tiermem.tiers.keep import Kept, KickKept  # noqa: E402
 
 

@@ -42,7 +42,7 @@ import tiermem  # noqa: E402
 import tiermem.offloader  # noqa: E402
 from common import add_gpt_args, emit, gpt_config, machine  # noqa: E402
 from tiermem.models import TinyGPT  # noqa: E402
-from tiermem.step import Step  # noqa: E402
+from tiermem.runtime.step import Step  # noqa: E402
 from tiermem.tiers.moving import MovedHandle, MovingStore  # noqa: E402
 
 _log: dict = {"first": None, "last": None, "unpacks": [], "restores": [], "in_take": None}

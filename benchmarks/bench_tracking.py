@@ -1,5 +1,5 @@
 """Cost of producer tracking (the recompute tier's TorchDispatchMode) in forward,
-whole-forward and scoped (NOTE [Scoped tracking] in tiermem/tracker.py), and a
+whole-forward and scoped (NOTE [Scoped tracking] in tiermem/tracking/modules.py), and a
 feasibility measurement of recipes read from the autograd graph.
 
 Times the forward pass of TinyGPT (loss included) under, round-robin (each
@@ -14,13 +14,13 @@ step ratios] in benchmarks/suite/budgets.py):
   ``TorchDispatchMode``-based tool, such as selective checkpointing);
   ``noop_function_mode``: a ``TorchFunctionMode`` that only forwards (the
   floor of tracking at the level of the model's torch calls instead);
-- ``producer_mode``: :class:`~tiermem.producers.ProducerMode` around the
+- ``producer_mode``: :class:`~tiermem.tracking.producers.ProducerMode` around the
   whole forward; ``full_tracking``: the same with the module tracker (what a
   step whose plan recomputed cost before scoping); ``producer_mode_nonames``:
   the mode made with ``names=False`` (ops that are not recomputable run
-  unrecorded: NOTE [Recording only what recipes use] in tiermem/producers.py);
+  unrecorded: NOTE [Recording only what recipes use] in tiermem/tracking/producers.py);
 - ``scoped_plan``, ``scoped_all_blocks``, ``scoped_1_block``: the module
-  tracker with a :class:`~tiermem.tracker.TrackingScope` over the modules of
+  tracker with a :class:`~tiermem.tracking.modules.TrackingScope` over the modules of
   a real ``auto`` plan's recipes (``--budget``: on the CPU without an NVMe
   dir the plan recomputes everything it can), over those inside the blocks,
   and over those of block 0 only (the scope of a plan that recomputes one
@@ -31,11 +31,11 @@ step ratios] in benchmarks/suite/budgets.py):
   the ops its recipes ran there (``plan.tracking_ops``);
 - ``scoped_plan_calls``: the plan's scope and op filter with tracking only
   inside the torch calls its recipes' ops ran in (``plan.tracking_calls``:
-  NOTE [Tracking inside torch calls] in tiermem/tracker.py), every such call
+  NOTE [Tracking inside torch calls] in tiermem/tracking/modules.py), every such call
   under the dispatch mode; ``scoped_plan_direct``: the same, the calls that
   ran one op in the profile recorded whole without the mode
   (``plan.tracking_direct``: NOTE [Calls recorded whole] in
-  tiermem/producers.py), as a step following the plan tracks now;
+  tiermem/tracking/producers.py), as a step following the plan tracks now;
 - ``auto_scoped`` / ``auto_module_scoped`` / ``auto_whole_forward``: the
   forward of a step of a real ``Offloader(policy="auto")`` following that
   plan, with its scope (tracking inside the plan's calls), with its scope
@@ -84,8 +84,8 @@ from benchmarks.suite.roles import round_order  # noqa: E402
 
 import tiermem  # noqa: E402
 from tiermem.models import TinyGPT  # noqa: E402
-from tiermem.producers import RANDOM_OPS, ProducerMode, storage_key  # noqa: E402
-from tiermem.tracker import ModuleStack, TrackingScope, current_module  # noqa: E402
+from tiermem.tracking.producers import RANDOM_OPS, ProducerMode, storage_key  # noqa: E402
+from tiermem.tracking.modules import ModuleStack, TrackingScope, current_module  # noqa: E402
 
 
 class NoopMode(TorchDispatchMode):
@@ -166,7 +166,7 @@ def _plan_scope(model, x, budget):
 def _auto_forward(off, force_whole, by_module=False, hook_tracked=False, no_direct=False):
     """A step of ``off`` (its forward); ``hook_tracked``: with the pack hook's
     own ops dispatched to the producer mode, as before NOTE [The pack hook
-    runs untracked] (tiermem/producers.py); ``no_direct``: every tracked call
+    runs untracked] (tiermem/tracking/producers.py); ``no_direct``: every tracked call
     under the dispatch mode, as before NOTE [Calls recorded whole]."""
     def run(model, x):
         off.plan   # reading it settles the planner (closed loop) before the step
@@ -333,7 +333,7 @@ def call_slowdown(dev, repeats: int = 200) -> dict:
     width 256), the call's median time without a mode and under a
     dispatch mode that only forwards, interleaved: what tracking inside that
     call costs at least (NOTE [Tracking inside torch calls] in
-    tiermem/tracker.py)."""
+    tiermem/tracking/modules.py)."""
     F = torch.nn.functional
     g = torch.Generator(device=dev).manual_seed(0)
     q, k, v = (torch.randn(4, 4, 256, 64, generator=g, device=dev) for _ in range(3))

@@ -14,7 +14,7 @@ timed the same way: its own time is the timers' and PyTorch's wrapper's.
 
 It uses only what both the code before and after NOTE [Recording only what
 recipes use] have (``tiermem.offloader.ProducerMode``, the handler, and
-``tiermem.producers._run_as_without_mode``), so it runs against either:
+``tiermem.tracking.producers._run_as_without_mode``), so it runs against either:
 
     PYTHONPATH=<tree> python benchmarks/bench_tracking_own.py --out <json>
 """
@@ -35,7 +35,7 @@ from common import add_gpt_args, emit, gpt_config, machine  # noqa: E402
 
 import tiermem  # noqa: E402
 import tiermem.offloader  # noqa: E402
-import tiermem.producers as producers  # noqa: E402
+import tiermem.tracking.producers as producers  # noqa: E402
 from tiermem.models import TinyGPT  # noqa: E402
 
 _clock = time.perf_counter_ns

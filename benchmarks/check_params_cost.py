@@ -6,7 +6,7 @@ Reports per configuration the median and minimum step time, both wall and
 process CPU time (``time.process_time``: on a shared machine the CPU time the
 step itself used is steadier than its wall time), and, for the check, the
 fingerprints taken per step and the CPU time spent in them (measured by
-wrapping ``tiermem.paramcheck.fingerprint``).
+wrapping ``tiermem.tracking.params.fingerprint``).
 
 Run: ``python benchmarks/check_params_cost.py [--steps 40] [--out x.json]``. Prints JSON.
 """
@@ -21,7 +21,7 @@ import time
 import torch
 
 import tiermem
-import tiermem.paramcheck as paramcheck
+import tiermem.tracking.params as paramcheck
 from common import emit, machine
 from tiermem.models import GPTConfig, TinyGPT
 

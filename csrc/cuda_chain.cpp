@@ -10,7 +10,7 @@
 //   and none of it blocking the host or the compute stream:
 //     0. a gapped, conjugate or negative view is made contiguous and resolved
 //        by torch on `after` (NOTE [Temporaries on the compute stream] in
-//        copier.py), into `resolved`, which the request holds with `src`;
+//        runtime/copier.py), into `resolved`, which the request holds with `src`;
 //     1. event A recorded on `after` (the stream that produced `src`), and
 //        `stream` (the D2H side stream) made to wait on A;
 //     2. the copy src (or `resolved`) -> staging on `stream` (cudaMemcpyAsync);
@@ -50,7 +50,7 @@
 //   (stream_wait) or the host has seen C complete (synchronize, done), the
 //   read lets go of `dst` at once, in that binding call, with the GIL held
 //   (op_release_consumed), as the Python copier frees a consumed restore (NOTE
-//   [Stream lifetime] 2 in copier.py): `dst` was allocated on `after`, and
+//   [Stream lifetime] 2 in runtime/copier.py): `dst` was allocated on `after`, and
 //   its consumer's stream is ordered after the copy (on `after` itself, or
 //   on another stream that Python record_stream()s it on), so any reuse of
 //   its block is ordered after the copy too. Staging stays held until C is
@@ -493,7 +493,7 @@ std::shared_ptr<CudaOp> CudaChain::write_from_device(const std::shared_ptr<File>
   if (nbytes && !raw) {
     // Made by torch on `after`, before A is recorded there: its block comes
     // from (and goes back to) the compute stream's pool, not the side
-    // stream's (NOTE [Temporaries on the compute stream] in copier.py).
+    // stream's (NOTE [Temporaries on the compute stream] in runtime/copier.py).
     // Conjugate/negative views are resolved on the device: torch's D2H
     // copy_ of such a view applies the conj/neg on the host right after
     // queueing the copy, before the bytes land (pytorch#146286).

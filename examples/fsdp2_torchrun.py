@@ -7,7 +7,7 @@ root, a few AdamW steps with the forward under an :class:`tiermem.Offloader`;
 each rank prints its loss and its tiermem stats per step. On GPUs each rank
 uses its own device (``LOCAL_RANK``) and NCCL; without GPUs the CPU and gloo.
 
-Per rank (NOTE [Per-rank budgets] in tiermem/ranks.py): default budgets are
+Per rank (NOTE [Per-rank budgets] in tiermem/memory/ranks.py): default budgets are
 the node's divided by ``LOCAL_WORLD_SIZE``, explicit ones are per rank, and
 with ``--nvme-dir`` (or ``TIERMEM_NVME_DIR``) every rank writes to its own
 private directory there.

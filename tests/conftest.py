@@ -85,7 +85,7 @@ def clean_env(monkeypatch):
     (prefetch counts, restores from disk after landing, in-place checks of
     copies) keep exercising them on models small enough that the default
     tail hold would keep every moved source (NOTE [Tail hold] in
-    tiermem/tailhold.py). tests/test_tail_hold.py turns it on explicitly."""
+    tiermem/runtime/tailhold.py). tests/test_tail_hold.py turns it on explicitly."""
     for key in list(os.environ):
         if key.startswith("TIERMEM_"):
             monkeypatch.delenv(key)

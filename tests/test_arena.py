@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tiermem.arena import Arena
+from tiermem.memory.arena import Arena
 from tiermem.errors import TierMemError
 
 
@@ -81,7 +81,7 @@ def test_other_resize_errors_propagate():
     assert err.value.errno == errno.EIO
 
 
-# -- NOTE [Interrupted updates] in arena.py ------------------------------------------
+# -- NOTE [Interrupted updates] in memory/arena.py ------------------------------------------
 
 def _check(a):
     """The arena's invariants: free extents sorted, disjoint, coalesced, within
@@ -105,7 +105,7 @@ _CHECKED_AFTER = {"CALL", "JUMP_BACKWARD"}
 
 def _interrupted_at(nth, fn):
     """Run ``fn()`` with a KeyboardInterrupt raised at the ``nth`` point of
-    arena.py where a signal handler may run; whether it was raised."""
+    memory/arena.py where a signal handler may run; whether it was raised."""
     count, last = [0], {}
 
     def at_opcode(frame, event, arg):

@@ -1,7 +1,7 @@
 """Tracking inside the torch calls a plan's recipes use (NOTE [Tracking inside
-torch calls] in tiermem/tracker.py) and the records a scoped step makes for
+torch calls] in tiermem/tracking/modules.py) and the records a scoped step makes for
 views made inside untracked calls (NOTE [Views made inside untracked calls]
-in tiermem/producers.py): what the profile records, what the plan tracks,
+in tiermem/tracking/producers.py): what the profile records, what the plan tracks,
 that a step following it recomputes what the plan chose, and that gradients
 stay bit-identical to a run without tiermem.
 
@@ -15,7 +15,7 @@ import torch.nn as nn
 
 import tiermem
 from helpers import assert_same_step, offloader, run_step
-from tiermem.producers import ProducerMode
+from tiermem.tracking.producers import ProducerMode
 
 
 class LnLinear(nn.Module):
@@ -182,7 +182,7 @@ def test_alias_index_is_off_unless_asked():
 def test_module_names_record_the_call():
     x = torch.randn(4, 6)
     mode = ProducerMode(module_names=True)
-    with mode, tiermem.producers.CallRecorder(mode):
+    with mode, tiermem.tracking.producers.CallRecorder(mode):
         y = torch.nn.functional.gelu(x)
         with torch._C.DisableTorchFunction():
             z = torch.relu(x)
@@ -219,7 +219,7 @@ def test_scope_with_calls_gates_inside_named_modules_and_tracks_whole_blocks():
     mode; a recomputing block (track_block) tracks everything until it ends,
     then the gate is back; outside the names nothing is tracked; the context's
     exit leaves whatever is entered."""
-    from tiermem.tracker import ModuleStack, TrackingScope, track_block, untrack_block
+    from tiermem.tracking.modules import ModuleStack, TrackingScope, track_block, untrack_block
 
     model = _Two()
     x = torch.randn(4, 8)

@@ -1,5 +1,5 @@
 """Torch calls recorded whole, without the dispatch mode (NOTE [Calls recorded
-whole] in tiermem/producers.py): what the profile marks, what a record of a
+whole] in tiermem/tracking/producers.py): what the profile marks, what a record of a
 call holds and declines, when the gate still uses the mode, and that steps
 following plans that record calls whole train exactly as without tiermem.
 
@@ -18,8 +18,8 @@ from helpers import assert_same_step, compare_records, offloader, reference_step
 from models import make_case
 from test_call_tracking import LnLinear
 from tiermem.models import GPTConfig, TinyGPT
-from tiermem.producers import CallRecorder, ProducerMode
-from tiermem.tracker import CallGate, ModuleStack
+from tiermem.tracking.producers import CallRecorder, ProducerMode
+from tiermem.tracking.modules import CallGate, ModuleStack
 
 
 class _Calls(nn.Module):

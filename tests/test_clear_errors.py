@@ -169,6 +169,6 @@ def test_a_null_byte_in_nvme_dir_is_a_config_error_naming_the_setting():
 
 
 def test_checking_an_nvme_dir_with_a_null_byte_is_a_config_error():
-    from tiermem.spilldir import check_nvme_dir
+    from tiermem.memory.spilldir import check_nvme_dir
     with pytest.raises(tiermem.ConfigError, match=r"--dir='/x\\x00y' contains a null byte"):
         check_nvme_dir("/x\x00y", "--dir")

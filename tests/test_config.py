@@ -318,41 +318,41 @@ def _cgroup_v1(root, limit, usage, inactive_file=None):
 
 
 def test_cgroup_v2_limit_less_usage_is_available(tmp_path):
-    from tiermem.cgroup import cgroup_memory_available_bytes
+    from tiermem.memory.cgroup import cgroup_memory_available_bytes
     root = _cgroup_v2(tmp_path, 8 * _GiB, 3 * _GiB)
     assert cgroup_memory_available_bytes(root) == 5 * _GiB
 
 
 def test_cgroup_inactive_file_cache_is_not_counted_as_used(tmp_path):
-    from tiermem.cgroup import cgroup_memory_available_bytes
+    from tiermem.memory.cgroup import cgroup_memory_available_bytes
     root = _cgroup_v2(tmp_path, 8 * _GiB, 8 * _GiB, inactive_file=2 * _GiB)
     assert cgroup_memory_available_bytes(root) == 2 * _GiB
 
 
 def test_cgroup_v2_max_means_no_limit(tmp_path):
-    from tiermem.cgroup import cgroup_memory_available_bytes
+    from tiermem.memory.cgroup import cgroup_memory_available_bytes
     assert cgroup_memory_available_bytes(_cgroup_v2(tmp_path, "max", 3 * _GiB)) is None
 
 
 def test_cgroup_v1_limit_less_usage_is_available(tmp_path):
-    from tiermem.cgroup import cgroup_memory_available_bytes
+    from tiermem.memory.cgroup import cgroup_memory_available_bytes
     root = _cgroup_v1(tmp_path, 4 * _GiB, 3 * _GiB, inactive_file=1 * _GiB)
     assert cgroup_memory_available_bytes(root) == 2 * _GiB
 
 
 def test_cgroup_v1_huge_limit_means_no_limit(tmp_path):
-    from tiermem.cgroup import cgroup_memory_available_bytes
+    from tiermem.memory.cgroup import cgroup_memory_available_bytes
     assert cgroup_memory_available_bytes(_cgroup_v1(tmp_path, 9223372036854771712, 1)) is None
 
 
 def test_cgroup_over_its_limit_has_nothing_available(tmp_path):
-    from tiermem.cgroup import cgroup_memory_available_bytes
+    from tiermem.memory.cgroup import cgroup_memory_available_bytes
     assert cgroup_memory_available_bytes(_cgroup_v2(tmp_path, 2 * _GiB, 3 * _GiB)) == 0
 
 
 @pytest.mark.parametrize("files", ["none", "limit only", "garbage"])
 def test_cgroup_files_that_cannot_be_read_mean_no_limit_known(tmp_path, files):
-    from tiermem.cgroup import cgroup_memory_available_bytes
+    from tiermem.memory.cgroup import cgroup_memory_available_bytes
     if files == "limit only":
         (tmp_path / "memory.max").write_text(f"{_GiB}\n")
     elif files == "garbage":
@@ -364,13 +364,13 @@ def test_cgroup_files_that_cannot_be_read_mean_no_limit_known(tmp_path, files):
 def test_default_cpu_budget_is_half_the_least_of_ram_and_the_cgroup_room(
         tmp_path, monkeypatch, cgroup_gib, expected_gib):
     import collections
-    from tiermem import placement
+    from tiermem.runtime import placement
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     mem = collections.namedtuple("mem", "available total")(16 * _GiB, 64 * _GiB)
     monkeypatch.setattr("psutil.virtual_memory", lambda: mem)
     if cgroup_gib is not None:
         _cgroup_v2(tmp_path, (cgroup_gib + 1) * _GiB, 1 * _GiB)
-    monkeypatch.setattr("tiermem.cgroup._CGROUP_ROOT", str(tmp_path))
+    monkeypatch.setattr("tiermem.memory.cgroup._CGROUP_ROOT", str(tmp_path))
     assert placement.default_cpu_budget_bytes() == expected_gib * _GiB
     off = tiermem.Offloader(policy="cpu")
     try:

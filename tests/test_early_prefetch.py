@@ -1,5 +1,5 @@
 """A step that follows an auto plan starts its restores when backward starts
-(NOTE [Restores start with backward] in tiermem/hooks.py): the kept tensor
+(NOTE [Restores start with backward] in tiermem/runtime/hooks.py): the kept tensor
 backward unpacks first starts the prefetcher, so the first moved tensor
 backward needs is already on its way (a prefetch hit, not a read on demand);
 its own backward only, with several forwards before their backwards; and the
@@ -211,7 +211,7 @@ def _plain_fixed(lins, x, kept_head):
 
 
 class _CountingKickKept(KickKept):
-    """KickKept, counted (the pack hook makes them through tiermem.hooks.KickKept)."""
+    """KickKept, counted (the pack hook makes them through tiermem.runtime.hooks.KickKept)."""
 
     made = 0
 
@@ -222,9 +222,9 @@ class _CountingKickKept(KickKept):
 
 @pytest.fixture
 def counted_kicks(monkeypatch):
-    import tiermem.hooks
+    import tiermem.runtime.hooks
     _CountingKickKept.made = 0
-    monkeypatch.setattr(tiermem.hooks, "KickKept", _CountingKickKept)
+    monkeypatch.setattr(tiermem.runtime.hooks, "KickKept", _CountingKickKept)
     return _CountingKickKept
 
 
@@ -253,8 +253,8 @@ def test_a_fixed_nvme_step_kicks_at_its_first_kept_unpack(nvme_dir, counted_kick
 def test_a_fixed_step_without_its_kick_reads_the_first_restore_on_demand(
         nvme_dir, monkeypatch):
     # The counterpart: the same step with plain Kept handles misses once.
-    import tiermem.hooks
-    monkeypatch.setattr(tiermem.hooks, "KickKept", lambda kept, step, top=None: kept)
+    import tiermem.runtime.hooks
+    monkeypatch.setattr(tiermem.runtime.hooks, "KickKept", lambda kept, step, top=None: kept)
     lins, x = _model()
     off = _fixed(nvme_dir)
     ctx, loss = _forward_fixed(off, lins, x, kept_head=True)

@@ -1,5 +1,5 @@
 """Processes that use tiermem end cleanly: at interpreter exit with copies in
-flight (NOTE [Copy threads at exit] in tiermem/copier.py), and in a child
+flight (NOTE [Copy threads at exit] in tiermem/runtime/copier.py), and in a child
 forked from a process with a C++ engine (NOTE [Engine after fork] in
 csrc/io_engine.h). Each case runs in a fresh subprocess, which must exit 0
 and never print C++'s "terminate called" (the SIGABRT once seen in a DDP rank).

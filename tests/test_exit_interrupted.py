@@ -8,7 +8,7 @@ import contextlib
 
 import pytest
 
-import tiermem.placement
+import tiermem.runtime.placement
 import tiermem.planner.runtime
 from helpers import assert_same_step, offloader
 from models import make_case
@@ -48,7 +48,7 @@ def test_an_interrupted_exit_leaves_the_offloader_usable(monkeypatch, nvme_dir, 
     ref_case, case = make_case("mlp"), make_case("mlp")
     _step(case, off)
     _step(ref_case, contextlib.nullcontext())
-    owner = (tiermem.placement.Placement if where != "end_forward"
+    owner = (tiermem.runtime.placement.Placement if where != "end_forward"
              else tiermem.planner.runtime.Planner)
     calls = _interrupt_once(monkeypatch, owner, where)
     with pytest.raises(KeyboardInterrupt):

@@ -13,7 +13,7 @@ is reported as a test of its own.
 The model ends each block with ``h * gain``: the next block's LayerNorm saves
 that product, so under ``recompute`` its recipe would need the previous
 block's ``gain``, an unsharded parameter FSDP2 frees after that block's
-forward (NOTE [Sharded parameters] in tiermem/hooks.py).
+forward (NOTE [Sharded parameters] in tiermem/runtime/hooks.py).
 
 Runtime here (2 cores): 9 to 20 s for the whole group (42 cases), most of it
 in the fixture that runs the ranks.

@@ -1,6 +1,6 @@
 """Graphs freed by Python's cyclic collector release their handles from a
 finalizer, at whatever allocation the collector ran: possibly inside a lock of
-tiermem's on the same thread. NOTE [Releases from finalizers] in hostpool.py."""
+tiermem's on the same thread. NOTE [Releases from finalizers] in memory/hostpool.py."""
 
 import contextlib
 import gc

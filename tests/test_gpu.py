@@ -17,7 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import tiermem
 import tiermem.testing
-from tiermem import copier, jobs
+from tiermem.runtime import copier, jobs
 from helpers import assert_same_step, forbid_host_waits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("deterministic")]
@@ -382,7 +382,7 @@ def test_the_closed_loop_reads_the_stall_on_the_gpus_timeline(monkeypatch):
 def test_auto_plan_records_cuda_dropout_whole_and_stays_exact():
     """On CUDA F.dropout runs one op (native_dropout): a plan recomputing its
     output records the call whole, its generator state captured and replayed
-    (NOTE [Calls recorded whole], rule 5, in tiermem/producers.py), and the
+    (NOTE [Calls recorded whole], rule 5, in tiermem/tracking/producers.py), and the
     step trains exactly as without tiermem."""
     from tiermem.models import GPTConfig, TinyGPT
     cfg = GPTConfig(vocab=64, layers=2, width=64, heads=4, seq_len=32, dropout=0.1)

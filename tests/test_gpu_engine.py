@@ -20,7 +20,7 @@ import torch
 
 import tiermem
 import tiermem.testing
-from tiermem import jobs
+from tiermem.runtime import jobs
 from tiermem.io import ALIGN_BYTES, aligned_empty, engine_info, get_engine
 from helpers import assert_same_step, forbid_host_waits, until
 
@@ -332,7 +332,7 @@ def test_a_slow_read_does_not_hold_back_a_finished_one(streams, tmp_path):
 
 @pytest.mark.gpu
 def test_gapped_source_is_made_dense_in_the_compute_streams_pool(eng, streams, tmp_path):
-    """NOTE [Temporaries on the compute stream] in copier.py, for the chain:
+    """NOTE [Temporaries on the compute stream] in runtime/copier.py, for the chain:
     once the write is done, the temporary's block serves the compute stream."""
     d2h = streams[0]
     compute = torch.cuda.current_stream()

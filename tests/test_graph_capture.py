@@ -1,5 +1,5 @@
 """CUDA graph capture and tiermem (NOTE [CUDA graph capture] in
-tiermem/hooks.py): entering an Offloader while the current stream captures
+tiermem/runtime/hooks.py): entering an Offloader while the current stream captures
 is a clear TierMemError; a capture begun inside a step keeps the tensors it
 saves where they are."""
 

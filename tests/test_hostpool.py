@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from tiermem import hostpool
-from tiermem.hostpool import HostPool
+from tiermem.memory import hostpool
+from tiermem.memory.hostpool import HostPool
 
 KiB = 1024
 
@@ -189,7 +189,7 @@ def test_class_sizes(pinned):
     assert HostPool.class_bytes(5000, pinned) == (8192 if pinned else 5000)
 
 
-# Buffers of earlier steps: see NOTE [Buffers of earlier steps] in tiermem/hostpool.py.
+# Buffers of earlier steps: see NOTE [Buffers of earlier steps] in tiermem/memory/hostpool.py.
 def test_a_buffer_of_an_earlier_step_is_waited_for_rather_than_allocating_anew():
     """A copy of the last step still running at this step's start (backward
     took the original before it landed): acquire waits for it and reuses its
@@ -222,7 +222,7 @@ def test_a_staging_buffer_of_an_earlier_step_is_waited_for_through_its_lease():
     ``AllDone`` of the move and the copies out of the buffer: the next step
     waits for all of them and reuses it (``AllDone.wait_host`` was once
     missing, and the pool's wait silently did nothing)."""
-    from tiermem.leases import StagingLease
+    from tiermem.runtime.leases import StagingLease
     pool = HostPool(1 << 20)
     buf = pool.acquire(100 * KiB, pinned=False)
     lease = StagingLease(pool, buf, pinned=False)
@@ -239,7 +239,7 @@ def test_a_staging_buffer_of_an_earlier_step_is_waited_for_through_its_lease():
 
 def test_every_job_class_can_wait_on_the_host_and_a_pool_says_when_one_cannot():
     import inspect
-    from tiermem import jobs
+    from tiermem.runtime import jobs
     classes = [c for _, c in inspect.getmembers(jobs, inspect.isclass)
                if issubclass(c, jobs.Job) and c is not jobs.Job]
     assert len(classes) >= 8

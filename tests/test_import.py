@@ -8,7 +8,7 @@ import tiermem
 
 def test_import_does_not_initialise_cuda():
     code = ("import torch, tiermem; "
-            "import tiermem.offloader, tiermem.tiers.host, tiermem.tiers.nvme, tiermem.copier; "
+            "import tiermem.offloader, tiermem.tiers.host, tiermem.tiers.nvme, tiermem.runtime.copier; "
             "tiermem.Offloader(policy='cpu'); "
             "print(torch.cuda.is_initialized())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

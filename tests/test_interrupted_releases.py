@@ -154,7 +154,7 @@ def test_a_launch_interrupted_gives_its_reservation_back_once(make_off, monkeypa
     if tier == "cpu":
         def interrupted(self, src, dst):
             raise KeyboardInterrupt
-        monkeypatch.setattr(tiermem.copier.ThreadCopier, "copy_out", interrupted)
+        monkeypatch.setattr(tiermem.runtime.copier.ThreadCopier, "copy_out", interrupted)
     else:
         class Interrupted:
             def __init__(self, f):

@@ -132,7 +132,7 @@ def test_tiny_nvme_budget_falls_back_to_cpu_exactly(nvme_dir, caplog, engine):
     """Every step places its tensors alike, whatever the I/O timing: extents
     whose writes of the last step still run (backward took the originals
     before the writes landed) are waited for, not refused (NOTE [Buffers of
-    earlier steps] in hostpool.py; before, under load, a step found the tiny
+    earlier steps] in memory/hostpool.py; before, under load, a step found the tiny
     arena full and sent everything to cpu)."""
     ref = reference_steps("mlp", 3)
     off = _off(nvme_dir, nvme_budget=4096 * 4, engine=engine)
@@ -167,7 +167,7 @@ def test_extents_of_writes_still_running_from_the_last_step_are_waited_for(nvme_
     """The deterministic form of the tiny-budget flake: every write lands 1 s
     late, so backward takes the originals and the writes still run when the
     next step starts. That step waits for them and places its tensors as the
-    first did (NOTE [Buffers of earlier steps] in hostpool.py); it found the
+    first did (NOTE [Buffers of earlier steps] in memory/hostpool.py); it found the
     arena full before (nvme 0)."""
     ref = reference_steps("mlp", 3)
     off = _off(nvme_dir, nvme_budget=4096 * 4)
@@ -259,7 +259,7 @@ _CHILD = textwrap.dedent("""
 def _age(path):
     """Make a directory look older than spilldir.YOUNG_SECONDS (a directory
     changed more recently is never removed as stale)."""
-    from tiermem.spilldir import YOUNG_SECONDS
+    from tiermem.memory.spilldir import YOUNG_SECONDS
     old = time.time() - YOUNG_SECONDS - 5
     os.utime(path, (old, old))
 
@@ -307,7 +307,7 @@ def test_directory_whose_lock_is_held_is_kept_whatever_its_pid(nvme_dir):
     """An owner in another PID namespace (or on another NFS host) has a pid we
     cannot see: its flock on owner.lock keeps its directory; once it is gone
     (the kernel drops the lock), the directory is removed."""
-    from tiermem.spilldir import remove_stale_dirs
+    from tiermem.memory.spilldir import remove_stale_dirs
 
     d = os.path.join(nvme_dir, "tiermem-999999999-1-abcdef01")   # no such pid here
     os.makedirs(d, 0o700)
@@ -329,7 +329,7 @@ def test_directory_of_an_earlier_process_with_our_pid_is_removed(nvme_dir):
     """A restarted container's trainer often gets the same pid (pid 1) as the
     run that was killed: a directory with our pid but another start time, and
     nobody holding its lock, is stale. Our own live directory stays."""
-    from tiermem.spilldir import remove_stale_dirs
+    from tiermem.memory.spilldir import remove_stale_dirs
 
     off = _off(nvme_dir)
     try:
@@ -348,7 +348,7 @@ def test_directory_of_an_earlier_process_with_our_pid_is_removed(nvme_dir):
 def test_a_young_directory_is_kept_whatever_its_pid_says(nvme_dir):
     """Its owner may be between creating it and locking it, in a PID namespace
     where its pid means nothing to us."""
-    from tiermem.spilldir import remove_stale_dirs
+    from tiermem.memory.spilldir import remove_stale_dirs
 
     d = os.path.join(nvme_dir, "tiermem-999999999-1-abcdef02")   # no such pid here
     os.makedirs(d, 0o700)
@@ -361,7 +361,7 @@ def test_own_live_directory_is_never_removed_nor_probed(nvme_dir, monkeypatch):
     """Even if our start time reads differently now (a stepped wall clock) and
     locks say nothing (no flock; or NFS, where probing our own lock would
     release it)."""
-    from tiermem import spilldir
+    from tiermem.memory import spilldir
 
     off = _off(nvme_dir)
     try:

@@ -1,6 +1,6 @@
 """A parameter a recipe holds as it is, changed between the forward and the
 backward (issue 14 #9; NOTE [Parameters changed before backward] in
-tiermem/paramcheck.py).
+tiermem/tracking/params.py).
 
 Plain autograd uses the activations of the forward; a recompute regenerates
 them from the parameter, so a change it cannot see would give other

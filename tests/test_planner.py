@@ -20,7 +20,7 @@ import torch
 
 import tiermem
 import tiermem.offloader
-import tiermem.step
+import tiermem.runtime.step
 import tiermem.testing
 from helpers import compare_records, offloader, reference_steps, train_steps
 from models import make_case
@@ -195,14 +195,14 @@ def test_default_budget_is_free_memory_less_headroom():
 
 
 def test_default_cpu_budget_respects_a_container_memory_limit(monkeypatch, tmp_path):
-    """NOTE [Container memory limits] in tiermem/cgroup.py: on the CPU the
+    """NOTE [Container memory limits] in tiermem/memory/cgroup.py: on the CPU the
     default device budget is free RAM less headroom, where free RAM is at most
     what the memory cgroup may still take."""
     import collections
     gib = 1 << 30
     mem = collections.namedtuple("mem", "available total")(100 * gib, 200 * gib)
     monkeypatch.setattr("psutil.virtual_memory", lambda: mem)
-    monkeypatch.setattr("tiermem.cgroup._CGROUP_ROOT", str(tmp_path))
+    monkeypatch.setattr("tiermem.memory.cgroup._CGROUP_ROOT", str(tmp_path))
     assert default_device_budget_bytes("cpu") == 80 * gib          # no limit: the host's
     (tmp_path / "memory.max").write_text(str(40 * gib))
     (tmp_path / "memory.current").write_text(str(10 * gib))
@@ -234,7 +234,7 @@ def test_producer_tracking_runs_only_while_the_plan_recomputes(budget, recompute
         with off as ctx:
             loss = case.loss()
         loss.backward()
-        # Calls recorded whole (NOTE [Calls recorded whole] in producers.py)
+        # Calls recorded whole (NOTE [Calls recorded whole] in tracking/producers.py)
         # are tracked without entering the mode.
         gate = None if ctx.tracking is None else ctx.tracking.gate
         direct = 0 if gate is None else gate.calls_direct
@@ -261,8 +261,8 @@ def test_a_kept_plan_is_followed_without_dedup_keys_and_counts_as_its_profile(mo
     # Positions of dedup hits must not shift the indices of the tensors after
     # them, and kept tensors need no dedup key (NOTE [Following a plan]).
     calls = []
-    real = tiermem.step.Step.key_of
-    monkeypatch.setattr(tiermem.step.Step, "key_of",
+    real = tiermem.runtime.step.Step.key_of
+    monkeypatch.setattr(tiermem.runtime.step.Step, "key_of",
                         staticmethod(lambda t: calls.append(1) or real(t)))
     torch.manual_seed(0)
     model, ref = _SavesTwice(), _SavesTwice()

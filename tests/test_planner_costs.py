@@ -14,7 +14,7 @@ from tiermem.planner.profile import Profile, TensorRecord
 from tiermem.planner.rates import Rates, measure_rates
 from tiermem.planner.solver import cpu_charge_s, make_plan, plan_window_bytes
 from tiermem.policy import Tier
-from tiermem.prefetch import AUTO_MIN_BYTES
+from tiermem.runtime.prefetch import AUTO_MIN_BYTES
 
 MB = 1_000_000
 
@@ -83,7 +83,7 @@ def test_cpu_charge_appears_in_the_prediction_on_cpu_devices_only():
 
 def test_the_first_restore_backward_needs_waits_its_whole_read():
     # A long window does not hide the first restore: the prefetcher starts
-    # only at the first unpack of a moved tensor (tiermem/prefetch.py).
+    # only at the first unpack of a moved tensor (tiermem/runtime/prefetch.py).
     recs = [_rec(0, 10 * MB, 0.0, 5.0), _rec(1, 10 * MB, 0.1, 4.0)]
     plan = _plan(_profile(recs, 1.0), _rates(disk_read_latency_s=0.001))
     first_read = 0.001 + 10 * MB / 1e9

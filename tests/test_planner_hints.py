@@ -24,7 +24,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy as CP
 
 import tiermem
-import tiermem.hooks
+import tiermem.runtime.hooks
 from helpers import compare_records, offloader, reference_steps, run_step, train_steps
 from models import make_case
 from tiermem.planner.runtime import KEPT_TOLERANCE
@@ -75,7 +75,7 @@ class _Spy:
 def spy_on(monkeypatch):
     """``spy_on(answer)``: a :class:`_Spy` watching every pack hook of the test."""
     spies = []
-    orig = tiermem.hooks.Packer.__call__
+    orig = tiermem.runtime.hooks.Packer.__call__
 
     def call(self, t):
         before = self.step.index
@@ -86,7 +86,7 @@ def spy_on(monkeypatch):
             spy.packed(self.step, before, handle)
         return handle
 
-    monkeypatch.setattr(tiermem.hooks.Packer, "__call__", call)
+    monkeypatch.setattr(tiermem.runtime.hooks.Packer, "__call__", call)
 
     def make(answer):
         spies.append(_Spy(answer))

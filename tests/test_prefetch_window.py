@@ -5,7 +5,7 @@ import torch
 
 import tiermem
 import tiermem.testing
-from tiermem.prefetch import AUTO_MAX_BYTES, AUTO_MIN_BYTES, auto_window_bytes
+from tiermem.runtime.prefetch import AUTO_MAX_BYTES, AUTO_MIN_BYTES, auto_window_bytes
 
 
 def test_auto_window_is_a_quarter_of_the_moved_bytes_within_bounds():
@@ -46,7 +46,7 @@ def test_set_window_is_used_as_given(monkeypatch):
 def test_nvme_restores_stay_within_the_window(tmp_path, monkeypatch, engine):
     """Reads from disk are started ahead of need, but never more than the
     window (plus the one tensor that crosses it) restored and not yet taken."""
-    from tiermem.prefetch import Prefetcher
+    from tiermem.runtime.prefetch import Prefetcher
 
     monkeypatch.setenv("TIERMEM_PREFETCH_BYTES", "3MiB")
     peaks = []

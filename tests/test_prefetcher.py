@@ -1,9 +1,9 @@
-"""The prefetch schedule on its own (tiermem/prefetch.py), with stand-in handles:
+"""The prefetch schedule on its own (tiermem/runtime/prefetch.py), with stand-in handles:
 the window's accounting when restores are taken, and when their handles die."""
 
 import gc
 
-from tiermem.prefetch import Prefetcher
+from tiermem.runtime.prefetch import Prefetcher
 
 
 class _Store:

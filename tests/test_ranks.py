@@ -1,5 +1,5 @@
 """Per-rank behaviour under torchrun (issue 13 #3, NOTE [Per-rank budgets] in
-tiermem/ranks.py): defaults derived from the node are split among its ranks
+tiermem/memory/ranks.py): defaults derived from the node are split among its ranks
 (LOCAL_WORLD_SIZE), explicit budgets are per rank, each rank has its own
 private NVMe directory named with its rank, and log lines and ``doctor`` name
 the rank. The ranks are simulated with the variables torchrun sets; one test
@@ -21,8 +21,8 @@ import torch
 
 import tiermem
 import tiermem.testing
-from tiermem.placement import default_cpu_budget_bytes, default_staging_bytes
-from tiermem.spilldir import YOUNG_SECONDS, default_nvme_budget_bytes
+from tiermem.runtime.placement import default_cpu_budget_bytes, default_staging_bytes
+from tiermem.memory.spilldir import YOUNG_SECONDS, default_nvme_budget_bytes
 
 _GiB = 1 << 30
 _MiB = 1 << 20
@@ -47,7 +47,7 @@ def test_default_cpu_budget_is_half_the_available_ram_split_among_the_nodes_rank
         ranks, monkeypatch, tmp_path):
     mem = collections.namedtuple("mem", "available total")(8 * _GiB, 16 * _GiB)
     monkeypatch.setattr("psutil.virtual_memory", lambda: mem)
-    monkeypatch.setattr("tiermem.cgroup._CGROUP_ROOT", str(tmp_path))   # no memory limit
+    monkeypatch.setattr("tiermem.memory.cgroup._CGROUP_ROOT", str(tmp_path))   # no memory limit
     assert default_cpu_budget_bytes() == 4 * _GiB
     ranks(0, 4)
     assert default_cpu_budget_bytes() == 1 * _GiB
@@ -61,7 +61,7 @@ def test_default_cpu_budget_is_half_the_available_ram_split_among_the_nodes_rank
 def test_default_nvme_budget_is_80_percent_of_free_space_split_among_the_nodes_ranks(
         ranks, monkeypatch, nvme_dir):
     usage = collections.namedtuple("usage", "free total used")(10 * _GiB, 20 * _GiB, 0)
-    monkeypatch.setattr("tiermem.spilldir.psutil.disk_usage", lambda path: usage)
+    monkeypatch.setattr("tiermem.memory.spilldir.psutil.disk_usage", lambda path: usage)
     assert default_nvme_budget_bytes("/") == 8 * _GiB
     ranks(1, 2)
     assert default_nvme_budget_bytes("/") == 4 * _GiB
@@ -214,7 +214,7 @@ def test_doctor_says_whether_the_ranks_plan_from_agreed_numbers(ranks, capsys, m
 
 def test_a_launchers_rank_variable_takes_ascii_digits_only(monkeypatch):
     """``LOCAL_WORLD_SIZE=4_0`` is not 40 (``int()`` would read it so)."""
-    from tiermem.ranks import local_world_size
+    from tiermem.memory.ranks import local_world_size
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4_0")
     with pytest.raises(tiermem.ConfigError, match="LOCAL_WORLD_SIZE='4_0'"):
         local_world_size()

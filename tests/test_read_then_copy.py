@@ -13,8 +13,8 @@ import threading
 import pytest
 
 import tiermem
-from tiermem.jobs import ReadCopyJob
-from tiermem.step import Step
+from tiermem.runtime.jobs import ReadCopyJob
+from tiermem.runtime.step import Step
 from tiermem.telemetry import StepStats
 from tiermem.tiers.moving import _Waited
 from tiermem.tiers.nvme_chain import PythonChain

@@ -1,5 +1,5 @@
 """Recording only what recipes use (NOTE [Recording only what recipes use] in
-tiermem/producers.py): a step following an auto plan records no op that is
+tiermem/tracking/producers.py): a step following an auto plan records no op that is
 not recomputable, and per module only the ops its plan's recipes ran there;
 it trains bit-identically, recomputes the same tensors with the same stored
 inputs as a step that records every op in its scope, and a filter missing an
@@ -20,7 +20,7 @@ import tiermem.offloader
 import tiermem.planner.runtime as runtime
 from helpers import assert_same_step, compare_records, offloader, reference_steps, run_step
 from models import make_case
-from tiermem.producers import ProducerMode
+from tiermem.tracking.producers import ProducerMode
 
 
 class _Made(ProducerMode):
@@ -95,7 +95,7 @@ def test_planned_steps_record_less_and_recompute_as_recording_everything_would(
         # Fewer, or as many where the scope runs no recomputable op the
         # recipes do not use (mlp, embed_gather: their scopes run only their
         # recipes' ops; the pack hook's own detaches are recorded by neither:
-        # NOTE [The pack hook runs untracked] in producers.py).
+        # NOTE [The pack hook runs untracked] in tracking/producers.py).
         assert 0 < records <= every_records, (records, every_records)
         if name.startswith("block"):   # attention's other ops: recorded only by "every"
             assert records < every_records, (records, every_records)
@@ -153,7 +153,7 @@ def test_a_filter_missing_an_op_of_a_recipe_chain_changes_what_is_recomputed_not
 
     runtime_tracking_ops = runtime.tracking_ops
     monkeypatch.setattr(runtime, "tracking_ops", without_neg)
-    # Calls recorded whole (NOTE [Calls recorded whole] in producers.py) are
+    # Calls recorded whole (NOTE [Calls recorded whole] in tracking/producers.py) are
     # not filtered by op: every call goes through the mode here.
     monkeypatch.setattr(runtime, "tracking_direct", lambda plan, calls, profile: None)
     off2 = offloader("auto", device_budget="10%")

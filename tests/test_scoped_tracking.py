@@ -1,4 +1,4 @@
-"""Scoped producer tracking (NOTE [Scoped tracking] in tiermem/tracker.py):
+"""Scoped producer tracking (NOTE [Scoped tracking] in tiermem/tracking/modules.py):
 a step that follows an auto plan tracks producers only while the innermost
 running module is one that ran its recipes' ops in the profile, and a
 wrapped block whose policy recomputes only while it runs; gradients stay bit-identical to a run without tiermem,
@@ -21,8 +21,8 @@ import tiermem
 import tiermem.offloader
 from helpers import compare_records, offloader, reference_steps, train_steps
 from models import make_case
-from tiermem.producers import CallRecorder, ProducerMode
-from tiermem.tracker import ModuleStack, current_module
+from tiermem.tracking.producers import CallRecorder, ProducerMode
+from tiermem.tracking.modules import ModuleStack, current_module
 
 
 class _Seen(ProducerMode):
@@ -89,7 +89,7 @@ def test_plan_that_recomputes_tracks_only_its_recipe_modules_and_is_exact(name):
 
 class _ModuleAndCallOfEachOp(torch.utils._python_dispatch.TorchDispatchMode):
     """The reference: (running module, running torch call) of every op of a
-    plain forward (``call`` kept by a :class:`~tiermem.producers.CallRecorder`)."""
+    plain forward (``call`` kept by a :class:`~tiermem.tracking.producers.CallRecorder`)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -129,7 +129,7 @@ def test_ops_outside_the_scope_are_not_dispatched_to_the_mode(seen):
     in_calls = collections.Counter(m for m, c in ref.ops
                                    if m in scope and c in (calls.get(m) or ()))
     assert 0 < sum(in_calls.values()) < sum(in_scope.values()), (in_calls, in_scope)
-    # The calls recorded whole (NOTE [Calls recorded whole] in producers.py)
+    # The calls recorded whole (NOTE [Calls recorded whole] in tracking/producers.py)
     # do not reach the mode at all.
     direct = plan.tracking_direct
     assert direct, "the block's GELU ran one op: recorded whole"
@@ -145,7 +145,7 @@ def test_ops_outside_the_scope_are_not_dispatched_to_the_mode(seen):
             loss = case.loss()
         assert seen.ops and set(seen.ops) <= scope, set(seen.ops) - scope
         # Every op the model runs in the scope (in its calls), and none of the
-        # pack hook's own (NOTE [The pack hook runs untracked] in producers.py).
+        # pack hook's own (NOTE [The pack hook runs untracked] in tracking/producers.py).
         got[by_call] = collections.Counter(seen.ops)
         assert got[by_call] == expected, (got, expected)
         loss.backward()
@@ -402,7 +402,7 @@ def test_a_user_mode_entered_inside_a_module_keeps_its_nesting(user_mode, tracke
              "gate_child": {"Parent": None, "Parent.child": frozenset({"linear"})}}[tracked_by]
     mode = _Seen(names=False)
     _Seen.ops = []
-    with ModuleStack(scope=tiermem.tracker.TrackingScope(mode, names, calls=calls)):
+    with ModuleStack(scope=tiermem.tracking.modules.TrackingScope(mode, names, calls=calls)):
         model(torch.randn(2, 4))
     assert model.user.n > 0
     assert model.after == 0

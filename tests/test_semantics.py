@@ -424,7 +424,7 @@ def test_exception_mid_forward_frees_everything_and_offloader_is_reusable():
 
 def _copies_done() -> None:
     """Wait until the CPU copy threads have run every copy queued so far."""
-    from tiermem.copier import ThreadCopier
+    from tiermem.runtime.copier import ThreadCopier
     copier = ThreadCopier()
     for worker in (copier._out, copier._in):
         worker.submit(lambda: None).wait_host()
@@ -843,7 +843,7 @@ def test_pooled_host_buffers_are_reused_when_copies_land_after_backward():
     """The deterministic form of the test above under load: every copy lands
     late, after backward took the originals, so the last step's copies still
     run when the next step starts. That step waits for them and reuses their
-    buffers (NOTE [Buffers of earlier steps] in hostpool.py); it allocated new
+    buffers (NOTE [Buffers of earlier steps] in memory/hostpool.py); it allocated new
     ones before, and the pool grew with the load."""
     case = make_case("mlp")
     off = offloader("cpu")

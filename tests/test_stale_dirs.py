@@ -10,7 +10,7 @@ import pytest
 
 import tiermem
 import tiermem.testing
-from tiermem.spilldir import remove_stale_dirs
+from tiermem.memory.spilldir import remove_stale_dirs
 
 _DEAD = "tiermem-999999999-0-aaaa"     # no such pid here
 

@@ -1,4 +1,4 @@
-"""The tail hold (NOTE [Tail hold] in tiermem/tailhold.py): under fixed and
+"""The tail hold (NOTE [Tail hold] in tiermem/runtime/tailhold.py): under fixed and
 callable policies the sources of the last moved tensors, up to
 ``tail_hold_bytes``, stay held, and backward's first unpacks take them
 without a read. Counted from the step's stats (restores read on demand are
@@ -21,7 +21,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import tiermem
 import tiermem.testing
 from tiermem.models import GPTConfig, TinyGPT
-from tiermem.tailhold import TailHold
+from tiermem.runtime.tailhold import TailHold
 
 from helpers import compare_records, land_moves, offloader, reference_steps, train_steps
 from models import MODEL_NAMES, make_case
@@ -275,7 +275,7 @@ def test_backward_starts_with_no_more_in_memory_than_the_window(nvme_dir, monkey
     # first unpack, restores started ahead plus sources held are no more than,
     # without the hold, the restores started ahead plus the log-softmax
     # output read on demand (a miss, not counted in prefetched_bytes).
-    from tiermem.prefetch import Prefetcher
+    from tiermem.runtime.prefetch import Prefetcher
     window = 2 * LOGPROBS_BYTES
     first = {}
     original = Prefetcher._fill
@@ -457,15 +457,15 @@ def test_an_auto_plans_steps_hold_nothing(nvme_dir, default_hold):
 
 
 def test_nothing_is_held_when_parameters_may_be_freed(nvme_dir, monkeypatch):
-    # FSDP2 (NOTE [Sharded parameters] in hooks.py): a moved tensor may alias
+    # FSDP2 (NOTE [Sharded parameters] in runtime/hooks.py): a moved tensor may alias
     # an unsharded parameter whose storage FSDP2 frees; never held.
-    import tiermem.hooks
-    original = tiermem.hooks.Packer.note_root
+    import tiermem.runtime.hooks
+    original = tiermem.runtime.hooks.Packer.note_root
 
     def note_root(self, module):
         original(self, module)
         self.step.params_may_be_freed = True
-    monkeypatch.setattr(tiermem.hooks.Packer, "note_root", note_root)
+    monkeypatch.setattr(tiermem.runtime.hooks.Packer, "note_root", note_root)
     ref = reference_steps("block")
     off = offloader("nvme", nvme_dir=nvme_dir, tail_hold_bytes=16 * MiB)
     records = train_steps(make_case("block"), lambda: off)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tiermem
-import tiermem.producers as producers
+import tiermem.tracking.producers as producers
 from tiermem.models import GPTConfig, TinyGPT
 from tiermem.planner.profile import Profile, TensorRecord
 from tiermem.planner.rates import Rates, measure_rates
@@ -233,7 +233,7 @@ def test_the_profile_counts_ops_per_call_and_a_followed_step_tracks_what_was_pri
     loss.backward()
     assert off.plan is plan
     # The calls recorded whole (one op each in the profile) are priced apart:
-    # NOTE [Calls recorded whole] in producers.py.
+    # NOTE [Calls recorded whole] in tracking/producers.py.
     direct = ctx.tracking.gate.calls_direct
     assert direct > 0 and seen
     assert len(seen) == plan.tracked_ops and direct == plan.direct_calls
@@ -265,10 +265,10 @@ class _UserMode(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def test_the_pack_hook_runs_with_the_step_mode_off_the_dispatch_stack(monkeypatch):
-    # NOTE [The pack hook runs untracked] in producers.py: while tiermem packs,
+    # NOTE [The pack hook runs untracked] in tracking/producers.py: while tiermem packs,
     # its producer mode is not on the stack (its own ops are not the model's);
     # a user's mode above it stays, and both are back after.
-    import tiermem.hooks as hooks
+    import tiermem.runtime.hooks as hooks
     stacks = []
     real = hooks.Packer.__call__
 

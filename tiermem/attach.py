@@ -29,7 +29,7 @@ leaves it when the forward returns or raises. ``detach()`` removes both.
 #    ``inference_mode``, evaluation loops: nothing is saved, and ``off.stats``
 #    keeps the last training step's), nor inside backward (a checkpoint
 #    regenerating its region: what backward regenerates is kept anyway, NOTE
-#    [Pack order of checks] in hooks.py).
+#    [Pack order of checks] in runtime/hooks.py).
 # 5. Attaching a module already attached to the same Offloader raises
 #    TierMemError; ``Attachment.detach()`` and ``Offloader.detach()`` (no
 #    argument) may be called any number of times.

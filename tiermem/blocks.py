@@ -38,8 +38,8 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 from .config import Config
 from .errors import ConfigError, TierMemError
 from .policy import Tier, resolve_policy, tier_order
-from .tracker import current_module
-from .tracker import track_block, untrack_block
+from .tracking.modules import current_module
+from .tracking.modules import track_block, untrack_block
 
 __all__ = ["wrap_blocks", "BlockWrapping", "SELECTIVE_SAVE_OPS"]
 
@@ -76,14 +76,14 @@ _scope = _Scope()
 
 #: Wrapped blocks whose policy may recompute: while any exists, Offloaders
 #: track producers while such a block runs (NOTE [Scoped tracking] in
-#: tracker.py) even if their own policy would not need it.
+#: tracking/modules.py) even if their own policy would not need it.
 _recomputing_blocks: "weakref.WeakSet[_BlockForward]" = weakref.WeakSet()
 
 
 #: Those among them whose policy is ``MUST_RECOMPUTE``: while any exists,
 #: Offloaders track the whole forward, so that whether such a block's tensor
 #: can be recomputed (else ``TierMemError``) does not depend on where its
-#: producer ran (NOTE [Scoped tracking] in tracker.py).
+#: producer ran (NOTE [Scoped tracking] in tracking/modules.py).
 _must_recompute_blocks: "weakref.WeakSet[_BlockForward]" = weakref.WeakSet()
 
 
@@ -131,7 +131,7 @@ class _BlockForward:
         if self.order is not None:
             stack = _scope.stack
             stack.append(self.order)
-            if Tier.RECOMPUTE in self.order:   # NOTE [Scoped tracking] in tracker.py
+            if Tier.RECOMPUTE in self.order:   # NOTE [Scoped tracking] in tracking/modules.py
                 tracked = track_block()
         try:
             if self.mode is None or not torch.is_grad_enabled():
@@ -234,7 +234,7 @@ def wrap_blocks(model: nn.Module, blocks: Selector, *, checkpoint: Union[bool, s
       recomputed.
       With ``recompute`` in it, an Offloader tracks producers while such a
       block runs (only then, unless its own policy needs tracking; NOTE
-      [Scoped tracking] in tracker.py): a tensor the block saves whose
+      [Scoped tracking] in tracking/modules.py): a tensor the block saves whose
       producer ran before the block (its inputs) has no recipe and goes to
       the next tier of the block's policy. With ``MUST_RECOMPUTE``, every
       Offloader tracks the whole forward while such a block exists (whether

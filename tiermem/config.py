@@ -196,7 +196,7 @@ class Config:
     Under a distributed launch every rank reads its own Config: an explicit
     budget (``cpu_budget``, ``nvme_budget``, ``prefetch_bytes``) is per rank; a
     default derived from the node's RAM or disk is divided by
-    ``LOCAL_WORLD_SIZE`` (NOTE [Per-rank budgets] in ranks.py).
+    ``LOCAL_WORLD_SIZE`` (NOTE [Per-rank budgets] in memory/ranks.py).
     """
 
     policy: Union[str, Callable, None] = _setting(

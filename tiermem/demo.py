@@ -30,9 +30,9 @@ from typing import Callable, Optional
 import psutil
 import torch
 
+from .blocks import wrap_blocks
 from .config import Config, parse_size
 from .errors import ConfigError
-from .blocks import wrap_blocks
 from .models import Block, GPTConfig, TinyGPT
 from .offloader import Offloader
 from .telemetry import format_bytes

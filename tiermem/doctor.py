@@ -25,9 +25,9 @@ import torch
 
 from .config import Config
 from .errors import ConfigError
+from .memory.ranks import local_world_size, rank_label
 from .offloader import default_cpu_budget_bytes, default_nvme_budget_bytes
-from .placement import default_staging_bytes
-from .ranks import local_world_size, rank_label
+from .runtime.placement import default_staging_bytes
 from .telemetry import format_bytes
 
 __all__ = ["add_arguments", "run", "diagnose"]
@@ -143,7 +143,7 @@ def diagnose(nvme_dir=None, mib: int = 256) -> dict:
     if path:
         nv = {"dir": path}
         try:
-            from .spilldir import check_nvme_dir
+            from .memory.spilldir import check_nvme_dir
             check_nvme_dir(path, "--dir" if nvme_dir else "TIERMEM_NVME_DIR")
             nv["free_bytes"] = psutil.disk_usage(path).free
             nv["default_nvme_budget_bytes"] = default_nvme_budget_bytes(path)

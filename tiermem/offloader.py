@@ -15,11 +15,11 @@ How a saved tensor travels (each arrow owned by one module)::
       |                                           v
       +--> autograd holds it until backward     finish(): jobs wait, then t
 
-An :class:`OffloadContext` is one step: it makes the :class:`~tiermem.step.Step`
-(stats, dedup, prefetch schedule) and its :class:`~tiermem.hooks.Packer`, and
+An :class:`OffloadContext` is one step: it makes the :class:`~tiermem.runtime.step.Step`
+(stats, dedup, prefetch schedule) and its :class:`~tiermem.runtime.hooks.Packer`, and
 installs the hooks while the forward pass runs. The :class:`Offloader` holds
 what lasts across steps: the settings and the
-:class:`~tiermem.placement.Placement` (stores, pools, files).
+:class:`~tiermem.runtime.placement.Placement` (stores, pools, files).
 """
 
 from __future__ import annotations
@@ -37,13 +37,13 @@ from .blocks import _scope as _block_scope
 from .blocks import blocks_need_full_tracking, blocks_need_producers
 from .config import Config
 from .errors import ConfigError, TierMemError
-from .hooks import Packer, keep_pack, opaque, unpack
-from .placement import Placement, default_cpu_budget_bytes, default_nvme_budget_bytes
-from .producers import CallRecorder, ProducerMode, untracked_pack
-from .step import Step
-from .tailhold import TailHold
+from .runtime.hooks import Packer, keep_pack, opaque, unpack
+from .runtime.placement import Placement, default_cpu_budget_bytes, default_nvme_budget_bytes
+from .runtime.step import Step
+from .runtime.tailhold import TailHold
 from .telemetry import StepStats
-from .tracker import ModuleStack, TrackingScope
+from .tracking.modules import ModuleStack, TrackingScope
+from .tracking.producers import CallRecorder, ProducerMode, untracked_pack
 
 __all__ = ["Offloader", "OffloadContext", "offload", "no_offload", "default_cpu_budget_bytes",
            "default_nvme_budget_bytes"]
@@ -76,7 +76,7 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         #: recompute or is a callable that may read ``TensorInfo.op``).
         self.producers: Optional[ProducerMode] = None
         #: Where tracking runs when it is scoped (NOTE [Scoped tracking] in
-        #: tracker.py); ``None``: the whole forward, or not at all.
+        #: tracking/modules.py); ``None``: the whole forward, or not at all.
         self.tracking: Optional[TrackingScope] = None
         names = None if planning is None else planning.scope
         must_blocks = blocks_need_full_tracking()
@@ -85,11 +85,11 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         # stats.recompute_fallback_reasons (fixed policies, wrapped blocks) and
         # a MUST_RECOMPUTE error; not a step of an auto Offloader without hints
         # that follows a plan or the safe order (NOTE [Recording only what
-        # recipes use] in producers.py).
+        # recipes use] in tracking/producers.py).
         op_names = (planning is None or must_blocks or planning.recorder is not None
                     or planner.hints is not None or blocks_need_producers())
         #: A profiled step's namer of torch calls (NOTE [Tracking inside torch
-        #: calls] in tracker.py), entered with the producer mode.
+        #: calls] in tracking/modules.py), entered with the producer mode.
         self._calls: Optional[CallRecorder] = None
         if (placement.tracks_producers if planning is None else (
                 planning.tracks and names is None)) or must_blocks:
@@ -99,13 +99,13 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
                 self._calls = CallRecorder(self.producers)
                 # NOTE [Tracking priced] in planner/runtime.py
                 self.producers.op_counts = planning.recorder.op_counts = {}
-                # NOTE [Calls recorded whole] in producers.py
+                # NOTE [Calls recorded whole] in tracking/producers.py
                 planning.recorder.single_op_calls = self.producers.single_op_calls
         else:
             blocks = blocks_need_producers()
             if names or blocks:
                 self.producers = ProducerMode(names=op_names)
-                # NOTE [Views made inside untracked calls] in producers.py
+                # NOTE [Views made inside untracked calls] in tracking/producers.py
                 self.producers.alias_index = True
                 self.tracking = TrackingScope(
                     self.producers, names or (), blocks,
@@ -126,7 +126,7 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         self.stats = self.step.stats
         tail_hold_bytes = offloader.config.tail_hold_bytes
         limit = tail_hold_bytes if tail_hold_bytes is not None else prefetch_bytes
-        if self.planning is None and limit != 0:   # NOTE [Tail hold] in tailhold.py
+        if self.planning is None and limit != 0:   # NOTE [Tail hold] in runtime/tailhold.py
             self.step.tail = offloader._tail
             self.step.tail_hold_bytes = tail_hold_bytes
         self._packer = Packer(self.step, placement)
@@ -140,13 +140,13 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
                 recorder.start(self.stats)
                 unpack_hook = opaque(recorder.unpack)
         pack = self._packer.__call__
-        if self.producers is not None:   # NOTE [The pack hook runs untracked] in producers.py
+        if self.producers is not None:   # NOTE [The pack hook runs untracked] in tracking/producers.py
             pack = untracked_pack(self.producers, pack)
         super().__init__(opaque(pack), unpack_hook)
 
     @property
     def prefetcher(self):
-        """This step's :class:`~tiermem.prefetch.Prefetcher`."""
+        """This step's :class:`~tiermem.runtime.prefetch.Prefetcher`."""
         return self.step.prefetcher
 
     def __enter__(self) -> "OffloadContext":
@@ -278,7 +278,7 @@ class Offloader:
         if cfg.disable:
             return
         self._placement = Placement(cfg, hints)
-        #: NOTE [Tail hold] in tailhold.py: the sources of the last moves.
+        #: NOTE [Tail hold] in runtime/tailhold.py: the sources of the last moves.
         self._tail = TailHold()
         self.cpu_budget_bytes = self._placement.cpu_budget_bytes
         # Steps whose saved tensors may still be unpacked (a handle, or the
@@ -301,7 +301,7 @@ class Offloader:
                 "tiermem: this Offloader was closed (its pools, files and threads are "
                 "gone); make a new Offloader for further steps")
         if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
-            raise TierMemError(   # NOTE [CUDA graph capture] in hooks.py
+            raise TierMemError(   # NOTE [CUDA graph capture] in runtime/hooks.py
                 "tiermem: the current CUDA stream is capturing a CUDA graph: tiermem's copies, "
                 "event polls and disk reads cannot be captured. Enter the Offloader outside "
                 "the captured region (or run that region under tiermem.no_offload())")
@@ -315,7 +315,7 @@ class Offloader:
             self._active_thread = me
         try:
             # Between steps: the pools may give back idle pinned buffers now
-            # (NOTE [Trimming pinned buffers] in hostpool.py).
+            # (NOTE [Trimming pinned buffers] in memory/hostpool.py).
             for store in self._placement.movers:
                 store.trim_idle()
             ctx = OffloadContext(self)
@@ -413,7 +413,7 @@ class Offloader:
         tier, its pool's bytes in use, held (in use + pooled idle) and buffers
         ever allocated (``host_*`` for cpu, ``staging_*`` for nvme), and
         ``pinned_returns``: pinned buffers dropped from a full pool, each a
-        device sync on CUDA (NOTE [Trimming pinned buffers] in hostpool.py);
+        device sync on CUDA (NOTE [Trimming pinned buffers] in memory/hostpool.py);
         for nvme also ``disk_used_bytes`` and ``disk_file_bytes`` (the arena
         file's size). ``{}`` when disabled."""
         return {} if self.config.disable else self._placement.store_stats()
@@ -457,7 +457,7 @@ _CACHE_SIZE = 8
 # After os.fork() (multiprocessing's default start method on Linux, DataLoader
 # workers, some launchers) only the forking thread exists in the child. The
 # process-wide worker threads (ThreadCopier's, the I/O engines') are therefore
-# forgotten in the child by at-fork hooks (copier.py, io/__init__.py), so that
+# forgotten in the child by at-fork hooks (runtime/copier.py, io/__init__.py), so that
 # a new Offloader made there starts its own; an Offloader made before the fork
 # refuses to be entered in the child (its pools, files and threads are the
 # parent's), and offload()'s cache starts empty there. A C++ engine object kept

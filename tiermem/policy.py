@@ -44,7 +44,7 @@ into a :class:`TierOrder`, the tiers to try in turn.
 #    plain tier name are hints it may override (NOTE [Planner hints] in
 #    planner/hints.py).
 # 5. Tensors kept before any policy is asked (NOTE [Pack order of checks] in
-#    hooks.py: parameters, small or unmovable tensors, saves during backward)
+#    runtime/hooks.py: parameters, small or unmovable tensors, saves during backward)
 #    stay kept whatever the answer, MUST_RECOMPUTE included.
 """
 

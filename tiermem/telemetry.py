@@ -52,7 +52,7 @@ class StepStats:
       on a copy's event (NOTE [Waiting only for the read] in
       tiers/nvme_chain.py); their time is in ``stall_seconds``.
     - ``tail_hits``: unpacks that took a moved tensor's source, still held
-      by the tail hold (NOTE [Tail hold] in tailhold.py), with no restore;
+      by the tail hold (NOTE [Tail hold] in runtime/tailhold.py), with no restore;
       ``peak_tail_hold_bytes``: most bytes in the tail hold during the step
       (an upper bound on the memory it held; at most ``tail_hold_bytes``).
     - ``peak_host_bytes``: most host bytes held by the cpu tier during the step.

@@ -68,7 +68,7 @@ def set_nvme_file(off, f) -> None:
 
 
 def staging_pool(off):
-    """The nvme tier's pool of staging buffers (a :class:`~tiermem.hostpool.HostPool`)."""
+    """The nvme tier's pool of staging buffers (a :class:`~tiermem.memory.hostpool.HostPool`)."""
     return store_of(off, Tier.NVME).staging
 
 
@@ -123,8 +123,8 @@ def record_placements(off) -> Iterator[List[Tuple[str, str]]]:
 def deferred_param_checks() -> Iterator[None]:
     """While inside, parameter fingerprints of CPU tensors are compared the way
     CUDA ones are: a flag per comparison, read once at the end of backward
-    (NOTE [Parameters changed before backward] in paramcheck.py). Process-wide."""
-    from . import paramcheck
+    (NOTE [Parameters changed before backward] in tracking/params.py). Process-wide."""
+    from .tracking import params as paramcheck
     before = paramcheck.defer_on_cpu
     paramcheck.defer_on_cpu = True
     try:
@@ -156,7 +156,7 @@ def slow_copies(delay_seconds: float) -> Iterator[None]:
     the cpu tier, and of the nvme tier's staged CPU tensors) first sleeps
     ``delay_seconds`` on its worker: a copy far slower than compute, as a
     GPU running behind the host. Process-wide."""
-    from .copier import ThreadCopier
+    from .runtime.copier import ThreadCopier
     original = ThreadCopier.copy_out
 
     def slow(self, src, dst):

@@ -170,7 +170,7 @@ class Plan:
     #: Step seconds the moves' CPU work takes from the compute (CPU devices).
     predicted_cpu_s: float = 0.0
     #: The kept tensor (pack index) whose first unpack starts the step's
-    #: restores, or None (NOTE [Restores start with backward] in hooks.py).
+    #: restores, or None (NOTE [Restores start with backward] in runtime/hooks.py).
     kick_index: Optional[int] = None
     #: The choice's priced cost (the sum of its options' lone prices: NOTE
     #: [Planner choice] in planner/improve.py) and the greedy's, before the
@@ -183,7 +183,7 @@ class Plan:
     #: counted.
     tracked_ops: int = 0
     #: Torch calls per forward a step following it records whole, without
-    #: the mode (NOTE [Calls recorded whole] in producers.py).
+    #: the mode (NOTE [Calls recorded whole] in tracking/producers.py).
     direct_calls: int = 0
     predicted_tracking_s: float = 0.0
 
@@ -239,7 +239,7 @@ class Plan:
         keeps it, ``(~i, shape, dtype, device)`` where it was a dedup hit of
         index ``i`` and the plan keeps ``i`` (the key of ``i`` either way),
         else ``None`` (the general path; always for ``revived_at`` and for
-        ``kick_index``: NOTE [Restores start with backward] in hooks.py)."""
+        ``kick_index``: NOTE [Restores start with backward] in runtime/hooks.py)."""
         if len(keys) != len(self.orders):
             raise TierMemError(f"tiermem: a plan of {len(self.orders)} tensors bound to "
                                  f"{len(keys)} keys; this is a bug")

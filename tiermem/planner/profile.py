@@ -75,7 +75,7 @@ def _is_param(t) -> bool:
 
 
 def _dedup_key(step, t) -> Optional[tuple]:
-    """``t``'s dedup key (NOTE [Dedup] in step.py) if the pack hook could
+    """``t``'s dedup key (NOTE [Dedup] in runtime/step.py) if the pack hook could
     move it (a strided cpu or cuda ``torch.Tensor``), else None."""
     if type(t) is not torch.Tensor or t.layout != torch.strided or t.device.type not in (
             "cpu", "cuda"):
@@ -170,16 +170,16 @@ class TensorRecord:
     recomputable: bool = False
     #: Bytes its recipe's inputs added to the kept bytes (keep tail only).
     input_kept_bytes: int = 0
-    #: Modules that ran its recipe's ops (NOTE [Scoped tracking] in tracker.py).
+    #: Modules that ran its recipe's ops (NOTE [Scoped tracking] in tracking/modules.py).
     recipe_modules: Tuple[str, ...] = ()
     #: (module, op name) of each op of its recipe (NOTE [Recording only what
-    #: recipes use] in producers.py).
+    #: recipes use] in tracking/producers.py).
     recipe_ops: Tuple[Tuple[str, str], ...] = ()
     #: (module, torch call) of each op of its recipe (``None``: outside every
-    #: call; NOTE [Tracking inside torch calls] in tracker.py).
+    #: call; NOTE [Tracking inside torch calls] in tracking/modules.py).
     recipe_calls: Tuple[Tuple[str, Optional[str]], ...] = ()
     #: (module, torch call) of each op of its recipe whose output it uses was
-    #: not returned by the call (NOTE [Calls recorded whole] in producers.py).
+    #: not returned by the call (NOTE [Calls recorded whole] in tracking/producers.py).
     recipe_unreturned: Tuple[Tuple[str, str], ...] = ()
     #: Host seconds its regeneration took in the profile's backward.
     recompute_s: Optional[float] = None
@@ -280,7 +280,7 @@ class Profile:
     #: empty: not counted.
     call_ops: dict = field(default_factory=dict)
     #: Per (module, torch call) whose every call ran one recomputable op:
-    #: that op's name (NOTE [Calls recorded whole] in producers.py).
+    #: that op's name (NOTE [Calls recorded whole] in tracking/producers.py).
     single_op_calls: dict = field(default_factory=dict)
 
     @property
@@ -388,7 +388,7 @@ class Recorder:
             rec.recipe_modules = handle.modules
             rec.recipe_ops = handle.ops
             rec.recipe_calls = handle.calls
-            if handle.call_records:   # NOTE [Calls recorded whole] in producers.py
+            if handle.call_records:   # NOTE [Calls recorded whole] in tracking/producers.py
                 self._call_records[index] = handle.call_records
             self._recompute_handles.add(id(handle))
         elif type(handle) is Kept:

@@ -26,7 +26,7 @@ machine and cached per process.
 - ``track_op_s``: seconds one aten op takes longer under producer tracking:
   a chain of :data:`TRACK_PROBE_LINKS` (linear, GELU, add) on 256 KiB
   tensors that require grad, run plainly and under a
-  :class:`~tiermem.producers.ProducerMode` made as a scoped step makes it
+  :class:`~tiermem.tracking.producers.ProducerMode` made as a scoped step makes it
   (the pointwise ops recorded, the linear not); the difference over the op
   count; measured once per process, on one intra-op thread and by its CPU
   clock (NOTE [A tracking price of 0]). What the planner prices a plan's
@@ -36,8 +36,8 @@ machine and cached per process.
   cost about twice what this probe says
   (benchmarks/results/2026-12-02-cpu-tracking-priced.md).
 - ``track_call_s``: seconds one torch call recorded whole (NOTE [Calls
-  recorded whole] in producers.py) adds: the same chain under a
-  :class:`~tiermem.tracker.CallGate` that records the GELU and the add whole
+  recorded whole] in tracking/producers.py) adds: the same chain under a
+  :class:`~tiermem.tracking.modules.CallGate` that records the GELU and the add whole
   and lets the linear pass (the gate's Python call for it is spread over
   the two), the difference over the calls recorded; measured with
   ``track_op_s``.
@@ -187,8 +187,8 @@ def _tracking_cost() -> tuple:
 
 def _tracking_probe() -> tuple:
     """The runs of :func:`_tracking_cost` (one thread set by the caller)."""
-    from ..producers import ProducerMode
-    from ..tracker import CallGate
+    from ..tracking.producers import ProducerMode
+    from ..tracking.modules import CallGate
     x = torch.linspace(-1.0, 1.0, 256 * 256).view(256, 256).requires_grad_()
     w = (torch.linspace(-0.05, 0.05, 256 * 256).view(256, 256)).requires_grad_()
     gelu, linear = torch.nn.functional.gelu, torch.nn.functional.linear
@@ -367,7 +367,7 @@ def default_device_budget_bytes(device_type: str, free_bytes: Optional[int] = No
     memory now less :data:`HEADROOM_FRACTION` of its total (CUDA:
     ``torch.cuda.mem_get_info`` of ``device``, the current one if ``None``;
     CPU: available RAM, or what the memory cgroup may still take if less:
-    NOTE [Container memory limits] in cgroup.py). ``free_bytes`` /
+    NOTE [Container memory limits] in memory/cgroup.py). ``free_bytes`` /
     ``total_bytes`` override the measurement (tests). Measured when a plan
     is made, after the profiled step's backward freed its tensors."""
     if free_bytes is None or total_bytes is None:
@@ -376,7 +376,7 @@ def default_device_budget_bytes(device_type: str, free_bytes: Optional[int] = No
         else:
             import psutil
 
-            from ..cgroup import available_memory_bytes
+            from ..memory.cgroup import available_memory_bytes
             free = available_memory_bytes()   # NOTE [Container memory limits]
             total = psutil.virtual_memory().total
         free_bytes = free if free_bytes is None else free_bytes

@@ -47,7 +47,7 @@ follows, and the closed loop that corrects a plan from measurement.
 # The hot path (measured: bench_overhead, benchmarks/results/
 # 2026-12-01-cpu-overhead-auto.md). Most tensors of most plans are kept, and
 # a kept tensor needs no dedup key (kept tensors are never deduplicated: NOTE
-# [Pack order of checks] in hooks.py). So the profile also records each *pack
+# [Pack order of checks] in runtime/hooks.py). So the profile also records each *pack
 # position* (every tensor that reaches the plan, dedup hits included): the
 # new tensor of index i, or a dedup hit of index i. ``Plan.kept_at`` maps a
 # position to (i, shape, dtype, device) (new, planned keep) or (~i, ...) (a
@@ -127,7 +127,7 @@ follows, and the closed loop that corrects a plan from measurement.
 # NOTE [Tracking priced]
 # A step that follows a plan recomputing something tracks producers in the
 # (module, torch call) pairs its recipes ran in (NOTE [Tracking inside torch
-# calls] in tracker.py): every aten op there goes through the producer mode's
+# calls] in tracking/modules.py): every aten op there goes through the producer mode's
 # Python handler, which costs the forward ``Rates.track_op_s`` per op
 # (measured: rates.py; a scaled_dot_product_attention call runs 34 aten ops
 # on CPU, so recomputing a tensor made inside it costs more in tracking than
@@ -140,7 +140,7 @@ follows, and the closed loop that corrects a plan from measurement.
 # 2. Each tensor's recompute option carries a share of the tracking its
 #    recipe needs: each pair's ops x ``track_op_s`` (a pair whose calls each
 #    ran one recomputable op: x ``track_call_s``, NOTE [Calls recorded whole]
-#    in producers.py), divided among the
+#    in tracking/producers.py), divided among the
 #    recomputable tensors whose recipes need that pair (a pair is paid once
 #    per step however many recipes use it). The solver ranks it with the
 #    regeneration time (NOTE [Planner cost model]).
@@ -180,7 +180,7 @@ follows, and the closed loop that corrects a plan from measurement.
 #    there: the checkpoint's inputs instead of the block's tensors (the
 #    block's own saves happen only in the recompute, in backward, under
 #    PyTorch's checkpoint hooks or inside autograd's engine, where tiermem
-#    keeps them without an index: NOTE [Pack order of checks] in hooks.py).
+#    keeps them without an index: NOTE [Pack order of checks] in runtime/hooks.py).
 #    So at the block's entry the step must stand where the profile stood
 #    (same block name, pack index ``start`` and position ``start_pos``;
 #    else the block runs plainly and the plan's keys decide as for any
@@ -211,7 +211,7 @@ follows, and the closed loop that corrects a plan from measurement.
 #    regenerating it means regenerating its producer, i.e. a larger
 #    checkpointed region (wrap that instead), and its producer is usually
 #    in the block before, itself checkpointed. Dedup (NOTE [Dedup] in
-#    step.py) decides what is one storage, per input (``BlockInput.kind``,
+#    runtime/step.py) decides what is one storage, per input (``BlockInput.kind``,
 #    recorded at the block's entry in the profile): a parameter stays as
 #    the pack hook keeps it (not counted); a small or unmovable one is kept;
 #    one whose storage an earlier tensor #j saved (``"before"``: a block
@@ -344,7 +344,7 @@ class StepPlanning:
         #: checkpoint]); empty once positions no longer line up.
         self.revived = () if plan is None else plan.revived_at
         #: The pack index whose kept tensor starts the restores when backward
-        #: unpacks it (NOTE [Restores start with backward] in hooks.py), or None.
+        #: unpacks it (NOTE [Restores start with backward] in runtime/hooks.py), or None.
         self.kick = None if plan is None else plan.kick_index
         #: Producer tracking is needed (profiling, safe order, or a plan that recomputes).
         self.tracks = plan is None or plan.recomputes
@@ -360,24 +360,24 @@ class StepPlanning:
         #: checkpoint's inputs (None: counted with the tensor it shares;
         #: rule 6); an input not in it is kept.
         self.checkpoint_inputs: dict = {}
-        #: The modules to track in (NOTE [Scoped tracking] in tracker.py), or
+        #: The modules to track in (NOTE [Scoped tracking] in tracking/modules.py), or
         #: ``None``: the whole forward (when ``tracks``). With hints, the whole
         #: forward: a step that leaves its plan asks the hints callable, whose
         #: ``TensorInfo.op`` needs every op recorded.
         self.scope = (None if plan is None or planner.hints is not None
                       else getattr(plan, "tracking_scope", None))
         #: With ``scope``: the op names to record per module of it (NOTE
-        #: [Recording only what recipes use] in producers.py), or ``None``:
+        #: [Recording only what recipes use] in tracking/producers.py), or ``None``:
         #: every recomputable op.
         self.scope_ops = (None if self.scope is None
                           else getattr(plan, "tracking_ops", None))
         #: With ``scope``: the torch calls to track in per module of it (NOTE
-        #: [Tracking inside torch calls] in tracker.py), or ``None``: all of
+        #: [Tracking inside torch calls] in tracking/modules.py), or ``None``: all of
         #: each module.
         self.scope_calls = (None if self.scope is None
                             else getattr(plan, "tracking_calls", None))
         #: With ``scope_calls``: per module, the calls recorded whole (NOTE
-        #: [Calls recorded whole] in producers.py).
+        #: [Calls recorded whole] in tracking/producers.py).
         self.scope_direct = (None if self.scope_calls is None
                              else getattr(plan, "tracking_direct", None))
         #: The first step following ``plan``: (start, end) CUDA timing events
@@ -837,7 +837,7 @@ def tracking_scope(plan: Plan, profile: Profile) -> Optional[frozenset]:
     the recipe ops of the tensors it recomputes, as its profile recorded them
     (``""``: outside every module; empty: it recomputes nothing); ``None``
     (the whole forward) when one was not recorded. NOTE [Scoped tracking] in
-    tracker.py."""
+    tracking/modules.py."""
     names: set = set()
     for record, order in zip(profile.records, plan.orders):
         if order[0] is not Tier.RECOMPUTE:
@@ -853,7 +853,7 @@ def tracking_ops(plan: Plan, profile: Profile) -> Optional[dict]:
     """Per module of :func:`tracking_scope`, the names of the ops the recipes
     of the tensors ``plan`` recomputes ran there, as its profile recorded them;
     ``None`` (every recomputable op) when one was not recorded. NOTE
-    [Recording only what recipes use] in producers.py."""
+    [Recording only what recipes use] in tracking/producers.py."""
     pairs = _recipe_pairs(plan, profile, "recipe_ops")
     if pairs is None:
         return None
@@ -868,7 +868,7 @@ def tracking_calls(plan: Plan, profile: Profile) -> Optional[dict]:
     ops of the recipes of the tensors ``plan`` recomputes ran in there, as its
     profile recorded them (``None`` for a module where one ran outside every
     torch call: all of it is tracked); ``None`` when a recipe's calls were not
-    recorded. NOTE [Tracking inside torch calls] in tracker.py."""
+    recorded. NOTE [Tracking inside torch calls] in tracking/modules.py."""
     pairs = _recipe_pairs(plan, profile, "recipe_calls")
     if pairs is None:
         return None
@@ -888,7 +888,7 @@ def tracking_direct(plan: Plan, calls: Optional[dict], profile: Profile) -> Opti
     profile saw run one recomputable op each, by that op's name,
     and whose returned tensors hold every output of theirs that ``plan``'s
     recipes use: a step records them whole (NOTE [Calls recorded whole] in
-    producers.py); ``None`` when ``calls`` is."""
+    tracking/producers.py); ``None`` when ``calls`` is."""
     if calls is None:
         return None
     single = profile.single_op_calls
@@ -963,7 +963,7 @@ def tracked_op_count(plan: Plan, profile: Profile) -> int:
 
 def direct_call_count(plan: Plan, profile: Profile) -> int:
     """Torch calls per forward a step following ``plan`` records whole (each
-    one op in the profile: NOTE [Calls recorded whole] in producers.py)."""
+    one op in the profile: NOTE [Calls recorded whole] in tracking/producers.py)."""
     return _tracked_counts(plan, profile)[1]
 
 

@@ -69,10 +69,10 @@
 #    its need, from the start of backward). Rules:
 #    a. Moves out queue in pack order on one serial channel per tier.
 #    b. Restores run on one serial channel per tier, issued as the
-#       prefetcher issues them (tiermem/prefetch.py), not in use order: at
+#       prefetcher issues them (tiermem/runtime/prefetch.py), not in use order: at
 #       the kick (the first use of the plan's kick tensor, the kept tensor
 #       the profile saw unpacked first, before every moved one: NOTE
-#       [Restores start with backward] in hooks.py) from the last packed
+#       [Restores start with backward] in runtime/hooks.py) from the last packed
 #       moved tensor down, and at each moved tensor's unpack from the cursor
 #       (just below it when it is above the last one, or at or below the
 #       cursor), down the packing order while the bytes restored and not yet
@@ -127,7 +127,7 @@ from types import SimpleNamespace
 from typing import List, Optional, Tuple
 
 from ..policy import Tier
-from ..prefetch import AUTO_MIN_BYTES
+from ..runtime.prefetch import AUTO_MIN_BYTES
 from ..telemetry import format_bytes
 from .hints import is_move_hint
 from .improve import improve_choice
@@ -985,7 +985,7 @@ def make_plan(profile: Profile, rates: Rates, budget_bytes: int, budget_setting:
 def _kick(records, choice, checkpointed, chosen) -> Optional[TensorRecord]:
     """The kept tensor whose unpack starts a followed step's restores: the one
     the profile saw unpacked first, if before every moved one (NOTE [Restores
-    start with backward] in hooks.py); None when nothing moves."""
+    start with backward] in runtime/hooks.py); None when nothing moves."""
     if not chosen:
         return None
     first_move = min(r._use for r, _ in chosen)

@@ -158,7 +158,7 @@ def exact_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 class StepEvents(Protocol):
-    """What a tier reports to the step it was given (:class:`tiermem.step.Step`)."""
+    """What a tier reports to the step it was given (:class:`tiermem.runtime.step.Step`)."""
 
     def moved(self, handle: Any, nbytes: int) -> Any:
         """A move out started; returns the handle's prefetch entry (``handle.entry``)."""
@@ -189,7 +189,7 @@ class StepEvents(Protocol):
 class RecipeServices(StepEvents, Protocol):
     """What the recompute tier may ask of the step (NOTE [What a recipe holds])."""
 
-    producers: Any   # tiermem.producers.ProducerMode or None
+    producers: Any   # tiermem.tracking.producers.ProducerMode or None
 
     def lookup(self, t: Any) -> Any:
         """The handle of a tensor or Ref this step saved already, else ``None``."""

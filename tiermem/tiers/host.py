@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from ..copier import copier_for
-from ..hostpool import HostPool
+from ..memory.hostpool import HostPool
 from ..policy import Tier
+from ..runtime.copier import copier_for
 from .base import Layout
 from .moving import MovedHandle, MovingStore
 

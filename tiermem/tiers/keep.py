@@ -28,7 +28,7 @@ class Kept:
     backward reads the new storage, and so must ours (an alias would keep
     reading the old one). A recipe, which must read the forward's values,
     holds an alias instead (NOTE [Parameters changed before backward] in
-    paramcheck.py).
+    tracking/params.py).
     """
 
     __slots__ = ("tensor", "version", "module", "__weakref__")
@@ -47,7 +47,7 @@ class KickKept:
     it kicks; ``top``: restores start from the moved tensors packed before
     that position (``Prefetcher.scheduled`` when it was packed), or from the
     last packed one if ``None`` (NOTE [Restores start with backward] in
-    hooks.py).
+    runtime/hooks.py).
 
     Only autograd holds it; the step's dedup table and recipes hold ``kept``,
     so every other use of the tensor sees a plain :class:`Kept`.
@@ -97,7 +97,7 @@ def check_version(t: torch.Tensor, saved_version: int, module: str) -> None:
 
 class KeepStore(TierStore):
     """Keeps the tensor. Its handles are unpacked by the unpack hook itself
-    (:func:`tiermem.hooks.unpack`: the in-place check above, nothing else)."""
+    (:func:`tiermem.runtime.hooks.unpack`: the in-place check above, nothing else)."""
 
     tier = Tier.KEEP
 

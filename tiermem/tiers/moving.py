@@ -8,7 +8,7 @@ release):
   the tensor's bytes need (host buffer, disk extent), within the budget;
 - ``_launch(src, layout, reservation) -> (slot, job)``: start moving the bytes
   out into the reserved room; ``slot`` is the store's record of where they
-  go, ``job`` a :class:`~tiermem.jobs.Job`. On failure it gives the
+  go, ``job`` a :class:`~tiermem.runtime.jobs.Job`. On failure it gives the
   reservation back and raises (the tensor then stays where it is);
 - ``_unreserve(reservation, layout)``: give back room never used (a handle
   dead before its launch; runs from a finalizer: no lock);
@@ -25,7 +25,7 @@ source earlier, once the bytes are in staging: see NOTE [Staged moves].
 
 Backward (``take``, called by the unpack hook under the prefetcher's lock):
 the restore was usually started ahead of need by the
-:class:`~tiermem.prefetch.Prefetcher` (through ``prefetch``); ``take``
+:class:`~tiermem.runtime.prefetch.Prefetcher` (through ``prefetch``); ``take``
 returns the rebuilt tensor and the wait that orders the consumer after the
 copy (run by the hook outside the lock). The store reports to the step it was
 given at ``put`` (``handle.step``, :class:`~tiermem.tiers.base.StepEvents`).
@@ -123,10 +123,10 @@ from typing import Optional
 
 import torch
 
-from ..copier import copier_for
-from ..jobs import CudaJob
-from ..prefetch import HELD
 from ..errors import TierMemError
+from ..runtime.copier import copier_for
+from ..runtime.jobs import CudaJob
+from ..runtime.prefetch import HELD
 from .base import Layout, TierStore
 from .keep import check_version
 
@@ -281,10 +281,10 @@ class MovingStore(TierStore):
     def trim_idle(self) -> None:
         """Between steps (no copy of this store queued by the step to come):
         give back idle pinned buffers that refused requests need room from
-        (NOTE [Trimming pinned buffers] in hostpool.py), and mark what earlier
+        (NOTE [Trimming pinned buffers] in memory/hostpool.py), and mark what earlier
         steps gave back while its I/O still ran, for the step to come to wait
         for rather than grow or refuse (NOTE [Buffers of earlier steps] in
-        hostpool.py). Default: nothing."""
+        memory/hostpool.py). Default: nothing."""
 
     def sources_in_flight(self) -> tuple:
         """``(count, bytes)`` of the sources held for launched moves not seen
@@ -324,7 +324,7 @@ class MovingStore(TierStore):
         self._unlaunched_seq = _sequence_nr()
         h.entry = step.moved(h, h.nbytes)
         if step.tail is not None and step.hold_tail(h, max(h.nbytes, _storage_bytes(h.src))):
-            h.tail = h.src   # NOTE [Tail hold] in tailhold.py
+            h.tail = h.src   # NOTE [Tail hold] in runtime/tailhold.py
         step.held(self.tier, self._held_bytes())
         return h
 
@@ -339,7 +339,7 @@ class MovingStore(TierStore):
     @staticmethod
     def release_source(h: MovedHandle) -> None:
         """Drop the tail hold's reference to ``h``'s source (NOTE [Tail hold]
-        in tailhold.py); the store's own reference, if any, is untouched."""
+        in runtime/tailhold.py); the store's own reference, if any, is untouched."""
         h.tail = None
 
     def _launch_one(self, h: MovedHandle) -> None:
@@ -353,7 +353,7 @@ class MovingStore(TierStore):
             return
         if h.step.params_may_be_freed and h.nbytes and h.src.untyped_storage().nbytes() == 0:
             # Freed by FSDP2 since it was saved (rule 5 of NOTE [Sharded
-            # parameters] in hooks.py): nothing to copy; kept as a failed move,
+            # parameters] in runtime/hooks.py): nothing to copy; kept as a failed move,
             # whose storage FSDP2 refills for backward. Not a warning.
             reservation, h.slot = h.slot, None
             self._unreserve(reservation, h.layout)
@@ -384,7 +384,7 @@ class MovingStore(TierStore):
             self._window_bytes_held += h.nbytes
 
     def _guard_freed_source(self, src: torch.Tensor, job) -> None:
-        """Rule 5 of NOTE [Sharded parameters] in hooks.py: the source's
+        """Rule 5 of NOTE [Sharded parameters] in runtime/hooks.py: the source's
         memory may be freed by FSDP2 (``storage.resize_(0)``) while the copy
         out still reads it. On CUDA the block is recorded on the copy's side
         stream, so the caching allocator reuses it only after the copy; on
@@ -568,7 +568,7 @@ class MovingStore(TierStore):
         """Start restoring ``h``: ``True`` if started; ``False`` if it needs none
         (on its way, failed or tainted); ``None`` if its move out has not landed
         yet (the prefetcher waits there rather than skipping it);
-        :data:`~tiermem.prefetch.HELD` if its source is held by the tail hold."""
+        :data:`~tiermem.runtime.prefetch.HELD` if its source is held by the tail hold."""
         if h.failed or h.tainted or h.restore is not None or h.cached is not None:
             return False
         tail = h.tail
@@ -593,7 +593,7 @@ class MovingStore(TierStore):
             self.launch()   # every op of the forward has run
         self.poll()
         tail = h.tail
-        if tail is not None:   # NOTE [Tail hold] in tailhold.py, 3
+        if tail is not None:   # NOTE [Tail hold] in runtime/tailhold.py, 3
             if more_uses <= 0:
                 h.tail = None
             if (tail._version == h.version and not h.tainted

@@ -5,7 +5,7 @@ Data path:
 - CPU tensors: the engine writes straight from the tensor's memory (its
   future holds the tensor), and reads straight into the restored tensor.
 - CUDA tensors: device -> pooled pinned staging buffer on the D2H side stream
-  of the device's :class:`~tiermem.copier.CudaCopier`, then the write once
+  of the device's :class:`~tiermem.runtime.copier.CudaCopier`, then the write once
   that copy's event has completed. The device memory is freed once the copy
   has landed (the forward thread sees it at its next pack), the staging
   buffer once the write has; until then the staging buffer is the tensor's
@@ -35,7 +35,7 @@ An extent is given back to the arena only once the last I/O on it is done
 (``_deferred``), so a new write can never race a read still in flight.
 
 A full disk: the arena grows with fallocate, so ENOSPC shows there first and
-the arena stops growing (:class:`~tiermem.arena.Arena`); later tensors its
+the arena stops growing (:class:`~tiermem.memory.arena.Arena`); later tensors its
 freed extents cannot hold go to the policy's next tier. On a filesystem without fallocate it shows at a write
 instead: that tensor stays on its device (exact, counted in
 ``budget_fallbacks``), and the store takes no new tensor for the rest of its
@@ -61,16 +61,16 @@ from typing import Optional
 
 import torch
 
-from ..arena import Arena
-from ..copier import copier_for
 from ..errors import TierMemError
-from ..hostpool import HostPool
 from ..io import aligned_empty, release_engine
-from ..jobs import EngineCudaJob, FutureJob, StagedJob
-from ..leases import StagingLease
-from ..malloc import return_freed_memory_to_the_os
+from ..memory.arena import Arena
+from ..memory.hostpool import HostPool
+from ..memory.malloc import return_freed_memory_to_the_os
+from ..memory.spilldir import PrivateDir, default_nvme_budget_bytes, remove_stale_dirs
 from ..policy import Tier
-from ..spilldir import PrivateDir, default_nvme_budget_bytes, remove_stale_dirs
+from ..runtime.copier import copier_for
+from ..runtime.jobs import EngineCudaJob, FutureJob, StagedJob
+from ..runtime.leases import StagingLease
 from .base import Layout
 from .moving import MovedHandle, MovingStore, _where_kept
 from .nvme_chain import PythonChain
@@ -167,7 +167,7 @@ class NvmeStore(MovingStore):
         self.staging.trim_when_idle()
         self.staging.start_step()
         # Extents given back with their I/O still running (NOTE [Buffers of
-        # earlier steps] in hostpool.py, applied to the arena): a step that
+        # earlier steps] in memory/hostpool.py, applied to the arena): a step that
         # finds the arena full waits for those before it refuses a tensor.
         self._free_finished()
         with self._deferred_lock:
@@ -213,7 +213,7 @@ class NvmeStore(MovingStore):
         return staging, offset
 
     def _unreserve(self, reservation, layout: Layout) -> None:
-        # From a finalizer too: no lock (NOTE [Releases from finalizers] in hostpool.py).
+        # From a finalizer too: no lock (NOTE [Releases from finalizers] in memory/hostpool.py).
         staging, offset = reservation
         if staging is not None:
             self.staging.release(staging, None, layout.device.type == "cuda")
@@ -352,7 +352,7 @@ class NvmeStore(MovingStore):
         device = layout.device
         copier = copier_for(device, self._copiers)
         compute = torch.cuda.current_stream(device)
-        # Allocated on the compute stream: see NOTE [Stream lifetime] 2 in copier.py.
+        # Allocated on the compute stream: see NOTE [Stream lifetime] 2 in runtime/copier.py.
         dev = torch.empty(layout.pad + layout.numel, dtype=layout.dtype, device=device)
         staging = self.staging.acquire(layout.nbytes, pinned=True)
         pooled = staging is not None
@@ -386,7 +386,7 @@ class NvmeStore(MovingStore):
     # -- release --------------------------------------------------------------------
     def _free(self, h: MovedHandle) -> None:
         # From the handle's finalizer: no lock (NOTE [Releases from finalizers]
-        # in hostpool.py); filed by the next poll, settle or close.
+        # in memory/hostpool.py); filed by the next poll, settle or close.
         self._released.append((h.last_job, h.slot[0], h.nbytes))
 
     def _free_finished(self) -> None:
@@ -401,7 +401,7 @@ class NvmeStore(MovingStore):
                 if job is None or job.done():   # None: reserved, never written
                     # Off the list before it is freed: an interrupt between the
                     # two leaks the extent, never frees it twice (NOTE
-                    # [Interrupted updates] in arena.py, rule 3).
+                    # [Interrupted updates] in memory/arena.py, rule 3).
                     del deferred[i]
                     self.arena.free(offset, nbytes)
                 else:

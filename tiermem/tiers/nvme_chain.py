@@ -5,7 +5,7 @@ carry alone (module docstring of tiers/nvme.py): a write that must first wait
 for a device-to-host copy into staging, a read followed by a host-to-device
 copy, and every request with ``verify`` (the CRC32 is taken in Python between
 the copy and the write, and checked after the read). Each request returns a
-:class:`~tiermem.jobs.ChainJob`; an ``OSError`` becomes a
+:class:`~tiermem.runtime.jobs.ChainJob`; an ``OSError`` becomes a
 :class:`~tiermem.TierMemError` naming the request (``what``).
 """
 
@@ -19,7 +19,7 @@ from typing import Callable, List, Optional
 import torch
 
 from ..errors import TierMemError
-from ..jobs import ChainJob, EventJob, Job, ReadCopyJob
+from ..runtime.jobs import ChainJob, EventJob, Job, ReadCopyJob
 
 __all__ = ["PythonChain", "ReadThenCopy", "crc32"]
 

@@ -1,7 +1,7 @@
 """The ``recompute`` tier: drop a saved tensor, regenerate it in backward.
 
 A saved tensor is recomputable when its producer op is on the allow-list
-(:data:`~tiermem.producers.RECOMPUTABLE_OPS`) and the op's inputs can be had
+(:data:`~tiermem.tracking.producers.RECOMPUTABLE_OPS`) and the op's inputs can be had
 again in backward. ``put`` plans a *recipe*: a small tree whose root is the
 producer op and whose leaves are handles of tensors tiermem stores anyway.
 
@@ -13,7 +13,7 @@ producer op and whose leaves are handles of tensors tiermem stores anyway.
 #    device anyway, and is not modified during a forward pass; buffers, which
 #    may be, such as BatchNorm's running statistics, go through 4); checked
 #    for changes before backward (NOTE [Parameters changed before backward]
-#    in paramcheck.py);
+#    in tracking/params.py);
 # 3. the argument's own recipe, when its producer is recomputable too (chains:
 #    views, casts, pointwise ops), if that costs fewer stored bytes than 4;
 # 4. the argument itself, stored in the tiers the planned tensor's policy
@@ -65,7 +65,7 @@ import torch
 
 from ..errors import TierMemError
 from ..policy import Tier
-from ..producers import Record, Ref
+from ..tracking.producers import Record, Ref
 from .base import Layout, RecipeServices, TierStore, exact_copy
 from .keep import Kept
 
@@ -104,7 +104,7 @@ class _In:
     """A leaf of a recipe: a handle of a tier (unpacked through its store).
     ``watch``: for a parameter held as it is, what it was at pack (checked
     before each recompute; NOTE [Parameters changed before backward] in
-    paramcheck.py), else ``None``."""
+    tracking/params.py), else ``None``."""
 
     __slots__ = ("handle", "watch", "__weakref__")
 
@@ -115,7 +115,7 @@ class _In:
     def snapshot(self, copies: dict) -> None:
         """The parameter or leaf this leaf holds as it is is about to be written
         in place during the forward: hold a copy of its values of now instead
-        (NOTE [Writes to recipe inputs] in producers.py). ``copies``: the
+        (NOTE [Writes to recipe inputs] in tracking/producers.py). ``copies``: the
         copies made for this write, by tensor, shared by every leaf."""
         h = self.handle
         if type(h) is not Kept or h.tensor._version != h.version:
@@ -217,13 +217,13 @@ class RecomputeStore(TierStore):
                 and producers.alias_of(t, rec)):
             # A view of a tensor the recipe regenerates: a scoped step makes
             # its record itself (NOTE [Views made inside untracked calls] in
-            # producers.py), so the op that made it need not be tracked.
+            # tracking/producers.py), so the op that made it need not be tracked.
             del ops[0]
         #: (module, op name) of each op of the recipe, the modules alone, and
         #: (module, torch call) of each (recorded by a mode with
         #: module_names: NOTE [Scoped tracking] and NOTE [Tracking inside
-        #: torch calls] in tracker.py, NOTE [Recording only what recipes use]
-        #: in producers.py), else ().
+        #: torch calls] in tracking/modules.py, NOTE [Recording only what recipes use]
+        #: in tracking/producers.py), else ().
         known = not any(m is None for m, _, _, _ in ops)
         h.ops = tuple(sorted({(m, o) for m, o, _, _ in ops})) if known else ()
         h.modules = tuple(sorted({m for m, _ in h.ops}))
@@ -234,7 +234,7 @@ class RecomputeStore(TierStore):
         #: call: whether the call returned the output the recipe uses is
         #: known once the call has returned (``Record.returned``, after this
         #: put when the call saves its own output): NOTE [Calls recorded
-        #: whole] in producers.py.
+        #: whole] in tracking/producers.py.
         h.call_records = (tuple((m, c, r) for m, _, c, r in ops if c is not None)
                           if known else ())
         h.store, h.step, h.module = self, step, module
@@ -247,8 +247,8 @@ class RecomputeStore(TierStore):
         h.tainted = False
         h.depth = plan.depth + 1
         h.entry = step.dropped(h, nbytes)
-        producers.watch(t, h)   # NOTE [Writes to dropped tensors] in producers.py
-        for x, leaf in as_is:   # NOTE [Writes to recipe inputs] in producers.py
+        producers.watch(t, h)   # NOTE [Writes to dropped tensors] in tracking/producers.py
+        for x, leaf in as_is:   # NOTE [Writes to recipe inputs] in tracking/producers.py
             producers.watch_input(x, leaf)
         return h
 
@@ -341,7 +341,7 @@ class RecomputeStore(TierStore):
             # Still alive: nothing was freed. NOTE [Recompute is exact]. (A
             # storage resized since, FSDP2's free of an unsharded parameter's
             # memory under an alias of it, no longer holds the values: rule 5
-            # of NOTE [Sharded parameters] in hooks.py.)
+            # of NOTE [Sharded parameters] in runtime/hooks.py.)
             return src.detach(), None
         cached = h.cached
         if cached is not None:

@@ -17,7 +17,7 @@ Tiers and pools see only the protocol:
 On CUDA, ordering a consumer after a copy is always the same two steps, done
 by :func:`use_after_event`: the consumer's stream waits on the copy's event
 (no host wait), and a tensor consumed on another stream than the one it was
-allocated on is ``record_stream``-ed there (NOTE [Stream lifetime] in copier.py).
+allocated on is ``record_stream``-ed there (NOTE [Stream lifetime] in runtime/copier.py).
 
 Kinds: :class:`ThreadJob` (a worker thread's copy), :class:`CudaJob` (a copy on
 a side stream, its event), :class:`FutureJob` (an engine future, CPU tensors),
@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from .errors import TierMemError
+from ..errors import TierMemError
 
 __all__ = ["Job", "use_after_event", "ThreadJob", "CudaJob", "FutureJob", "ChainJob",
            "ReadCopyJob", "EngineCudaJob", "EventJob", "AllDone", "StagedJob"]
@@ -114,7 +114,7 @@ class CudaJob(Job):
     destination was allocated on ``stream`` (a copy out: the stream it was
     ordered after). ``temp``: a dense temporary made on ``stream`` that the
     copy reads, held until the copy is ordered before its reuse (NOTE
-    [Temporaries on the compute stream] in copier.py)."""
+    [Temporaries on the compute stream] in runtime/copier.py)."""
 
     __slots__ = ("event", "device", "stream", "side", "temp")
 

@@ -43,7 +43,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .tracker import call_name, current_module
+from .modules import call_name, current_module
 
 __all__ = ["ProducerMode", "CallRecorder", "Record", "Ref", "call_name", "storage_key",
            "untracked_pack",
@@ -181,9 +181,9 @@ def _alias_fits(t: torch.Tensor, base: torch.Tensor) -> bool:
 class CallRecorder(TorchFunctionMode):
     """Keeps ``producers.call`` (a :class:`ProducerMode`) set to the name of
     the torch call running now, for ``Record.call`` (a profiled step: NOTE
-    [Tracking inside torch calls] in tracker.py). A function mode sees only
+    [Tracking inside torch calls] in tracking/modules.py). A function mode sees only
     the outermost torch call (it is not active inside its own handler): the
-    call a step's :class:`~tiermem.tracker.CallGate` sees too."""
+    call a step's :class:`~tiermem.tracking.modules.CallGate` sees too."""
 
     def __init__(self, producers: "ProducerMode") -> None:
         super().__init__()
@@ -257,7 +257,7 @@ class Ref:
         A storage resized since then (its data pointer moved or is null) counts
         as gone: FSDP2 frees its unsharded parameters with ``resize_(0)`` after
         a block's forward, leaving the tensor alive and its version unchanged
-        (see NOTE [Sharded parameters] in hooks.py)."""
+        (see NOTE [Sharded parameters] in runtime/hooks.py)."""
         t = self.tensor_ref()
         if t is None or t._version != self.version:
             return None
@@ -288,7 +288,7 @@ class Record:
         self.module: Optional[str] = None
         #: Name of the outermost torch call (``F.linear``: ``"linear"``) the op
         #: ran in, recorded with ``module`` while a :class:`CallRecorder` runs
-        #: (NOTE [Tracking inside torch calls] in tracker.py); ``None``: not
+        #: (NOTE [Tracking inside torch calls] in tracking/modules.py); ``None``: not
         #: recorded, or the op ran outside every torch call.
         self.call: Optional[str] = None
         #: The torch call ``call`` returned this tensor (set by a
@@ -380,7 +380,7 @@ class ProducerMode(TorchDispatchMode):
     ``module_names``: also record, in each recomputable record, the module the
     op ran in (``Record.module``; the planner's profile uses it to scope the
     tracking of the steps that follow its plan: NOTE [Scoped tracking] in
-    tracker.py). It may be entered and left several times in one forward (the
+    tracking/modules.py). It may be entered and left several times in one forward (the
     records made so far stay valid).
 
     ``names``: also record the ops that are not recomputable (name only), so
@@ -389,7 +389,7 @@ class ProducerMode(TorchDispatchMode):
     run unrecorded, and :meth:`op_name` is not to be asked (it answers only
     for recorded ops, without looking through views). ``wanted``: ``None``,
     or the op names (``aten`` packet names) to record; a
-    :class:`~tiermem.tracker.TrackingScope` sets it per module. See NOTE
+    :class:`~tiermem.tracking.modules.TrackingScope` sets it per module. See NOTE
     [Recording only what recipes use]."""
 
     def __init__(self, module_names: bool = False, names: bool = True) -> None:
@@ -440,7 +440,7 @@ class ProducerMode(TorchDispatchMode):
     # NOTE [Views made inside untracked calls]
     # F.linear on a 3-d input saves ``input.view(-1, in)``, a view it makes
     # itself. A step tracking inside chosen torch calls only (NOTE [Tracking
-    # inside torch calls] in tracker.py) would have to track all of F.linear
+    # inside torch calls] in tracking/modules.py) would have to track all of F.linear
     # (its matmul included) to record that one view. It need not: a tensor
     # that is contiguous and starts where a recorded contiguous tensor of the
     # same dtype and element count starts, on the same storage, holds that
@@ -597,7 +597,7 @@ class ProducerMode(TorchDispatchMode):
     #    that (the same op name elsewhere in the module) change nothing a
     #    recipe chooses that the profile did not consider.
     # Exactness does not rest on either (as for the scope, NOTE [Scoped
-    # tracking] in tracker.py): a record is made in full or not at all, and a
+    # tracking] in tracking/modules.py): a record is made in full or not at all, and a
     # missing one only makes a recipe store that tensor (bytes, which the
     # closed loop measures) or decline. Records of an in-place op's output are
     # not needed either: the tensor's version moved on (NOTE [Version of a
@@ -688,7 +688,7 @@ class ProducerMode(TorchDispatchMode):
     # same, recomputable); the plan lists them (``Plan.tracking_direct``), and a step
     # following it records such a call at the torch-function level
     # (``record_call``, from its CallGate: NOTE [Tracking inside torch calls]
-    # in tracker.py) without entering the dispatch mode: a Record whose
+    # in tracking/modules.py) without entering the dispatch mode: a Record whose
     # ``func`` is the torch function, its arguments captured as an op's are,
     # replayed under no_grad and without autocast as every recipe is (NOTE
     # [Recompute is exact] in tiers/recompute.py). Exact because:

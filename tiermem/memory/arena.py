@@ -46,7 +46,7 @@ import logging
 import threading
 from typing import Callable, NamedTuple, Optional
 
-from .errors import TierMemError
+from ..errors import TierMemError
 
 __all__ = ["Arena", "round_up"]
 

@@ -5,7 +5,7 @@ Each unpack of a moved tensor advances a cursor backwards through the packing
 order and starts restores ahead of need until ``budget_bytes`` are restored but
 not yet consumed. :meth:`Prefetcher.kick` starts the cursor earlier, from
 the top, when backward unpacks a kept tensor before any moved one (NOTE
-[Restores start with backward] in hooks.py). A restore is
+[Restores start with backward] in runtime/hooks.py). A restore is
 "consumed" when its handle's ``get`` takes it, and given back if the handle
 dies first.
 
@@ -22,7 +22,7 @@ in that pass (``taken``, out of ``uses``: the saves of that tensor, dedup
 included); a handle consumed more often than it was saved starts a new pass
 (``retain_graph=True``): everything becomes eligible again.
 
-Calls run one way: the unpack hook (:func:`tiermem.hooks.unpack`) calls
+Calls run one way: the unpack hook (:func:`tiermem.runtime.hooks.unpack`) calls
 :meth:`Prefetcher.begin_use`, then the handle's tier, then
 :meth:`Prefetcher.advance`, which asks tiers to start restores
 (``store.prefetch(handle)``). Nothing calls the prefetcher from a tier or from
@@ -60,7 +60,7 @@ AUTO_MAX_BYTES = 256 << 20
 
 
 #: What ``store.prefetch(handle)`` answers for a tensor still in memory, held
-#: for its unpack (NOTE [Tail hold] in tailhold.py): no restore to start, but
+#: for its unpack (NOTE [Tail hold] in runtime/tailhold.py): no restore to start, but
 #: counted in the window until taken, like a restore in flight (not in
 #: ``stats.prefetched_bytes``).
 HELD = 2
@@ -187,7 +187,7 @@ class Prefetcher:
         the packing order, the last packed moved tensor down (or from the
         moved tensors packed before position ``top`` down), within the window,
         as an unpack just above them would (NOTE [Restores start with backward]
-        in hooks.py). Called from a kept tensor's unpack; does nothing once
+        in runtime/hooks.py). Called from a kept tensor's unpack; does nothing once
         restores have started (a kick, or a moved tensor's unpack)."""
         if self.budget_bytes is None:
             moved = self._moved_bytes() if self._moved_bytes is not None else 0

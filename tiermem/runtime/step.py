@@ -3,7 +3,7 @@ the services a tier is given.
 
 A :class:`Step` lives from ``with offloader:`` until autograd has dropped the
 step's last handle. The pack hook creates handles through
-:class:`~tiermem.placement.Placement`, passing the step; tiers keep it on the
+:class:`~tiermem.runtime.placement.Placement`, passing the step; tiers keep it on the
 handles they make and report to it (:class:`~tiermem.tiers.base.StepEvents`):
 a move started or failed, a restore started, taken or late, a recompute run.
 They never write into the step's parts themselves.
@@ -39,14 +39,14 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .paramcheck import ParamChecks
-from .policy import Tier
+from ..policy import Tier
+from ..telemetry import StepStats
+from ..tiers.base import exact_copy
+from ..tiers.keep import Kept
+from ..tracking.modules import current_module
+from ..tracking.params import ParamChecks
+from ..tracking.producers import ProducerMode, Ref, storage_key
 from .prefetch import Entry, Prefetcher, auto_window_bytes
-from .producers import ProducerMode, Ref, storage_key
-from .telemetry import StepStats
-from .tiers.base import exact_copy
-from .tiers.keep import Kept
-from .tracker import current_module
 
 __all__ = ["Step", "is_stable_param"]
 
@@ -81,7 +81,7 @@ def _moved_bytes(stats: StepStats) -> int:
 class Step:
     """State of one step; see the module docstring.
 
-    ``placement``: the Offloader's :class:`~tiermem.placement.Placement` (for a
+    ``placement``: the Offloader's :class:`~tiermem.runtime.placement.Placement` (for a
     recipe's inputs); ``unpack``: the unpack function (for a recipe's leaves).
     """
 
@@ -104,18 +104,18 @@ class Step:
         self.planning = None
         #: The model is sharded (FSDP2, DTensor parameters): the parameters its
         #: forward uses may be freed before backward, so recipes hold none as
-        #: it is (see NOTE [Sharded parameters] in hooks.py).
+        #: it is (see NOTE [Sharded parameters] in runtime/hooks.py).
         self.params_may_be_freed = False
         self.dedup: dict = {}     # NOTE [Dedup]: key -> (storage weak ref, handle weak ref)
         self._recipe_inputs: dict = {}   # private copies stored for recipes only
         self._placement = placement
         self._unpack = unpack
         #: Parameters recipes hold as they are (NOTE [Parameters changed before
-        #: backward] in paramcheck.py); fingerprints if ``check_params``.
+        #: backward] in tracking/params.py); fingerprints if ``check_params``.
         self.param_checks = ParamChecks(check_params)
-        #: The Offloader's :class:`~tiermem.tailhold.TailHold` when this step
+        #: The Offloader's :class:`~tiermem.runtime.tailhold.TailHold` when this step
         #: holds the sources of its last moves (NOTE [Tail hold] in
-        #: tailhold.py), else ``None``; ``tail_hold_bytes``: its bound
+        #: runtime/tailhold.py), else ``None``; ``tail_hold_bytes``: its bound
         #: (``None``: the prefetch window).
         self.tail = None
         self.tail_hold_bytes: Optional[int] = None
@@ -160,7 +160,7 @@ class Step:
 
     def hold_tail(self, handle, nbytes: int) -> bool:
         """A move out started whose source holds ``nbytes``: whether the
-        source stays held (NOTE [Tail hold] in tailhold.py, 1 and 6; only
+        source stays held (NOTE [Tail hold] in runtime/tailhold.py, 1 and 6; only
         steps without a plan have ``tail``: the Offloader gives it)."""
         if self.params_may_be_freed:
             return False
@@ -261,7 +261,7 @@ class Step:
 
     # -- recipe services (RecipeServices; NOTE [What a recipe holds]) -----------------
     def lookup(self, t: Any) -> Any:
-        """The handle of ``t`` (a tensor or a :class:`~tiermem.producers.Ref`)
+        """The handle of ``t`` (a tensor or a :class:`~tiermem.tracking.producers.Ref`)
         if this step already saved its values, else ``None``."""
         if type(t) is Ref:
             if self.params_may_be_freed and self._is_param_ref(t):
@@ -294,7 +294,7 @@ class Step:
         """Whether a recipe may hold ``t`` as it is (NOTE [What a recipe holds]):
         a parameter or a leaf that requires grad, except, when the model's
         parameters may be freed between forward and backward, a parameter
-        (see NOTE [Sharded parameters] in hooks.py)."""
+        (see NOTE [Sharded parameters] in runtime/hooks.py)."""
         if not is_stable_param(t):
             return False
         if not self.params_may_be_freed:

@@ -14,7 +14,7 @@ the per-rank share of a per-node default.
 # - An explicit setting (cpu_budget, nvme_budget, prefetch_bytes, by argument or
 #   TIERMEM_*) is per rank: it bounds the Offloader that reads it, which is
 #   one rank's. Eight ranks with TIERMEM_CPU_BUDGET=8GiB may hold 64 GiB.
-# - Each rank's NVMe files live in its own private directory (spilldir.py),
+# - Each rank's NVMe files live in its own private directory (memory/spilldir.py),
 #   named with its rank, under the one shared TIERMEM_NVME_DIR.
 # Log lines of the ``tiermem`` logger and ``python -m tiermem doctor`` name the
 # rank (RANK, and LOCAL_RANK when it differs) whenever one is set.
@@ -26,8 +26,8 @@ import logging
 import os
 from typing import Optional
 
-from .config import parse_int
-from .errors import ConfigError
+from ..config import parse_int
+from ..errors import ConfigError
 
 __all__ = ["local_world_size", "rank", "local_rank", "rank_label", "per_rank_share",
            "STAGING_NODE_BYTES", "STAGING_MIN_BYTES", "RankFilter"]

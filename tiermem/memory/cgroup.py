@@ -1,7 +1,7 @@
 """What a container's memory cgroup still allows (NOTE [Container memory limits]).
 
 A leaf module (no tiermem imports): the cpu tier's default budget
-(placement.py) and the auto planner's default device budget on the CPU
+(runtime/placement.py) and the auto planner's default device budget on the CPU
 (planner/rates.py) both read :func:`available_memory_bytes`.
 """
 

@@ -1,8 +1,8 @@
 """The saved-tensor hooks: pack (a tensor -> a handle) and unpack (a handle -> the tensor).
 
 Pack (:class:`Packer`, one per step) decides what is never moved, finds
-tensors this step stored already (NOTE [Dedup] in step.py), asks the policy
-for a tier order and hands the tensor to :class:`~tiermem.placement.Placement`.
+tensors this step stored already (NOTE [Dedup] in runtime/step.py), asks the policy
+for a tier order and hands the tensor to :class:`~tiermem.runtime.placement.Placement`.
 Unpack (:func:`unpack`, one function for every handle kind) checks a kept
 tensor's version, or takes a tier's handle through the step's prefetcher
 (count the use, take the restore, top the window up) and waits outside its
@@ -60,7 +60,7 @@ lock. Nothing else lives here.
 #    A launch after the free finds a storage of size 0: the move fails and
 #    the tensor is kept, refilled by FSDP2 for backward (exact either way).
 #    Such an alias has its parameter's dedup key: the pack hook's dedup
-#    takes only a hit of the very storage object (NOTE [Dedup] in step.py),
+#    takes only a hit of the very storage object (NOTE [Dedup] in runtime/step.py),
 #    a recipe never takes an alias's saved handle for a parameter argument
 #    (``Step.lookup``; rule 4 applies), and a dropped tensor still alive is
 #    returned as it is only while its storage still has its memory
@@ -112,7 +112,7 @@ lock. Nothing else lives here.
 # output), nothing of the step's graph runs before that unpack: it is read
 # on demand and leads the rest, as without a kick (measured:
 # benchmarks/results/2026-12-01-cpu-fixed-kick.md), unless its source is
-# still held by the tail hold (NOTE [Tail hold] in tailhold.py), which such
+# still held by the tail hold (NOTE [Tail hold] in runtime/tailhold.py), which such
 # steps have by default: then it is taken from memory and its unpack leads.
 # Exactness does not depend on any of it: a kick only starts restores earlier.
 """
@@ -125,11 +125,11 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from .blocks import _scope as _block_scope
-from .policy import Tier, TensorInfo
-from .producers import storage_key
-from .tiers.keep import Kept, KickKept, check_version
-from .tracker import current_module
+from ..blocks import _scope as _block_scope
+from ..policy import Tier, TensorInfo
+from ..tiers.keep import Kept, KickKept, check_version
+from ..tracking.modules import current_module
+from ..tracking.producers import storage_key
 
 __all__ = ["Packer", "unpack", "keep_pack", "opaque"]
 

@@ -29,7 +29,7 @@ made between the forward and the backward.
 #    computed and raises there (the gradients of that backward are then wrong
 #    and the error says so).
 # A write made during the forward is seen by producer tracking and gives the
-# recipe a copy (NOTE [Writes to recipe inputs] in producers.py); such a
+# recipe a copy (NOTE [Writes to recipe inputs] in tracking/producers.py); such a
 # tensor is no longer held as it is and has nothing to check. The fingerprint
 # is not compared across steps: an optimizer step after backward, before the
 # next forward, is no change.
@@ -42,8 +42,8 @@ from typing import Optional
 
 import torch
 
-from .errors import TierMemError
-from .tracker import param_name
+from ..errors import TierMemError
+from .modules import param_name
 
 __all__ = ["ParamChecks", "ParamWatch", "fingerprint"]
 

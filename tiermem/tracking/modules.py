@@ -83,7 +83,7 @@ def _pre_hook(module: torch.nn.Module, args) -> None:
     # NOTE [Tracker under torch.compile]
     # These are global forward hooks: Dynamo traces them inside every compiled
     # module call, unlike the saved-tensor hooks (hidden from it, NOTE [Hooks
-    # under torch.compile] in hooks.py). Traced, their weak dictionary of
+    # under torch.compile] in runtime/hooks.py). Traced, their weak dictionary of
     # names and thread-local stack become guards and mutations of the graph,
     # which broke recompiles (AssertionError "already tracked for mutation";
     # intermittently "dictionary changed size during iteration"). So they do
@@ -161,7 +161,7 @@ def current_module() -> str:
 # cached plan midway (NOTE [Following a plan] in planner/runtime.py) keeps
 # the first plan's scope. Inside the scope, a step following a plan records
 # only the ops its recipes use (``ops``: NOTE [Recording only what recipes
-# use] in producers.py), and the mode is called only inside the torch calls
+# use] in tracking/producers.py), and the mode is called only inside the torch calls
 # those ops ran in (``calls``: NOTE [Tracking inside torch calls]).
 # Exactness does not rest on the scope: an op that ran outside it has no
 # record, so a recipe that reaches its output stores that tensor as an input
@@ -173,7 +173,7 @@ def current_module() -> str:
 # (its recompute returns its values at save, where autograd would raise), and
 # a parameter that a recipe holds as it is, written outside the scope, is
 # caught at recompute by the parameter check (NOTE [Parameters changed before
-# backward] in paramcheck.py) rather than copied before the write.
+# backward] in tracking/params.py) rather than copied before the write.
 
 
 # NOTE [Tracking inside torch calls]
@@ -187,14 +187,14 @@ def current_module() -> str:
 # recipes' ops ran in, the scope enters a :class:`CallGate` (a function
 # mode) in the module instead of the dispatch mode, and the gate enters the
 # dispatch mode only for the duration of those calls. Who knows the calls: a
-# profiled step runs a :class:`~tiermem.producers.CallRecorder`, which names
+# profiled step runs a :class:`~tiermem.tracking.producers.CallRecorder`, which names
 # the outermost torch call running (``Record.call``); a plan gathers, per
 # module, the calls of the ops of its recipes (``RecomputeHandle.calls``,
 # ``Plan.tracking_calls``); an op that ran outside every torch call (a
 # direct ``torch.ops`` call) leaves its module tracked whole, as before. A
 # view a call makes of a tensor the recipe regenerates (F.linear's
 # ``input.view``) needs no tracking of that call: NOTE [Views made inside
-# untracked calls] in producers.py. Calls are named by ``__name__``
+# untracked calls] in tracking/producers.py. Calls are named by ``__name__``
 # (``call_name``): two of one name are both tracked. Exactness does not rest
 # on the gate, for the reasons of NOTE [Scoped tracking]: an op it does not
 # see has no record. A function mode sees the outermost call only, the same
@@ -202,7 +202,7 @@ def current_module() -> str:
 # torch's own functions) moves the scope while the gate is out of the stack,
 # and the gate then stays as it was until the next boundary. A call the
 # profile saw run one recomputable op is recorded whole by the gate, without
-# the dispatch mode: NOTE [Calls recorded whole] in producers.py.
+# the dispatch mode: NOTE [Calls recorded whole] in tracking/producers.py.
 
 _NOTHING: frozenset = frozenset()
 _NO_CALLS: dict = {}
@@ -222,7 +222,7 @@ class CallGate(TorchFunctionMode):
         self.allowed: frozenset = _NOTHING
         self.wanted: Optional[frozenset] = None
         #: Of ``allowed``, the calls recorded whole, by the op each ran in the
-        #: profile (NOTE [Calls recorded whole] in producers.py).
+        #: profile (NOTE [Calls recorded whole] in tracking/producers.py).
         self.direct: dict = {}
         #: Calls run under the dispatch mode, and calls recorded whole (tests,
         #: benchmarks).
@@ -263,12 +263,12 @@ class TrackingScope:
     ``ops``: ``None``, or per module of ``names`` the op names the mode is to
     record there (set as ``mode.wanted`` at each module boundary; every
     recomputable op inside a block): NOTE [Recording only what recipes use]
-    in producers.py. ``calls``: ``None``, or per module of ``names`` the
+    in tracking/producers.py. ``calls``: ``None``, or per module of ``names`` the
     names of the torch calls to track in (``None`` for a module: all of it);
     in such a module a :class:`CallGate` is entered instead of the mode:
     NOTE [Tracking inside torch calls]. ``direct``: per module, of its
     ``calls``, those recorded whole without the mode, by the op each ran in
-    the profile (NOTE [Calls recorded whole] in producers.py). Registered by
+    the profile (NOTE [Calls recorded whole] in tracking/producers.py). Registered by
     :class:`ModuleStack`."""
 
     __slots__ = ("mode", "names", "blocks", "state", "entries", "in_blocks", "ops", "calls",

@@ -39,7 +39,7 @@ from typing import Optional
 
 import psutil
 
-from .errors import ConfigError
+from ..errors import ConfigError
 from .ranks import per_rank_share
 from .ranks import rank as _rank
 
@@ -149,7 +149,7 @@ _LIVE_PATHS: set = set()
 
 def default_nvme_budget_bytes(path: str) -> int:
     """80% of the free space of ``path`` now, divided among the node's ranks
-    (``LOCAL_WORLD_SIZE``; NOTE [Per-rank budgets] in ranks.py): checkpoints
+    (``LOCAL_WORLD_SIZE``; NOTE [Per-rank budgets] in memory/ranks.py): checkpoints
     and logs often share the disk, and ENOSPC is caught anyway (the arena then
     stops growing). Measured after :func:`remove_stale_dirs`, so that a killed
     run's arena does not shrink the budget of the next."""

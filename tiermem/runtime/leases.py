@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from .hostpool import HostPool
+from ..memory.hostpool import HostPool
 from .jobs import AllDone
 
 __all__ = ["StagingLease"]
@@ -15,7 +15,7 @@ __all__ = ["StagingLease"]
 class StagingLease:
     """A staging buffer lent to one staged move: given back to ``pool`` at
     :meth:`release` (once; counted in use until then), for reuse once the move
-    (``job``, a :class:`~tiermem.jobs.StagedJob`) and every copy out of the
+    (``job``, a :class:`~tiermem.runtime.jobs.StagedJob`) and every copy out of the
     buffer (:meth:`hold_until`) are done.
 
     ``release`` may run from a handle's finalizer: it takes only this class's
@@ -41,7 +41,7 @@ class StagingLease:
             staged = self.job
             if staged is not None:
                 # The move's view of the buffer goes too: the pool may drop
-                # the buffer (NOTE [Trimming pinned buffers] in hostpool.py),
+                # the buffer (NOTE [Trimming pinned buffers] in memory/hostpool.py),
                 # which must then free its memory.
                 staged.host_view = None
             self.pool.release(buf, AllDone(staged, self.events), self.pinned)

@@ -8,8 +8,8 @@ it to the next, with one warning per tier. This is where the planner plugs
 in: placement asks "which tiers, in which order, for this tensor", and a
 policy or a plan answers.
 
-It is called by the pack hook (:mod:`tiermem.hooks`) and, for a recipe's
-inputs, by the step's recipe services (:meth:`tiermem.step.Step.store_input`)
+It is called by the pack hook (:mod:`tiermem.runtime.hooks`) and, for a recipe's
+inputs, by the step's recipe services (:meth:`tiermem.runtime.step.Step.store_input`)
 with the tier order passed explicitly. It never reads the hook's state.
 """
 
@@ -21,16 +21,16 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from .cgroup import available_memory_bytes
-from .config import Config
-from .errors import ConfigError, TierMemError
-from .policy import AUTO, FALLBACK, Tier, TensorInfo, TierOrder, resolve_policy, tier_order
-from .ranks import STAGING_MIN_BYTES, STAGING_NODE_BYTES, per_rank_share
-from .spilldir import default_nvme_budget_bytes
-from .tiers.base import TierStore
-from .tiers.host import HostStore
-from .tiers.keep import KeepStore
-from .tiers.recompute import RecomputeStore
+from ..config import Config
+from ..errors import ConfigError, TierMemError
+from ..memory.cgroup import available_memory_bytes
+from ..memory.ranks import STAGING_MIN_BYTES, STAGING_NODE_BYTES, per_rank_share
+from ..memory.spilldir import default_nvme_budget_bytes
+from ..policy import AUTO, FALLBACK, Tier, TensorInfo, TierOrder, resolve_policy, tier_order
+from ..tiers.base import TierStore
+from ..tiers.host import HostStore
+from ..tiers.keep import KeepStore
+from ..tiers.recompute import RecomputeStore
 
 __all__ = ["Placement", "default_cpu_budget_bytes", "default_nvme_budget_bytes",
            "default_staging_bytes"]
@@ -43,21 +43,21 @@ def default_cpu_budget_bytes() -> int:
 
     Available: what the OS reports (``psutil``), or, in a memory cgroup with a
     limit (a container), what the cgroup may still take if that is less
-    (:func:`~tiermem.cgroup.available_memory_bytes`; NOTE [Container memory
-    limits] in cgroup.py).
+    (:func:`~tiermem.memory.cgroup.available_memory_bytes`; NOTE [Container memory
+    limits] in memory/cgroup.py).
     Half, because the rest of the process (data loading, optimizer state on the
     host, pinned staging of other libraries, page cache) needs room too and an
     out-of-memory kill loses the run; divided by ``LOCAL_WORLD_SIZE`` (set by
     torchrun) because every rank on the node starts its own Offloader (NOTE
-    [Per-rank budgets] in ranks.py).
+    [Per-rank budgets] in memory/ranks.py).
     """
     return per_rank_share(available_memory_bytes() // 2)
 
 
 def default_staging_bytes(prefetch_bytes: Optional[int]) -> int:
     """Pinned staging of the nvme tier (writes and reads in flight) for this
-    rank: the node's :data:`~tiermem.ranks.STAGING_NODE_BYTES` divided among its
-    ranks, at least :data:`~tiermem.ranks.STAGING_MIN_BYTES`, or
+    rank: the node's :data:`~tiermem.memory.ranks.STAGING_NODE_BYTES` divided among its
+    ranks, at least :data:`~tiermem.memory.ranks.STAGING_MIN_BYTES`, or
     ``prefetch_bytes`` if that is larger (NOTE [Per-rank budgets])."""
     share = max(per_rank_share(STAGING_NODE_BYTES), STAGING_MIN_BYTES)
     return max(prefetch_bytes or 0, share)
@@ -69,9 +69,9 @@ _BAD_DIR_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.E
 
 
 def _make_nvme_store(cfg: Config) -> TierStore:
-    from .io import acquire_engine, release_engine
-    from .spilldir import check_nvme_dir
-    from .tiers.nvme import NvmeStore
+    from ..io import acquire_engine, release_engine
+    from ..memory.spilldir import check_nvme_dir
+    from ..tiers.nvme import NvmeStore
     setting = cfg.setting_name("nvme_dir")   # NOTE [Setting names in messages] in config.py
     root = check_nvme_dir(cfg.nvme_dir, setting)
     engine = acquire_engine(cfg.engine, cfg.io_threads)   # released by the store's close
@@ -136,7 +136,7 @@ class Placement:
         #: The planner of ``policy="auto"`` (``None`` otherwise).
         self.planner = None
         if auto:
-            from .planner import Planner
+            from ..planner import Planner
             self.planner = Planner(self, cfg, hints)
 
     # -- choosing -----------------------------------------------------------------

@@ -6,7 +6,7 @@ buffer's elements on the device and copy in after the pad):
 
 - :class:`CudaCopier`: one device-to-host and one host-to-device side stream
   per device; copies wait on the compute stream with an event, never on the
-  host. Its jobs (:class:`~tiermem.jobs.CudaJob`) are done when the event is;
+  host. Its jobs (:class:`~tiermem.runtime.jobs.CudaJob`) are done when the event is;
   a consumer orders itself after the copy with ``order_before_use()``
   (``current_stream.wait_event``).
 - :class:`ThreadCopier`: for CPU tensors (and CPU-only machines), two worker

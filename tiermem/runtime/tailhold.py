@@ -8,7 +8,7 @@ backward's first unpacks (NOTE [Tail hold]).
 # tensor (cross-entropy: NllLossBackward0 unpacks the log-softmax output, or,
 # with recompute,nvme, its recipe unpacks the logits): nothing of the step's
 # graph runs before it to start a restore (NOTE [Restores start with
-# backward] in hooks.py, rule 5), so it was read on demand in almost every
+# backward] in runtime/hooks.py, rule 5), so it was read on demand in almost every
 # step, and on a GPU it is the model's largest tensor (batch x seq x vocab).
 # The rules:
 # 1. Which: an Offloader has one :class:`TailHold`. Each move out of a step
@@ -55,7 +55,7 @@ backward's first unpacks (NOTE [Tail hold]).
 # 6. Not held: steps that follow an auto plan (the plan keeps what backward
 #    needs first, and its prefetch window is sized for its moves; the planner
 #    reads the step's memory), and steps whose parameters may be freed
-#    (FSDP2, NOTE [Sharded parameters] in hooks.py): a moved tensor may alias
+#    (FSDP2, NOTE [Sharded parameters] in runtime/hooks.py): a moved tensor may alias
 #    an unsharded parameter, whose storage FSDP2 frees and refills.
 # 7. CUDA: the held tensor was made on the forward's stream and is consumed
 #    by backward as a kept one would be; the D2H copy only reads it. The

@@ -11,7 +11,7 @@ tier allocates nothing.
   are mostly powers of two times small factors).
 - Pageable buffers (CPU tensors, CPU-only machines) use exact sizes.
 
-A returned buffer carries the :class:`~tiermem.jobs.Job` that last used it;
+A returned buffer carries the :class:`~tiermem.runtime.jobs.Job` that last used it;
 it is handed out again only once that job is done. See NOTE [Stream lifetime].
 
 NOTE [Trimming pinned buffers]
@@ -43,7 +43,7 @@ NOTE [Idle pageable buffers]
   pageable bytes are therefore capped at the most pageable bytes ever in use at
   once (what one step moves): beyond it, the least recently used classes are
   dropped, which costs nothing (no device sync; glibc returns the pages, see
-  NOTE [Freed memory and RSS] in malloc.py). Pinned buffers come in
+  NOTE [Freed memory and RSS] in memory/malloc.py). Pinned buffers come in
   power-of-two classes, so they are reused across shapes; trimming them stays
   as NOTE [Trimming pinned buffers] says.
 
