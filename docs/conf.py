@@ -44,16 +44,16 @@ autodoc_default_options = {"members": True, "undoc-members": False}
 # would read a line such as "``policy="auto"``: the plan ..." as a type.
 
 # Docstrings serve readers of the code too, and there they may point at a
-# note in the source ("NOTE [Tail hold] in runtime/tailhold.py"). The site
+# note in the source (a note's name in brackets after NOTE, maybe "in" a file). The site
 # never shows such a pointer: the forms below are dropped, and any other
 # left in a docstring fails the build (a warning, and warnings are errors).
 _PATH = r"(?::\w+:)?`?[\w/]+(?:\.\w+)*`?"
 _POINTER = r"(?:see\s+)?NOTE\s+\[[^\]]+\](?:\s+in\s+" + _PATH + r")?(?:,\s+rule\s+\d+)?"
 _DROP = [
-    (re.compile(r"\s*\(" + _POINTER + r"\)", re.I), ""),                 # "(NOTE [x] in y)"
-    (re.compile(r"\s*See\s+" + _POINTER + r"\.(?=\s|$)"), ""),          # "See NOTE [x]."
-    (re.compile(r"[;:,]\s*" + _POINTER + r"(?=[).;,])", re.I), ""),      # "...; NOTE [x])"
-    (re.compile(r"\(" + _POINTER + r";\s*", re.I), "("),                  # "(NOTE [x]; more)"
+    (re.compile(r"\s*\(" + _POINTER + r"\)", re.I), ""),                 # a pointer in parentheses
+    (re.compile(r"\s*See\s+" + _POINTER + r"\.(?=\s|$)"), ""),          # a sentence "See" + pointer
+    (re.compile(r"[;:,]\s*" + _POINTER + r"(?=[).;,])", re.I), ""),      # a pointer after ; : or ,
+    (re.compile(r"\(" + _POINTER + r";\s*", re.I), "("),                  # a pointer opening parentheses
 ]
 _INLINE = {
     # a pointer that is part of a sentence: the guide page that says the same
