@@ -1,5 +1,4 @@
-"""The semantics every tier must keep (docs/design.md, section "Semantics every
-tier must keep"; the README's "What is guaranteed"), tested on the CPU.
+"""The semantics every tier must keep (docs/guarantees.md), tested on the CPU.
 
 Saved tensors are observed directly through ``models.SaveIt``, a Function whose
 forward saves exactly the tensor it is given and whose backward hands back what
