@@ -13,13 +13,13 @@
 # (counted as if everything moved were held at once). MUST answers are fixed
 # before the model (their options taken, their room used); a block holding
 # one, or a nested wrap_blocks block with a MUST policy, is fixed plain.
-# Objective: the sum of the options' lone prices (costs.py), with PREFER
-# hints as biases: a move hint divides the price of its tiers by
-# HINT_FAVOUR (the first tier most), a keep hint adds KEEP_PENALTY_S (more
-# than every unhinted price together) to each of its moves. Unreachable
-# budgets: first the most bytes the tiers can free, then the cheapest
-# choice freeing them. The greedy (greedy.py) is solved too; the better of
-# the two by (bytes short, objective) stands, so a solver stopped by its
+# Objective: the sum of the options' lone prices (costs.py). PREFER hints
+# rank by preference, not by price (NOTE [Planner hints]): a tensor with one,
+# and a block holding one (with its inputs), are fixed variables at the
+# greedy's choice, which takes hinted moves first and keep hints last.
+# Unreachable budgets: first the most bytes the tiers can free, then the
+# cheapest choice freeing them. The greedy (greedy.py) is solved too; the
+# better of the two by (bytes short, cost) stands, so a solver stopped by its
 # time limit never makes the plan worse. HiGHS runs single-threaded and is
 # deterministic for a given model: ranks planning the same agreed profile
 # choose alike (unless a time limit cuts one short).
@@ -32,12 +32,9 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from ..policy import Tier
-from .hints import is_move_hint
 
-__all__ = ["Model", "HINT_FAVOUR", "TIME_LIMIT_S"]
+__all__ = ["Model", "TIME_LIMIT_S"]
 
-#: A move hint's tiers cost this many times less in the objective.
-HINT_FAVOUR = 1e3
 #: Seconds HiGHS may take per plan (both phases together).
 TIME_LIMIT_S = 0.2
 _ROOM_TIERS = (Tier.CPU, Tier.NVME)
@@ -57,19 +54,13 @@ class Model:
     def __init__(self, records, options: dict, blocks, need: int, room: dict,
                  must_ids: set) -> None:
         self.need, self.room = need, room
+        self._records = records
         self.vars: List[tuple] = []
         self.freed: List[int] = []
         self.price: List[float] = []
         self.biased: List[float] = []
         self.block_var = {}   # block position -> variable
         rows = []             # (variables, upper bound) of the "at most" rows
-        unhinted = sum(max((o.cost_s for o in options[r.index]), default=0.0)
-                       for r in records if r.hint is None)
-        unhinted += sum(b.cost_s + sum(max((o.cost_s for o in i.opts), default=0.0)
-                                       for i in b.ins) for b in blocks if b.cost_s > 0)
-        #: Added to each move of a tensor with a keep hint: more than every
-        #: unhinted option together, so such a move is taken only when needed.
-        self.keep_penalty_s = 1.0 + 2.0 * unhinted
         for bi, b in enumerate(blocks):
             if b.price != float("inf") and not b.has_must and not b.nested_must:
                 self.block_var[bi] = self._add(("b", b, None), b.freed, b.cost_s, b.cost_s)
@@ -77,7 +68,7 @@ class Model:
         for r in records:
             if r.index in must_ids or not options[r.index]:
                 continue
-            group = [self._add(("t", r, o), o.freed, o.cost_s, self._bias(r, o))
+            group = [self._add(("t", r, o), o.freed, o.cost_s, o.cost_s)
                      for o in options[r.index]]
             bv = self.block_var.get(block_of.get(r.index))
             rows.append((group + ([bv] if bv is not None else []), 1))
@@ -95,6 +86,9 @@ class Model:
                 if x.kind == "before" and other is not None:
                     self.pairs.append((x.nbytes, bv, other))
         self.rows = rows
+        #: Variables fixed at the greedy's choice (hinted tensors, blocks
+        #: holding one, their inputs): set by :meth:`fix`.
+        self.fixed: dict = {}
 
     def _add(self, var: tuple, freed: int, price: float, biased: float) -> int:
         self.vars.append(var)
@@ -102,16 +96,6 @@ class Model:
         self.price.append(price)
         self.biased.append(biased)
         return len(self.vars) - 1
-
-    def _bias(self, r, o) -> float:
-        if r.hint is None or r.hint[0].must:
-            return o.cost_s
-        order = r.hint[0]
-        if not is_move_hint(order):
-            return o.cost_s + self.keep_penalty_s
-        if o.tier in order:
-            return o.cost_s * (1 + order.index(o.tier)) / HINT_FAVOUR
-        return o.cost_s
 
     # -- an assignment: the set of variables taken ----------------------------------
     def evaluate(self, taken: set) -> Tuple[int, float, float]:
@@ -142,6 +126,20 @@ class Model:
         """What the choice minimises: (bytes short, objective)."""
         freed, biased, _ = self.evaluate(taken)
         return max(0, self.need - freed), biased
+
+    def fix(self, greedy: set) -> None:
+        """Fix the hinted tensors, the blocks holding one and their inputs
+        at ``greedy``'s choice (NOTE [Planner choice])."""
+        hinted = {}
+        for v, (kind, owner, _) in enumerate(self.vars):
+            if kind == "b":
+                rec = owner.rec
+                hinted[id(owner)] = any(self._records[j].hint is not None
+                                        for j in range(rec.start, rec.end))
+        for v, (kind, owner, _) in enumerate(self.vars):
+            if ((kind == "t" and owner.hint is not None) or (kind == "b" and hinted[id(owner)])
+                    or (kind == "i" and hinted.get(id(owner.block)))):
+                self.fixed[v] = v in greedy
 
     # -- HiGHS ------------------------------------------------------------------------
     def solve(self, time_limit_s: float = TIME_LIMIT_S, reach: Optional[int] = None
@@ -184,7 +182,10 @@ class Model:
         base = len(lo)
         row(freed_row, -np.inf, np.inf)
         integrality = np.ones(total)
-        bounds = Bounds(np.zeros(total), np.ones(total))
+        lb, ub = np.zeros(total), np.ones(total)
+        for v, on in self.fixed.items():
+            lb[v] = ub[v] = float(on)
+        bounds = Bounds(lb, ub)
         options = {"time_limit": time_limit_s, "presolve": True, "mip_rel_gap": 0.0}
         target = self.need if reach is None else reach
         A = coo_matrix((d_, (r_, c_)), shape=(len(lo), total)).tocsr()
