@@ -30,6 +30,10 @@ from __future__ import annotations
 from typing import List, Optional, Tuple
 
 import numpy as np
+# Imported with the planner (an auto Offloader's construction), not at its
+# first plan: the import takes most of a second on a cold, loaded machine.
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_matrix
 
 from ..policy import Tier
 
@@ -147,8 +151,6 @@ class Model:
         """The solver's assignment (or None) and HiGHS' status message.
         ``reach``: free at least that many bytes (default ``need``); a budget
         no assignment reaches is first maximised (NOTE [Planner choice])."""
-        from scipy.optimize import Bounds
-        from scipy.sparse import coo_matrix
         n = len(self.vars)
         if n == 0:
             return set(), "nothing to choose"
@@ -211,7 +213,6 @@ class Model:
         return taken, "solved"
 
     def _run(self, c, A, lo, hi, integrality, bounds, options) -> Optional[set]:
-        from scipy.optimize import LinearConstraint, milp
         res = milp(c, integrality=integrality, bounds=bounds,
                    constraints=LinearConstraint(A, lo, hi), options=options)
         if res.x is None:
