@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from typing import Optional
 
 from ..policy import Tier
+from ..runtime.prefetch import cursor_after_use, fill_window
 from .costs import Option, cpu_charge_s
 from .profile import TensorRecord
 from .rates import Rates
@@ -68,15 +69,16 @@ def simulate(chosen, bwd_start: float, window_bytes: Optional[int] = None,
         started[r.index] = (start, start + back)
         back_free[o.tier] = start + back
 
-    def fill(now: float) -> None:   # Prefetcher._fill
-        while st.cursor >= 0 and st.inflight < window:
-            r, o = order[st.cursor]
-            if r.index not in used and r.index not in started:
-                if out_end[r.index] > now:
-                    break   # not landed: retried at the next moved unpack
-                read(r, o, now)
-                st.inflight += r.nbytes
-            st.cursor -= 1
+    def fill(now: float) -> None:   # the prefetcher's own window walk
+        def start(p: int) -> Optional[int]:
+            r, o = order[p]
+            if r.index in used or r.index in started:
+                return 0
+            if out_end[r.index] > now:
+                return None   # not landed: retried at the next moved unpack
+            read(r, o, now)
+            return r.nbytes
+        st.cursor, st.inflight = fill_window(st.cursor, st.inflight, window, start)
 
     uses = sorted(chosen, key=lambda c: (use_s[c[0].index], c[0].index))
     if kick_s is not None and uses and kick_s <= use_s[uses[0][0].index]:   # Prefetcher.kick
@@ -93,8 +95,7 @@ def simulate(chosen, bwd_start: float, window_bytes: Optional[int] = None,
         elif out_end[r.index] <= now:
             read(r, o, now)        # on demand: take() starts it, then waits
         p = pos[r.index]
-        if p > st.last or p <= st.cursor:   # Prefetcher.advance
-            st.cursor = p - 1
+        st.cursor = cursor_after_use(p, st.last, st.cursor)   # Prefetcher.advance
         st.last = p
         fill(now)
         start, end = started.get(r.index, (now, now))   # not landed: the source, no read
