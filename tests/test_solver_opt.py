@@ -386,3 +386,57 @@ def test_random_instances_with_must_answers_obey_them_at_the_optimum():
         assert all(used[t] <= room[t] for t in room), (used, room)
         checked += 1
     assert checked == 40
+
+
+def test_an_unreachable_budget_frees_the_most_bytes_at_the_least_cost():
+    # Budget 0 with tight tier rooms: the choice frees the most bytes any
+    # assignment within the rooms frees, and is the cheapest of those.
+    rng = random.Random(7)
+    checked = 0
+    for _ in range(60):
+        case = random_case(rng)
+        case.budget, case.nvme_budget = 0, rng.choice([0, 10 * MB, 30 * MB])
+        _, most = brute_force(case)
+        if most >= case.need():
+            continue
+        cost, freed, _ = plan_price(case, case.plan())
+        assert freed == most, (freed, most)
+        at_most = Case(case.profile, case.rates, case.profile.baseline_bytes - most,
+                       has_nvme=case.has_nvme, cpu_budget=case.cpu_budget,
+                       nvme_budget=case.nvme_budget)
+        assert cost == pytest.approx(brute_force(at_most)[0][0], abs=1e-12)
+        checked += 1
+    assert checked >= 20, checked
+
+
+def test_the_greedys_choice_stands_when_the_solver_finds_none_in_its_time_limit():
+    recs = [_rec(0, 100 * MB, 0.0, 1.5, recompute_s=0.010),
+            _rec(1, 10 * MB, 0.1, 1.4, recompute_s=0.002)]
+    case = Case(_profile(recs), _rates(), 100 * MB, has_nvme=False)
+    import tiermem.testing
+    with tiermem.testing.solver_finds_nothing():
+        plan = case.plan()
+    greedy = case.plan(improve=False)
+    assert [p.tier for p in case.plan().tensors] == ["keep", "recompute"]
+    assert [p.tier for p in plan.tensors] == [p.tier for p in greedy.tensors]
+    assert any(n.startswith("choice: the greedy's: the solver found no choice within its "
+                            "time limit") for n in plan.notes), plan.notes
+
+
+def test_plan_text_never_points_into_the_source():
+    # Cases where the solver changes the greedy's choice, with a block and a
+    # hint: str(plan), every reason and note speak to users (no NOTE names,
+    # no source files).
+    from torch.utils.checkpoint import CheckpointPolicy
+    from tiermem.policy import TierOrder
+    recs = [_rec(i, 10 * MB, 0.01 * i, 1.5 - 0.01 * i) for i in range(4)]
+    recs += [_rec(4, 10 * MB, 0.05, 1.2, recompute_s=0.002),
+             _rec(5, 100 * MB, 0.06, 1.1, recompute_s=0.010)]
+    recs[5].hint = (TierOrder([Tier.KEEP], hint=CheckpointPolicy.PREFER_SAVE), "PREFER_SAVE")
+    block = BlockRecord(0, "blk", 0, 4, 0, 4, 0.004, MB)
+    for budget in (150 * MB, 100 * MB, 0):
+        plan = Case(_profile(recs, blocks=[block]), _rates(), budget, has_nvme=False).plan()
+        texts = [str(plan)] + list(plan.reasons.values()) + plan.notes + [
+            b.reason for b in plan.blocks]
+        for text in texts:
+            assert "NOTE [" not in text and ".py" not in text, text
