@@ -28,13 +28,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tiermem  # noqa: E402
 import tiermem.testing  # noqa: E402
 from common import emit, machine  # noqa: E402
-from tiermem.models import GPTConfig, TinyGPT  # noqa: E402
+from tiermem.models import Block, GPTConfig, TinyGPT  # noqa: E402
 
 
-def one_run(layers: int, width: int, seq_len: int, batch: int, budget: str, steps: int) -> dict:
+def one_run(layers: int, width: int, seq_len: int, batch: int, budget: str, steps: int,
+            auto_blocks: int = 0) -> dict:
     torch.manual_seed(0)
     cfg = GPTConfig(vocab=256, layers=layers, width=width, heads=4, seq_len=seq_len)
     model = TinyGPT(cfg)
+    if auto_blocks:   # every (layers // auto_blocks)-th block an auto block
+        every = max(1, layers // auto_blocks)
+        tiermem.wrap_blocks(model, lambda n, m: isinstance(m, Block)
+                            and int(n.rsplit('.', 1)[-1]) % every == 0, checkpoint='auto')
     tokens = torch.randint(0, cfg.vocab, (batch, seq_len + 1))
     with tempfile.TemporaryDirectory(prefix="bench-planning-") as d:
         off = tiermem.Offloader(policy="auto", device_budget=budget, nvme_dir=d,
@@ -72,13 +77,17 @@ def main() -> None:
     ap.add_argument("--budget", default="50%")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--auto-blocks", default="0",
+                    help="comma list: auto blocks per model (0: none), each run per depth")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rows = []
-    for layers in (int(x) for x in args.layers.split(",")):
-        runs = [one_run(layers, args.width, args.seq_len, args.batch, args.budget, args.steps)
-                for _ in range(args.repeats)]
-        row = {"layers": layers, "tensors": runs[0]["tensors"], "runs": runs}
+    for layers, blocks in ((int(x), int(b)) for x in args.layers.split(",")
+                           for b in args.auto_blocks.split(",")):
+        runs = [one_run(layers, args.width, args.seq_len, args.batch, args.budget, args.steps,
+                        blocks) for _ in range(args.repeats)]
+        row = {"layers": layers, "auto_blocks": blocks, "tensors": runs[0]["tensors"],
+               "runs": runs}
         for key in ("solver_seconds", "settle_seconds", "profile_step_seconds",
                     "planned_step_seconds"):
             row[f"median_{key}"] = statistics.median(r[key] for r in runs)

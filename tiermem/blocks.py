@@ -70,6 +70,10 @@ class _Scope(threading.local):
     def __init__(self) -> None:
         self.stack: list = []
         self.contexts: list = []
+        #: Blocks entered on this thread whose policy is a MUST answer other
+        #: than MUST_RECOMPUTE, and the last one's policy name (_PlainRun).
+        self.must_entered = 0
+        self.must_name: Optional[str] = None
 
 
 _scope = _Scope()
@@ -131,6 +135,10 @@ class _BlockForward:
         if self.order is not None:
             stack = _scope.stack
             stack.append(self.order)
+            if getattr(self.order, "must", False) and self.order[0] is not Tier.RECOMPUTE:
+                _scope.must_entered += 1
+                hint = self.order.hint
+                _scope.must_name = hint.name if hint is not None else "a MUST policy"
             if Tier.RECOMPUTE in self.order:   # NOTE [Scoped tracking] in tracking/modules.py
                 tracked = track_block()
         try:
@@ -166,8 +174,27 @@ class _BlockForward:
         planning = contexts[-1].planning if contexts else None
         if planning is None or _in_backward() != -1:
             return fn(*args, **kwargs)
-        return planning.block(current_module(), args, lambda: fn(*args, **kwargs),
+        return planning.block(current_module(), args, _PlainRun(fn, args, kwargs),
                               lambda: self._full(fn, args, kwargs))
+
+
+class _PlainRun:
+    """An auto block's plain run; afterwards ``must_inside`` names the MUST
+    policy of a block nested in it (a block wrapped with
+    ``policy=CheckpointPolicy.MUST_SAVE``, say), or is None: the planner
+    never checkpoints such a block (it would run that forward again)."""
+
+    __slots__ = ("fn", "args", "kwargs", "must_inside")
+
+    def __init__(self, fn, args, kwargs) -> None:
+        self.fn, self.args, self.kwargs, self.must_inside = fn, args, kwargs, None
+
+    def __call__(self) -> Any:
+        before = _scope.must_entered
+        out = self.fn(*self.args, **self.kwargs)
+        if _scope.must_entered != before:
+            self.must_inside = _scope.must_name
+        return out
 
 
 class BlockWrapping:

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator, List, Tuple
 from .policy import Tier
 
 __all__ = [
+    "solver_finds_nothing",
     "store_of",
     "poll",
     "pending",
@@ -180,3 +181,16 @@ def tail_held_bytes(off) -> int:
     """Bytes of moved tensors' sources the tail hold of ``off`` holds now
     (each counted as its storage, if larger than the tensor)."""
     return off._tail.held_bytes()
+
+
+@contextlib.contextmanager
+def solver_finds_nothing() -> Iterator[None]:
+    """Plans made inside get no choice from the planner's solver, as when it
+    hits its time limit without one: the greedy's choice stands."""
+    from .planner import milp
+    solve = milp.Model.solve
+    milp.Model.solve = lambda self, *a, **k: (None, "no solution within the time limit")
+    try:
+        yield
+    finally:
+        milp.Model.solve = solve

@@ -253,6 +253,9 @@ class BlockRecord:
     #: unmovable tensors; part of ``Profile.fixed_kept_bytes``): a
     #: checkpoint of it does not keep them.
     fixed_bytes: int = 0
+    #: The MUST policy of a wrap_blocks block that ran inside it (e.g.
+    #: ``"MUST_SAVE"``), or None: a checkpoint of it would not obey that.
+    must_inside: Optional[str] = None
 
 
 @dataclass
@@ -473,7 +476,8 @@ class Recorder:
                  - (self._recorded_kept - recorded0))
         self.blocks.append(BlockRecord(index, module, start, planning.count, start_pos,
                                        planning.pos, max(forward_s, 0.0), input_bytes,
-                                       t0 - self.t0, inputs, max(0, fixed)))
+                                       t0 - self.t0, inputs, max(0, fixed),
+                                       getattr(run, "must_inside", None)))
         return out
 
     def _input(self, step, k: int, a, key, before, start: int, end: int) -> BlockInput:

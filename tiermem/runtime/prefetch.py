@@ -53,7 +53,7 @@ import weakref
 from typing import Optional
 
 __all__ = ["Prefetcher", "Entry", "AUTO_MIN_BYTES", "AUTO_MAX_BYTES", "auto_window_bytes",
-           "HELD"]
+           "HELD", "fill_window", "cursor_after_use"]
 
 AUTO_MIN_BYTES = 16 << 20
 AUTO_MAX_BYTES = 256 << 20
@@ -69,6 +69,32 @@ HELD = 2
 def auto_window_bytes(moved_bytes: int) -> int:
     """The default prefetch window for a step that moved ``moved_bytes``."""
     return min(AUTO_MAX_BYTES, max(AUTO_MIN_BYTES, moved_bytes // 4))
+
+
+def cursor_after_use(pos: int, last_pos: int, cursor: int) -> int:
+    """The cursor after the moved tensor at packing position ``pos`` is
+    unpacked (``last_pos``: the previous such unpack's): just below it when
+    it went up in packing order or landed at or below the cursor, else
+    unchanged (module docstring). The planner's timeline (planner/timeline.py)
+    walks the same rules."""
+    return pos - 1 if pos > last_pos or pos <= cursor else cursor
+
+
+def fill_window(cursor: int, inflight_bytes: int, window_bytes: int, start) -> tuple:
+    """Top the window up from ``cursor`` down, while ``inflight_bytes`` are
+    below ``window_bytes``: ``start(pos)`` starts the restore at packing
+    position ``pos`` and answers the bytes it adds to the window (0: none to
+    count), or None: its move out has not landed, and the walk stops there
+    (retried at the next unpack). Returns ``(cursor, inflight_bytes)``. The
+    one implementation of the window, for :class:`Prefetcher` and for the
+    planner's timeline."""
+    while cursor >= 0 and inflight_bytes < window_bytes:
+        added = start(cursor)
+        if added is None:
+            break
+        inflight_bytes += added
+        cursor -= 1
+    return cursor, inflight_bytes
 
 
 class Entry(weakref.ref):
@@ -177,8 +203,7 @@ class Prefetcher:
             self.budget_bytes = auto_window_bytes(moved)
         if self._dead:
             self._forget_dead()
-        if pos > self._last_pos or pos <= self._cursor:
-            self._cursor = pos - 1
+        self._cursor = cursor_after_use(pos, self._last_pos, self._cursor)
         self._last_pos = pos
         self._fill()
 
@@ -202,18 +227,23 @@ class Prefetcher:
             self._fill()
 
     def _fill(self) -> None:
-        """Top the window up from the cursor down."""
-        order = self._order
-        while self._cursor >= 0 and self.inflight_bytes < self.budget_bytes:
-            e = order[self._cursor]
-            h = e()
-            if h is not None and e.gen != self.gen:   # not consumed in this pass yet
-                started = h.store.prefetch(h)
-                if started is None:
-                    break   # its move out has not landed yet: retry at the next unpack
-                if started:
-                    e.inflight = True
-                    self.inflight_bytes += e.nbytes
-                    if self._stats is not None and started is True:
-                        self._stats.prefetched_bytes += e.nbytes
-            self._cursor -= 1
+        """Top the window up from the cursor down (:func:`fill_window`)."""
+        self._cursor, self.inflight_bytes = fill_window(
+            self._cursor, self.inflight_bytes, self.budget_bytes, self._start)
+
+    def _start(self, pos: int) -> Optional[int]:
+        """Start the restore of the handle at packing position ``pos``: the
+        bytes it adds to the window, or None (not ready: see :func:`fill_window`)."""
+        e = self._order[pos]
+        h = e()
+        if h is None or e.gen == self.gen:   # dead, or consumed in this pass already
+            return 0
+        started = h.store.prefetch(h)
+        if started is None:
+            return None   # its move out has not landed yet: retry at the next unpack
+        if not started:
+            return 0
+        e.inflight = True
+        if self._stats is not None and started is True:
+            self._stats.prefetched_bytes += e.nbytes
+        return e.nbytes

@@ -1,0 +1,272 @@
+"""The auto planner's choice as a mixed-integer program, solved by HiGHS
+(``scipy.optimize.milp``).
+
+# NOTE [Planner choice]
+# One binary per (tensor, option) (recompute, cpu, nvme: the options
+# costs.options_of gives it; none taken: kept), one per auto block
+# (checkpointed or not) and one per (checkpointed block's movable input,
+# move). Constraints: a tensor takes at most one option, none when its block
+# is checkpointed; an input moves only when its block is checkpointed; a
+# "before" input whose saver sits in another checkpointed block is kept
+# anew (a product of the two blocks' binaries); the bytes freed reach what
+# the device budget needs; the cpu and nvme bytes stay within their rooms
+# (counted as if everything moved were held at once). MUST answers are fixed
+# before the model (their options taken, their room used); a block holding
+# one, or a nested wrap_blocks block with a MUST policy, is fixed plain.
+# Objective: the sum of the options' lone prices (costs.py). PREFER hints
+# rank by preference, not by price (NOTE [Planner hints]): a tensor with one,
+# and a block holding one (with its inputs), are fixed variables at the
+# greedy's choice, which takes hinted moves first and keep hints last.
+# Unreachable budgets: first the most bytes the tiers can free, then the
+# cheapest choice freeing them. The greedy (greedy.py) is solved too; the
+# better of the two by (bytes short, cost) stands, so a solver stopped by its
+# time limit never makes the plan worse. HiGHS runs single-threaded and is
+# deterministic for a given model: ranks planning the same agreed profile
+# choose alike (unless a time limit cuts one short).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import numpy as np
+# Imported with the planner (an auto Offloader's construction), not at its
+# first plan: the import takes most of a second on a cold, loaded machine.
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_matrix
+
+from ..policy import Tier
+
+__all__ = ["Model", "TIME_LIMIT_S"]
+
+#: Seconds HiGHS may take per plan (both phases together).
+TIME_LIMIT_S = 0.2
+_ROOM_TIERS = (Tier.CPU, Tier.NVME)
+_MIB = float(1 << 20)
+_SCALE_S = 1e6   # the objective in microseconds (HiGHS' absolute gap is 1e-6)
+
+
+class Model:
+    """The program of one plan. ``options``: pack index -> its options
+    (costs.Option, none for a kept-only tensor); ``blocks``: the
+    costs.BlockOption list; ``need``: bytes still to free after the MUST
+    answers; ``room``: the tiers' room after them. Variables are kept in
+    ``self.vars`` as ``(kind, owner, option)``: kind ``"t"`` (owner: a
+    record), ``"b"`` (owner: a block, option None), ``"i"`` (owner: an
+    InputOption)."""
+
+    def __init__(self, records, options: dict, blocks, need: int, room: dict,
+                 must_ids: set) -> None:
+        self.need, self.room = need, room
+        self._records = records
+        self.vars: List[tuple] = []
+        self.freed: List[int] = []
+        self.price: List[float] = []
+        self.biased: List[float] = []
+        self.block_var = {}   # block position -> variable
+        rows = []             # (variables, upper bound) of the "at most" rows
+        for bi, b in enumerate(blocks):
+            if b.price != float("inf") and not b.has_must and not b.nested_must:
+                self.block_var[bi] = self._add(("b", b, None), b.freed, b.cost_s, b.cost_s)
+        block_of = {j: bi for bi, b in enumerate(blocks) for j in range(b.rec.start, b.rec.end)}
+        for r in records:
+            if r.index in must_ids or not options[r.index]:
+                continue
+            group = [self._add(("t", r, o), o.freed, o.cost_s, o.cost_s)
+                     for o in options[r.index]]
+            bv = self.block_var.get(block_of.get(r.index))
+            rows.append((group + ([bv] if bv is not None else []), 1))
+        self.inputs = []
+        for bi, bv in self.block_var.items():
+            for i in blocks[bi].ins:
+                group = [self._add(("i", i, o), i.x.nbytes, o.cost_s, o.cost_s) for o in i.opts]
+                if group:
+                    rows.append((group, 0, bv))
+        #: (bytes, block var, other block var) of "before" inputs (NOTE, pairs).
+        self.pairs = []
+        for bi, bv in self.block_var.items():
+            for x in blocks[bi].rec.inputs:
+                other = self.block_var.get(block_of.get(x.saved_as))
+                if x.kind == "before" and other is not None:
+                    self.pairs.append((x.nbytes, bv, other))
+        self.rows = rows
+        #: Variables fixed at the greedy's choice (hinted tensors, blocks
+        #: holding one, their inputs): set by :meth:`fix`.
+        self.fixed: dict = {}
+
+    def _add(self, var: tuple, freed: int, price: float, biased: float) -> int:
+        self.vars.append(var)
+        self.freed.append(freed)
+        self.price.append(price)
+        self.biased.append(biased)
+        return len(self.vars) - 1
+
+    # -- an assignment: the set of variables taken ----------------------------------
+    def evaluate(self, taken: set) -> Tuple[int, float, float]:
+        """(bytes freed, objective, priced cost) of ``taken``, exactly."""
+        freed = sum(self.freed[v] for v in taken)
+        freed -= sum(n for n, a, b in self.pairs if a in taken and b in taken)
+        return (freed, sum(self.biased[v] for v in taken), sum(self.price[v] for v in taken))
+
+    def valid(self, taken: set) -> bool:
+        """Whether ``taken`` satisfies every constraint but the budget's."""
+        for row in self.rows:
+            n = sum(v in taken for v in row[0])
+            if n > (row[1] if len(row) == 2 else row[1] + (row[2] in taken)):
+                return False
+        used = self.used(taken)
+        return all(used[t] <= self.room[t] for t in _ROOM_TIERS)
+
+    def used(self, taken: set) -> dict:
+        """Room bytes ``taken`` uses per tier."""
+        used = {t: 0 for t in _ROOM_TIERS}
+        for v in taken:
+            kind, owner, o = self.vars[v]
+            if kind != "b" and o.tier in used:
+                used[o.tier] += self.freed[v]
+        return used
+
+    def key(self, taken: set) -> Tuple[int, float]:
+        """What the choice minimises: (bytes short, objective)."""
+        freed, biased, _ = self.evaluate(taken)
+        return max(0, self.need - freed), biased
+
+    def fix(self, greedy: set) -> None:
+        """Fix the hinted tensors, the blocks holding one and their inputs
+        at ``greedy``'s choice (NOTE [Planner choice])."""
+        hinted = {}
+        for v, (kind, owner, _) in enumerate(self.vars):
+            if kind == "b":
+                rec = owner.rec
+                hinted[id(owner)] = any(self._records[j].hint is not None
+                                        for j in range(rec.start, rec.end))
+        for v, (kind, owner, _) in enumerate(self.vars):
+            if ((kind == "t" and owner.hint is not None) or (kind == "b" and hinted[id(owner)])
+                    or (kind == "i" and hinted.get(id(owner.block)))):
+                self.fixed[v] = v in greedy
+
+    # -- HiGHS ------------------------------------------------------------------------
+    def solve(self, time_limit_s: float = TIME_LIMIT_S, reach: Optional[int] = None
+              ) -> Tuple[Optional[set], str]:
+        """The solver's assignment (or None) and HiGHS' status message.
+        ``reach``: free at least that many bytes (default ``need``); a budget
+        no assignment reaches is first maximised (NOTE [Planner choice])."""
+        n = len(self.vars)
+        if n == 0:
+            return set(), "nothing to choose"
+        npairs = len(self.pairs)
+        total = n + npairs   # pair variables: both blocks checkpointed
+        r_, c_, d_, lo, hi = [], [], [], [], []
+
+        def row(entries, low, high):
+            k = len(lo)
+            for c, d in entries:
+                r_.append(k)
+                c_.append(c)
+                d_.append(d)
+            lo.append(low)
+            hi.append(high)
+
+        for entry in self.rows:
+            if len(entry) == 2:
+                row([(v, 1.0) for v in entry[0]], -np.inf, entry[1])
+            else:
+                row([(v, 1.0) for v in entry[0]] + [(entry[2], -1.0)], -np.inf, 0.0)
+        for k, (_, a, b) in enumerate(self.pairs):
+            row([(a, 1.0), (b, 1.0), (n + k, -1.0)], -np.inf, 1.0)
+        for tier in _ROOM_TIERS:
+            members = [(v, self.freed[v] / _MIB) for v, (kind, _, o) in enumerate(self.vars)
+                       if kind != "b" and o.tier is tier]
+            if members and sum(self.freed[v] for v, _ in members) > self.room[tier]:
+                row(members, -np.inf, (self.room[tier] + 0.5) / _MIB)
+        freed_row = [(v, self.freed[v] / _MIB) for v in range(n)]
+        freed_row += [(n + k, -p[0] / _MIB) for k, p in enumerate(self.pairs)]
+        base = len(lo)
+        row(freed_row, -np.inf, np.inf)
+        integrality = np.ones(total)
+        lb, ub = np.zeros(total), np.ones(total)
+        for v, on in self.fixed.items():
+            lb[v] = ub[v] = float(on)
+        bounds = Bounds(lb, ub)
+        options = {"time_limit": time_limit_s, "presolve": True, "mip_rel_gap": 0.0}
+        target = self.need if reach is None else reach
+        A = coo_matrix((d_, (r_, c_)), shape=(len(lo), total)).tocsr()
+        lo_arr, hi_arr = np.array(lo), np.array(hi)
+        if reach is None:
+            # Reachable at all? Maximise the bytes freed first.
+            c = np.zeros(total)
+            c[:n] = -np.array(self.freed, dtype=float) / _MIB
+            c[n:] = np.array([p[0] for p in self.pairs], dtype=float) / _MIB
+            best = self._run(c, A, lo_arr, hi_arr, integrality, bounds,
+                             dict(options, time_limit=time_limit_s / 2))
+            if best is None:
+                return None, "no solution within the time limit"
+            target = min(target, self.evaluate(best)[0])
+            options["time_limit"] = time_limit_s / 2
+        lo_arr = lo_arr.copy()
+        lo_arr[base] = (target - 0.5) / _MIB
+        c = np.zeros(total)
+        c[:n] = np.array(self.biased) * _SCALE_S
+        taken = self._run(c, A, lo_arr, hi_arr, integrality, bounds, options)
+        if taken is None:
+            return None, "no solution within the time limit"
+        return taken, "solved"
+
+    def _run(self, c, A, lo, hi, integrality, bounds, options) -> Optional[set]:
+        res = milp(c, integrality=integrality, bounds=bounds,
+                   constraints=LinearConstraint(A, lo, hi), options=options)
+        if res.x is None:
+            return None
+        n = len(self.vars)
+        taken = {v for v in range(n) if res.x[v] > 0.5}
+        return taken if self.valid(taken) else None
+
+    # -- to and from make_plan's state -------------------------------------------------
+    def taken_of(self, costs: dict, checkpointed: dict, blocks) -> set:
+        """The variables of the state ``greedy.choose`` left."""
+        taken = set()
+        for v, (kind, owner, o) in enumerate(self.vars):
+            if kind == "t" and owner.index not in checkpointed and costs.get(owner.index) is o:
+                taken.add(v)
+            elif kind == "b" and owner.chosen:
+                taken.add(v)
+            elif kind == "i" and owner.block.chosen and owner.move is o:
+                taken.add(v)
+        return taken
+
+    def apply(self, taken: set, records, blocks, choice: dict, costs: dict,
+              checkpointed: dict, must_ids: set) -> Tuple[int, int]:
+        """Write ``taken`` into make_plan's state (every non-MUST choice
+        replaced); returns (bytes freed, recipe and checkpoint input bytes
+        kept beyond the MUST answers')."""
+        for r in records:
+            if r.index not in must_ids:
+                choice[r.index] = Tier.KEEP
+                costs.pop(r.index, None)
+                checkpointed.pop(r.index, None)
+        for b in blocks:
+            b.chosen = False
+            b.before_kept = set()
+            for i in b.ins:
+                i.move = None
+        extra = 0
+        for v in sorted(taken, key=lambda v: self.vars[v][0] != "b"):   # blocks first
+            kind, owner, o = self.vars[v]
+            if kind == "b":
+                owner.chosen = True
+                extra += owner.kept_in
+                for j in range(owner.rec.start, owner.rec.end):
+                    checkpointed[j] = owner
+            elif kind == "t":
+                choice[owner.index], costs[owner.index] = o.tier, o
+                if o.tier is Tier.RECOMPUTE:
+                    extra += owner.input_kept_bytes
+            else:
+                owner.move = o
+                extra -= owner.x.nbytes
+        for b in blocks:
+            if b.chosen:
+                b.before_kept = {x.arg for x in b.rec.inputs
+                                 if x.kind == "before" and x.saved_as in checkpointed}
+                extra += sum(x.nbytes for x in b.rec.inputs if x.arg in b.before_kept)
+        return self.evaluate(taken)[0], extra
