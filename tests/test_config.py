@@ -211,10 +211,13 @@ def test_env_table_lists_every_variable():
         assert f"`{f.metadata['env']}`" in table and f"`{f.name}`" in table
 
 
-def test_readme_env_table_is_generated_from_config():
-    readme = (ROOT / "README.md").read_text()
-    assert tiermem.env_table_markdown() in readme, (
-        "README's TIERMEM_* table is stale: paste the output of `python -m tiermem env-table`")
+def test_the_settings_page_shows_the_table_generated_from_config():
+    """The docs' settings page includes the table the docs build writes from
+    Config (never a pasted copy that can go stale), and the README links to it."""
+    page = (ROOT / "docs" / "settings.md").read_text()
+    assert "_generated/settings_table.md" in page
+    assert "| `TIERMEM_" not in page, "a pasted TIERMEM_* table in docs/settings.md"
+    assert "docs/settings.md" in (ROOT / "README.md").read_text()
 
 
 def test_log_level_is_set_only_when_asked():
