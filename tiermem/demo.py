@@ -43,15 +43,17 @@ __all__ = ["add_arguments", "run", "DemoResult", "run_demo", "pick_device"]
 #: activation is 128 KiB .. 2 MiB, above the default min_offload_bytes (64 KiB).
 DEMO_MODEL = GPTConfig(vocab=512, layers=4, width=128, heads=4, seq_len=128, dropout=0.1)
 DEMO_BATCH = 8
+#: The policies ``--policy`` takes (a preference list such as ``recompute,cpu`` is one).
+DEMO_POLICIES = ("keep", "cpu", "nvme", "recompute", "recompute,cpu", "recompute,nvme", "auto")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The demo's command-line options (used by ``python -m tiermem demo``)."""
     p.add_argument("--steps", type=int, default=5, help="training steps (default: 5)")
-    p.add_argument("--policy", choices=("keep", "cpu", "nvme", "recompute", "recompute,cpu",
-                                        "recompute,nvme", "auto"),
-                   default=None, help="tiermem policy of the offloaded run (default: "
-                   "TIERMEM_POLICY if set, else cpu; nvme needs --nvme-dir or TIERMEM_NVME_DIR)")
+    p.add_argument("--policy", choices=DEMO_POLICIES, metavar="POLICY", default=None,
+                   help="tiermem policy of the offloaded run: one of "
+                   + ", ".join(DEMO_POLICIES) + " (default: TIERMEM_POLICY if set, else cpu; "
+                   "the nvme ones need --nvme-dir or TIERMEM_NVME_DIR)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: cuda if torch.cuda.is_available(), else cpu (default: auto)")
     p.add_argument("--device-budget", default=None, metavar="BUDGET",
@@ -349,6 +351,7 @@ def run(args: argparse.Namespace) -> int:
         emit(f"tiermem demo: FAILED: gradients or parameters differ from plain autograd "
              f"at step(s) {bad}")
         return 1
-    emit(f"tiermem demo: OK: gradients match plain autograd bit-for-bit in all "
-         f"{len(result.steps)} steps (and parameters after AdamW)")
+    n = len(result.steps)
+    emit(f"tiermem demo: OK: gradients match plain autograd bit-for-bit in "
+         f"{'the one step' if n == 1 else f'all {n} steps'} (and parameters after AdamW)")
     return 0
