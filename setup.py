@@ -58,11 +58,11 @@ def _engine():
     bk = _buildkey()
     cuda = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
     if torch.version.cuda is None:
-        note = "without the CUDA chain (torch is a CPU-only build)"
+        note = "torch is a CPU-only build"
     elif cuda:
-        note = f"with the CUDA chain (CUDA {torch.version.cuda}, toolkit {cpp_extension.CUDA_HOME})"
+        note = f"CUDA {torch.version.cuda}, toolkit {cpp_extension.CUDA_HOME}"
     else:
-        note = "without the CUDA chain (no CUDA toolkit found at install: set CUDA_HOME)"
+        note = "no CUDA toolkit was found at install (set CUDA_HOME and reinstall)"
     sources, _, cflags = bk.variant("csrc", cuda)
     make = cpp_extension.CUDAExtension if cuda else cpp_extension.CppExtension
     ext = make(bk.PREBUILT_MODULE, sources, include_dirs=[os.path.join(HERE, "csrc")],
@@ -77,7 +77,7 @@ def _engine():
         def build_extension(self, extension):
             if cuda and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
                 os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"   # .cpp only: no device code
-            _say(f"compiling the C++ I/O engine {note} (about a minute)")
+            _say(f"compiling the C++ I/O engine ({note}; about a minute)")
             try:
                 super().build_extension(extension)
             except Exception as e:   # noqa: BLE001 - reported, and the JIT build remains

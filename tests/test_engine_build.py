@@ -64,11 +64,11 @@ def _fake_prebuilt(tmp_path, monkeypatch, stamp):
 def test_the_install_build_is_used_when_it_fits_this_torch_and_these_sources(
         tmp_path, monkeypatch):
     stamp = buildkey.make_stamp(torch.__version__, False, buildkey.variant_sha256(CSRC, False),
-                                "without the CUDA chain (torch is a CPU-only build)")
+                                "torch is a CPU-only build")
     _fake_prebuilt(tmp_path, monkeypatch, stamp)
     mod, note = build.prebuilt(CSRC)
     assert mod is not None and mod.__name__ == buildkey.PREBUILT_MODULE
-    assert note == "built at install: without the CUDA chain (torch is a CPU-only build)"
+    assert note == "built at install: torch is a CPU-only build"
 
 
 @pytest.mark.parametrize("stamp, why", [
