@@ -40,3 +40,20 @@ def test_the_demo_never_fails_beside_a_busy_process(cpu_hog, capsys, monkeypatch
     failed = [(m, p, out) for m, p, status, out in outputs if status != 0 or "FAILED" in out]
     assert not failed, failed
     assert all("bit for bit (torch.equal)" in out for *_, out in outputs)
+
+
+def test_the_demo_runs_both_models_on_one_thread_and_restores_the_setting():
+    import torch
+
+    from tiermem.demo import run_demo
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    seen = []
+    try:
+        result = run_demo(steps=1, batch=2, policy="keep", progress=False,
+                          on_step=lambda r: seen.append(torch.get_num_threads()))
+        assert result.ok and seen == [1]
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -89,10 +89,10 @@ def build_and_import(cpp_extension, csrc: str, cuda: bool, verbose: bool, why: s
     build_dir = os.path.join(root, name)
     os.makedirs(build_dir, exist_ok=True)
     stamp_path = os.path.join(build_dir, buildkey.STAMP_NAME)
-    if buildkey.read_stamp(stamp_path) is not None and not verbose:
+    if buildkey.read_stamp(stamp_path) is not None:
         return _import_built(name, build_dir)
     with _build_lock(cpp_extension, build_dir), _arch_list(cuda):
-        if buildkey.read_stamp(stamp_path) is not None and not verbose:
+        if buildkey.read_stamp(stamp_path) is not None:
             return _import_built(name, build_dir)   # built by another process meanwhile
         staged = _stage(sources + headers, os.path.join(build_dir, "src"))
         _announce(why)
