@@ -84,9 +84,17 @@ def _engine():
                 _say(f"compiling the C++ I/O engine failed ({type(e).__name__}: "
                      f"{str(e)[-2000:]})" + later)
                 return
-            out = os.path.join(os.path.dirname(self.get_ext_fullpath(extension.name)),
-                               bk.PREBUILT_STAMP)
-            bk.write_stamp(out, stamp)
+            self.stamp_path = os.path.join(
+                os.path.dirname(self.get_ext_fullpath(extension.name)), bk.PREBUILT_STAMP)
+            bk.write_stamp(self.stamp_path, stamp)
+
+        def copy_extensions_to_source(self):
+            """In-place builds (editable installs): the stamp goes with the module."""
+            super().copy_extensions_to_source()
+            if getattr(self, "stamp_path", None):
+                shutil.copyfile(self.stamp_path, os.path.join(
+                    os.path.dirname(self.get_ext_fullpath(bk.PREBUILT_MODULE)),
+                    bk.PREBUILT_STAMP))
 
     return [ext], {"build_ext": BuildEngine.with_options(use_ninja=True)}
 
