@@ -67,13 +67,14 @@ _lock = threading.Lock()
 _module = None
 _error: Optional[TierMemError] = None
 _cuda_reason = "the C++ engine is not loaded"
-_announced = False
 
 
 def load_extension(verbose: bool = False):
-    """The compiled extension module, built if needed (cached per process):
-    ``tiermem_C_cuda`` with a CUDA build of torch, else (or if that build
-    fails) ``tiermem_C``. See NOTE [CUDA build of the engine].
+    """The compiled extension module (cached per process): the one built at
+    install when it fits this torch and these sources, else a run-time build,
+    ``tiermem_C_cuda_*`` with a CUDA build of torch, else (or if that build
+    fails) ``tiermem_C_*`` (NOTE [CUDA build of the engine]), compiled first if
+    no complete build of it is cached (announced by one warning).
 
     Raises :class:`tiermem.TierMemError` carrying the compiler's output when it
     cannot be built or loaded; the failure is remembered for this process.
