@@ -570,8 +570,9 @@ def test_engine_info_follows_tiermem_engine(monkeypatch):
         tio.engine_info("rust")
 
 
-def _broken_build(monkeypatch):
-    from tiermem.io import cpp
+def _broken_build(monkeypatch, tmp_path):
+    """No engine at hand (none installed, an empty build cache) and a compiler that fails."""
+    from tiermem.io import buildkey, cpp
     from torch.utils import cpp_extension
 
     def fail(*args, **kwargs):
@@ -580,16 +581,20 @@ def _broken_build(monkeypatch):
     monkeypatch.setattr(cpp, "_module", None)
     monkeypatch.setattr(cpp, "_error", None)
     monkeypatch.setattr(cpp_extension, "load", fail)
+    monkeypatch.setattr(buildkey, "PREBUILT_MODULE", "tiermem._not_installed")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "torch_extensions"))
     monkeypatch.setattr(tio, "_engines", {})
     monkeypatch.setattr(tio, "_warned_auto", False)
 
 
-def test_auto_falls_back_to_python_with_one_warning(monkeypatch, caplog):
-    _broken_build(monkeypatch)
+def test_auto_falls_back_to_python_with_one_warning(monkeypatch, tmp_path, caplog):
+    _broken_build(monkeypatch, tmp_path)
     with caplog.at_level(logging.WARNING, logger="tiermem"):
         engines = [get_engine("auto", 2), get_engine("auto", 3)]
     assert [e.name for e in engines] == ["python", "python"]
-    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    from tiermem.io.build import BUILD_MESSAGE
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING
+                and not r.getMessage().startswith(BUILD_MESSAGE)]   # the build's own line
     assert len(warnings) == 1 and "error: boom" in warnings[0]
     assert tio.engine_info()["engine"] == "python"
     assert "error: boom" in tio.engine_info()["reason"]
@@ -597,15 +602,15 @@ def test_auto_falls_back_to_python_with_one_warning(monkeypatch, caplog):
         e.close()
 
 
-def test_engine_info_for_cpp_when_it_cannot_build_says_none(monkeypatch):
-    _broken_build(monkeypatch)
+def test_engine_info_for_cpp_when_it_cannot_build_says_none(monkeypatch, tmp_path):
+    _broken_build(monkeypatch, tmp_path)
     info = tio.engine_info("cpp")
     assert info["engine"] == "none" and "error: boom" in info["reason"]
     assert "'cpp'" in info["reason"]
 
 
-def test_cpp_kind_raises_with_the_compiler_output(monkeypatch):
-    _broken_build(monkeypatch)
+def test_cpp_kind_raises_with_the_compiler_output(monkeypatch, tmp_path):
+    _broken_build(monkeypatch, tmp_path)
     with pytest.raises(tiermem.TierMemError, match="error: boom"):
         get_engine("cpp")
 
@@ -616,41 +621,43 @@ def test_stale_build_lock_is_removed_only_where_its_existence_is_the_lock(tmp_pa
     torch >= 2.14 (FileLock, an OS lock on a file that stays): left alone."""
     import types
 
-    from tiermem.io import cpp
+    from tiermem.io import build
 
     lock = tmp_path / "lock"
     old = time.time() - 3600
-    baton = types.SimpleNamespace(_get_build_directory=lambda name, verbose: str(tmp_path))
-    for torch_kind, kept in ((baton, False),
-                             (types.SimpleNamespace(**vars(baton), FileLock=object), True)):
+    for torch_kind, kept in ((types.SimpleNamespace(), False),
+                             (types.SimpleNamespace(FileLock=object), True)):
         lock.write_text("")
         os.utime(lock, (old, old))
-        cpp._clear_stale_lock(torch_kind, "tiermem_C")
+        build._clear_stale_lock(torch_kind, str(tmp_path))
         assert lock.exists() is kept
 
 
-def test_a_fresh_lock_of_a_killed_build_does_not_hang_the_next_load(tmp_path):
+def test_a_fresh_lock_of_a_killed_build_does_not_hang_the_next_build(tmp_path, monkeypatch,
+                                                                      caplog):
     """A build killed mid-compile leaves torch's (<= 2.13) lock file, however
-    young; the next load in another process must not wait on it forever
-    (NOTE [Build lock] in tiermem/io/cpp.py)."""
-    from torch.utils import cpp_extension
+    young; the next build must not wait on it forever: it is gone before
+    torch's loader runs (NOTE [Build lock] in tiermem/io/build.py)."""
+    import types
 
-    reason = cpp_engine_unavailable()   # builds here first, once, if needed
-    if reason:
-        pytest.skip(f"C++ engine unavailable: {reason}")
-    if getattr(cpp_extension, "FileLock", None) is not None:
-        pytest.skip("this torch locks builds with an OS lock (FileLock): no stale lock file")
-    from tiermem.io import cpp
-    lock = os.path.join(cpp_extension._get_build_directory(cpp._NAME, False), "lock")
-    open(lock, "w").close()   # just made: the age rule alone would wait on it
-    try:
-        code = "from tiermem.io import cpp; cpp.load_extension(); print('ok')"
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             timeout=120)
-    except subprocess.TimeoutExpired:
-        raise AssertionError("the load waited on the killed build's lock file") from None
-    finally:
-        if os.path.exists(lock):
-            os.unlink(lock)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
-    assert "NOTE [Build lock]" in out.stderr
+    from tiermem.io import build, buildkey
+
+    csrc = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
+    name = buildkey.build_name(torch.__version__, False, buildkey.variant_sha256(csrc, False))
+    lock = tmp_path / name / "lock"
+    lock.parent.mkdir()
+    lock.write_text("")   # just made: the age rule alone would wait on it
+    seen = []
+
+    def load(name, build_directory, **kwargs):   # torch's loader would wait on the lock
+        seen.append(os.path.exists(os.path.join(build_directory, "lock")))
+        return types.SimpleNamespace(__file__=os.path.join(build_directory, name + ".so"))
+
+    torch_like = types.SimpleNamespace(load=load, CUDA_HOME=None,
+                                       get_default_build_root=lambda: str(tmp_path))
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    with caplog.at_level(logging.WARNING, logger="tiermem"):
+        build.build_and_import(torch_like, csrc, False, False)
+    assert seen == [False]
+    assert any("left by a build of the C++ engine that was killed" in r.getMessage()
+               for r in caplog.records)

@@ -2,20 +2,24 @@
 engine builds outside a source checkout too."""
 
 import glob
+import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_wheel_contains_the_engine_sources(tmp_path):
+@pytest.mark.slow
+def test_wheel_contains_the_engine_sources_and_the_engine_compiled_for_this_torch(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps",
-         ROOT, "-w", str(tmp_path)], capture_output=True, text=True, timeout=300)
+         ROOT, "-w", str(tmp_path)], capture_output=True, text=True, timeout=900)
     if proc.returncode != 0 and "No module named pip" in proc.stderr:
         pytest.skip("pip is not available in this interpreter")
     assert proc.returncode == 0, proc.stderr
@@ -34,6 +38,15 @@ def test_wheel_contains_the_engine_sources(tmp_path):
                 rel = os.path.relpath(os.path.join(dirpath, f), ROOT).replace(os.sep, "/")
                 assert rel in names, f"{rel} missing from the wheel"
     assert any(n.endswith("licenses/LICENSE") for n in names), sorted(names)
+    # Built without isolation where a compiler is: the engine is compiled in,
+    # stamped with this torch and these sources (NOTE [Engine build identity]).
+    if shutil.which(os.environ.get("CXX", "c++").split()[0]) is None:
+        return
+    from tiermem.io import buildkey
+    assert any(n.startswith("tiermem/_C.") and n.endswith(".so") for n in names), sorted(names)
+    stamp = json.loads(zipfile.ZipFile(wheel).read("tiermem/" + buildkey.PREBUILT_STAMP))
+    assert buildkey.stamp_mismatch(stamp, torch.__version__, buildkey.variant_sha256(
+        os.path.join(ROOT, "csrc"), stamp["cuda"])) is None, stamp
 
 
 def test_source_checkout_uses_its_csrc():

@@ -17,13 +17,37 @@ the handler, not in ``_add_<name>``, which runs for every command.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
+import os
 import sys
 import traceback
 from typing import Callable, Optional, Sequence
 
-from ._version import __version__
-from .errors import ConfigError, TierMemError
+
+def _use_this_package() -> None:
+    """Make ``tiermem`` this package when it was imported as a namespace package.
+
+    ``python -m tiermem`` from the directory that holds a source checkout named
+    ``tiermem`` (no ``__init__.py`` at its top) with an editable install: the
+    path finder takes that folder for a namespace package before the editable
+    install's finder is asked, and ``tiermem.__version__`` and the package's
+    other names are missing. This module's own folder is the real package."""
+    pkg = sys.modules.get(__package__ or "")
+    if pkg is None or getattr(pkg, "__file__", None) is not None:
+        return
+    here = os.path.dirname(os.path.abspath(__file__))
+    spec = importlib.util.spec_from_file_location(
+        __package__, os.path.join(here, "__init__.py"), submodule_search_locations=[here])
+    real = importlib.util.module_from_spec(spec)
+    sys.modules[__package__] = real
+    spec.loader.exec_module(real)
+
+
+_use_this_package()
+
+from ._version import __version__  # noqa: E402  (after the package is the real one)
+from .errors import ConfigError, TierMemError  # noqa: E402
 
 __all__ = ["main", "build_parser"]
 
@@ -33,7 +57,7 @@ def _add_demo(sub) -> None:
 
     p = sub.add_parser(
         "demo", help="train a tiny GPT with tiermem and check gradients bit-for-bit",
-        description=demo.__doc__.split("\n\n")[0].strip())
+        description=demo.__doc__.split("\n\n")[0].strip().replace("``", ""))
     demo.add_arguments(p)
 
     def handler(args: argparse.Namespace) -> int:
@@ -42,7 +66,11 @@ def _add_demo(sub) -> None:
 
 
 def _add_env_table(sub) -> None:
-    p = sub.add_parser("env-table", help="print the table of TIERMEM_* variables (Markdown)")
+    p = sub.add_parser(
+        "env-table", help="print the table of TIERMEM_* variables (Markdown)",
+        description="Print every tiermem setting as a Markdown table: its TIERMEM_* "
+        "variable, the Offloader argument of the same name, the default and what it does. "
+        "Keyword arguments override variables, which override defaults.")
 
     def handler(args: argparse.Namespace) -> int:
         from .config import env_table_markdown
@@ -54,13 +82,23 @@ def _add_env_table(sub) -> None:
 def _add_doctor(sub) -> None:
     from . import doctor
     p = sub.add_parser("doctor", help="what tiermem will use here (engine, RAM, GPU, NVMe dir "
-                       "bandwidth): the first thing to run")
+                       "bandwidth): the first thing to run",
+                       description="Report what tiermem will use on this machine, and how "
+                       "fast: the settings in effect, the I/O engine and why, RAM and the default "
+                       "budgets, the GPU, and for the NVMe directory (--dir or TIERMEM_NVME_DIR) "
+                       "its free space, whether O_DIRECT works and its write and read bandwidth. "
+                       "Exit status 1 when the NVMe directory fails its checks.")
     doctor.add_arguments(p)
     p.set_defaults(handler=doctor.run)
 
 
 def _add_build(sub) -> None:
-    p = sub.add_parser("build", help="prebuild the C++ I/O engine (otherwise built on first use)")
+    p = sub.add_parser(
+        "build", help="build the C++ I/O engine now (otherwise built on first use)",
+        description="Compile the C++ I/O engine of the NVMe tier (or find it up to date) and "
+        "print the path of the built module and whether it moves CUDA tensors itself. "
+        "An install that compiled the engine needs no build; otherwise tiermem builds it "
+        "on first use (about a minute, once per torch version and source) and says so.")
 
     def handler(args: argparse.Namespace) -> int:
         from .io.build import build

@@ -133,18 +133,6 @@ def _policy(text: str, name: str) -> str:
     return ",".join(parts)
 
 
-def _size(text: str, name: str) -> int:
-    return parse_size(text, name=name)
-
-
-def _device_budget(text: str, name: str) -> Union[int, BudgetShare]:
-    return parse_device_budget(text, name=name)
-
-
-def _bool(text: str, name: str) -> bool:
-    return parse_bool(text, name=name)
-
-
 _INT_RE = re.compile(r"^\s*([0-9]+)\s*$", re.ASCII)
 
 
@@ -163,8 +151,13 @@ def parse_int(text: str, *, name: str) -> int:
     return int(m.group(1))
 
 
-def _int(text: str, name: str) -> int:
-    return parse_int(text, name=name)
+def _by_name(parse: Callable) -> Callable[[str, str], Any]:
+    """``parse_x(text, *, name)`` as a setting's parser ``(text, name)``."""
+    return lambda text, name: parse(text, name=name)
+
+
+_size, _device_budget, _bool, _int = (
+    _by_name(p) for p in (parse_size, parse_device_budget, parse_bool, parse_int))
 
 
 def _path(text: str, name: str) -> str:
@@ -303,7 +296,7 @@ class Config:
         cfg = cls(**values)
         cfg._set_arguments(n for n, v in overrides.items() if v is not None)
         if "log" in values:  # only when asked: never override the user's own logging setup
-            _configure_logging(cfg.log)
+            _log.setLevel(getattr(logging, cfg.log.upper()))
         return cfg
 
     def replace(self, **changes: Any) -> "Config":
@@ -338,6 +331,36 @@ class Config:
             if f.name == name:
                 return f.metadata["env"]
         raise TierMemError(f"tiermem: setting_name({name!r}): no such setting; this is a bug")
+
+    def unused_settings(self) -> list:
+        """``[(name, value)]``: settings set to other than their default that do nothing
+        under this policy (NOTE [Settings a policy ignores]), named as given."""
+        tiers = None if self.policy is None or callable(self.policy) else self.policy.split(",")
+        unused = [] if self.policy == "auto" else ["device_budget", "agree_ranks"]
+        if tiers is not None and "auto" not in tiers and "nvme" not in tiers:
+            unused += ["nvme_dir", "nvme_budget"]
+        default = {f.name: f.default for f in dataclasses.fields(self)}
+        return [(self.setting_name(n), getattr(self, n)) for n in unused
+                if not self.disable and getattr(self, n) != default[n]]
+
+    def warn_unused_settings(self) -> None:
+        """Warn (``UserWarning``) of each :meth:`unused_settings`, once per process."""
+        policy = ("a callable policy" if callable(self.policy) else "the default policy"
+                  if self.policy is None else f"policy={self.policy!r}")
+        for name, value in self.unused_settings():
+            if (name, str(value), policy) not in _warned_unused:
+                _warned_unused.add((name, str(value), policy))
+                warnings.warn(f"tiermem: {name}={str(value)!r} has no effect under {policy}; "
+                              "it is ignored", UserWarning, stacklevel=3)
+
+
+# NOTE [Settings a policy ignores]
+# A setting that does nothing under the chosen policy must not pass for one in
+# force (``policy="cpu", device_budget="50%"``): device_budget and agree_ranks
+# are read by the auto planner only; nvme_dir and nvme_budget only where the
+# nvme tier may be used (a named policy without nvme makes no nvme store). A
+# warning, not an error: a variable may be meant for another Offloader.
+_warned_unused: set = set()
 
 
 # NOTE [Setting names in messages]
@@ -415,10 +438,6 @@ def _check_min(f: dataclasses.Field, value: Any, name: str, shown: Any = None) -
     if maximum is not None and value > maximum:
         raise ConfigError(f"tiermem: {name}={shown!r} must be at most {maximum}")
     return value
-
-
-def _configure_logging(level: str) -> None:
-    _log.setLevel(getattr(logging, level.upper()))
 
 
 def env_table_markdown() -> str:

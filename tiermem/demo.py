@@ -7,11 +7,18 @@ Both runs reseed the global RNG with the same per-step seed right before their
 forward pass, so dropout draws the same masks. The gradients of every
 parameter are compared with ``torch.equal``; then both models take an AdamW
 step and their parameters are compared too, so the next step starts from
-identical state again.
+identical state again. What is compared is printed (:data:`COMPARED`).
 
-On CUDA the demo turns on ``torch.use_deterministic_algorithms`` (and sets
-``CUBLAS_WORKSPACE_CONFIG`` if unset) so that a mismatch can only come from
-tiermem, not from a kernel that accumulates in a different order run to run.
+# NOTE [What the demo compares]
+# The comparison must fail only when tiermem changed a result, so both runs
+# must be deterministic functions of their inputs. On the CPU, torch's kernels
+# are not: reductions (layer norm's and the embedding's weight gradients)
+# split their work among the threads that take part, and a different split
+# sums in a different order, so the last bits depend on how many threads ran
+# (and the gradients then differ between a run on 1 and one on 2 threads).
+# That number is not fixed on a busy machine. So the demo runs both models on
+# one intra-op thread and with ``torch.use_deterministic_algorithms`` (on CUDA
+# also ``CUBLAS_WORKSPACE_CONFIG``, set if unset), restoring both afterwards.
 
 Importing this module does not initialise CUDA.
 """
@@ -43,15 +50,22 @@ __all__ = ["add_arguments", "run", "DemoResult", "run_demo", "pick_device"]
 #: activation is 128 KiB .. 2 MiB, above the default min_offload_bytes (64 KiB).
 DEMO_MODEL = GPTConfig(vocab=512, layers=4, width=128, heads=4, seq_len=128, dropout=0.1)
 DEMO_BATCH = 8
+#: What every step compares, and how the demo makes that comparison exact.
+COMPARED = ("each step compares every parameter's gradient, then every parameter after AdamW, "
+            "bit for bit (torch.equal) with plain autograd run from the same state and seed; "
+            "both runs use one intra-op thread and deterministic algorithms, so only tiermem "
+            "can make them differ")
+#: The policies ``--policy`` takes (a preference list such as ``recompute,cpu`` is one).
+DEMO_POLICIES = ("keep", "cpu", "nvme", "recompute", "recompute,cpu", "recompute,nvme", "auto")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The demo's command-line options (used by ``python -m tiermem demo``)."""
     p.add_argument("--steps", type=int, default=5, help="training steps (default: 5)")
-    p.add_argument("--policy", choices=("keep", "cpu", "nvme", "recompute", "recompute,cpu",
-                                        "recompute,nvme", "auto"),
-                   default=None, help="tiermem policy of the offloaded run (default: "
-                   "TIERMEM_POLICY if set, else cpu; nvme needs --nvme-dir or TIERMEM_NVME_DIR)")
+    p.add_argument("--policy", choices=DEMO_POLICIES, metavar="POLICY", default=None,
+                   help="tiermem policy of the offloaded run: one of "
+                   + ", ".join(DEMO_POLICIES) + " (default: TIERMEM_POLICY if set, else cpu; "
+                   "the nvme ones need --nvme-dir or TIERMEM_NVME_DIR)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: cuda if torch.cuda.is_available(), else cpu (default: auto)")
     p.add_argument("--device-budget", default=None, metavar="BUDGET",
@@ -124,18 +138,23 @@ def _max_rss_bytes() -> int:
 
 
 def _enable_determinism(device: torch.device) -> Callable[[], None]:
-    """Turn on deterministic algorithms on CUDA; returns a function restoring the
-    previous setting."""
-    if device.type != "cuda":
-        return lambda: None  # the CPU kernels used here are deterministic already
+    """One intra-op thread and deterministic algorithms (NOTE [What the demo
+    compares]); returns a function restoring the previous settings."""
+    threads = torch.get_num_threads()
     prev = (torch.are_deterministic_algorithms_enabled(),
             torch.is_deterministic_algorithms_warn_only_enabled())
-    # Must be set before cuBLAS creates its first handle, i.e. before any matmul.
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if device.type == "cuda":
+        # Must be set before cuBLAS creates its first handle, i.e. before any matmul.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     # Strict: flash / memory-efficient attention use their deterministic
     # backward only then (warn_only keeps the atomics).
     torch.use_deterministic_algorithms(True)
-    return lambda: torch.use_deterministic_algorithms(prev[0], warn_only=prev[1])
+    torch.set_num_threads(1)
+
+    def restore() -> None:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(prev[0], warn_only=prev[1])
+    return restore
 
 
 def _sync(device: torch.device) -> None:
@@ -326,6 +345,7 @@ def run(args: argparse.Namespace) -> int:
              f"seq {c.seq_len}, vocab {c.vocab}, dropout {c.dropout}, "
              f"{model.num_parameters() / 1e6:.2f} M params | batch {args.batch} | "
              f"device {device} | policy {args.policy} | steps {args.steps} | seed {args.seed}")
+        emit(f"tiermem demo: {COMPARED}")
         if off.config.disable:
             emit("tiermem demo: WARNING: TIERMEM_DISABLE is set, so the Offloader does nothing "
                  "and the comparison below is trivially equal; unset it to test tiermem")
@@ -349,6 +369,7 @@ def run(args: argparse.Namespace) -> int:
         emit(f"tiermem demo: FAILED: gradients or parameters differ from plain autograd "
              f"at step(s) {bad}")
         return 1
-    emit(f"tiermem demo: OK: gradients match plain autograd bit-for-bit in all "
-         f"{len(result.steps)} steps (and parameters after AdamW)")
+    n = len(result.steps)
+    emit(f"tiermem demo: OK: gradients match plain autograd bit-for-bit in "
+         f"{'the one step' if n == 1 else f'all {n} steps'} (and parameters after AdamW)")
     return 0

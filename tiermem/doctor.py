@@ -23,6 +23,7 @@ import time
 import psutil
 import torch
 
+from ._version import __version__
 from .config import Config
 from .errors import ConfigError
 from .memory.ranks import local_world_size, rank_label
@@ -35,9 +36,23 @@ __all__ = ["add_arguments", "run", "diagnose"]
 _CHUNK_BYTES = 16 << 20
 
 
+def _positive_mib(text: str) -> int:
+    """``--mib``: a whole number of MiB, at least 1 (argparse reports the error)."""
+    try:
+        mib = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of MiB") from None
+    if mib < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: the bandwidth test needs at least 1 MiB")
+    return mib
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dir", default=None, help="NVMe directory to check (default: TIERMEM_NVME_DIR)")
-    p.add_argument("--mib", type=int, default=256, help="MiB to write and read back for the bandwidth")
+    p.add_argument("--dir", default=None,
+                   help="NVMe directory to check (default: TIERMEM_NVME_DIR); a missing one "
+                   "is created for the check and removed again")
+    p.add_argument("--mib", type=_positive_mib, default=256, metavar="MIB",
+                   help="MiB to write and read back for the bandwidth, at least 1 (default: 256)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -84,7 +99,7 @@ def _bandwidth(path: str, engine_kind: str, threads: int, mib: int) -> dict:
     work = tempfile.mkdtemp(prefix=".tiermem-doctor-", dir=path)
     try:
         f = engine.open(os.path.join(work, "bench.bin"), 0)
-        total = max(1, mib) << 20
+        total = mib << 20
         f.resize(total)
         buf = aligned_empty(_CHUNK_BYTES)
         buf.random_(0, 256)
@@ -109,10 +124,13 @@ def _bandwidth(path: str, engine_kind: str, threads: int, mib: int) -> dict:
 
 
 def diagnose(nvme_dir=None, mib: int = 256) -> dict:
-    """Everything ``doctor`` reports, as a dict."""
+    """Everything ``doctor`` reports, as a dict. The NVMe directory's missing
+    parts, if any, are created for the check and removed afterwards."""
+    if isinstance(mib, bool) or not isinstance(mib, int) or mib < 1:
+        raise ConfigError(f"tiermem: doctor mib={mib!r} must be a whole number of MiB, at least 1")
     cfg = Config.from_env()
     report = {
-        "tiermem": __import__("tiermem").__version__,
+        "tiermem": __version__,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "settings": {f.name: (getattr(cfg, f.name) if not callable(getattr(cfg, f.name))
@@ -141,18 +159,40 @@ def diagnose(nvme_dir=None, mib: int = 256) -> dict:
     report["engine"] = engine_info(cfg.engine)   # the engine this configuration uses
     path = nvme_dir or cfg.nvme_dir
     if path:
-        nv = {"dir": path}
-        try:
-            from .memory.spilldir import check_nvme_dir
-            check_nvme_dir(path, "--dir" if nvme_dir else "TIERMEM_NVME_DIR")
-            nv["free_bytes"] = psutil.disk_usage(path).free
-            nv["default_nvme_budget_bytes"] = default_nvme_budget_bytes(path)
-            nv["o_direct"] = _o_direct(path)
-            nv["bandwidth"] = _bandwidth(path, cfg.engine, cfg.io_threads, mib)
-        except Exception as e:  # reported, not raised: doctor must always finish
-            nv["error"] = f"{type(e).__name__}: {e}"
-        report["nvme"] = nv
+        report["nvme"] = _check_dir(path, "--dir" if nvme_dir else "TIERMEM_NVME_DIR", cfg, mib)
     return report
+
+
+def _check_dir(path: str, setting: str, cfg: Config, mib: int) -> dict:
+    nv = {"dir": path}
+    created = _missing_parts(os.path.abspath(path))
+    try:
+        from .memory.spilldir import check_nvme_dir
+        check_nvme_dir(path, setting)
+        nv["free_bytes"] = psutil.disk_usage(path).free
+        nv["default_nvme_budget_bytes"] = default_nvme_budget_bytes(path)
+        nv["o_direct"] = _o_direct(path)
+        nv["bandwidth"] = _bandwidth(path, cfg.engine, cfg.io_threads, mib)
+    except Exception as e:  # reported, not raised: doctor must always finish
+        nv["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        for d in reversed(created):   # deepest first; only what was missing, only if empty
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+    nv["created_and_removed"] = bool(created) and not os.path.lexists(created[0])
+    return nv
+
+
+def _missing_parts(path: str) -> list:
+    """The directories ``mkdir -p path`` would create, outermost first."""
+    missing = []
+    while not os.path.lexists(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return missing[::-1]
 
 
 def _print(r: dict) -> None:
@@ -211,7 +251,8 @@ def _print(r: dict) -> None:
         print(f"NVMe dir {nv['dir']}: {nv['error']}")
         return
     b = nv["bandwidth"]
-    print(f"NVMe dir {nv['dir']}: {format_bytes(nv['free_bytes'])} free, default budget "
+    made = " (created for this check, then removed)" if nv["created_and_removed"] else ""
+    print(f"NVMe dir {nv['dir']}{made}: {format_bytes(nv['free_bytes'])} free, default budget "
           f"{format_bytes(nv['default_nvme_budget_bytes'])}, O_DIRECT {nv['o_direct']}")
     print(f"  {b['engine']} engine ({'direct' if b['direct'] else 'buffered'}), "
           f"{format_bytes(b['bytes'])}: write {b['write_GBps']:.2f} GB/s, "

@@ -265,6 +265,7 @@ class Offloader:
         self.config = Config.from_env(policy=policy, **settings)
         cfg = self.config
         _check_hints(hints, cfg)
+        cfg.warn_unused_settings()   # NOTE [Settings a policy ignores] in config.py
         #: The planner's ``hints`` callable (``None``: none).
         self.hints = hints
         self.stats = StepStats()

@@ -1,16 +1,19 @@
-"""The C++ I/O engine (``csrc/``), built just in time with torch's extension loader.
+"""The C++ I/O engine (``csrc/``): the module built at install, else built just in time.
 
-:func:`load_extension` compiles :data:`SOURCES` (``csrc/io_engine.cpp``,
-``csrc/tensor_release.cpp`` and ``csrc/bindings.cpp``) into the module
-``tiermem_C`` on first use (about 30 s on 2 cores) and caches it in torch's
-extension directory (``TORCH_EXTENSIONS_DIR``, default
-``<tmp>/torch_extensions``); later processes only check that it is up to date.
-Never built with pip build isolation, which would pull a different torch.
+:func:`load_extension` uses the module an install compiled (``tiermem._C``,
+see setup.py) when it was built for this torch and these sources; otherwise it
+compiles the sources with torch's extension loader on first use (about a
+minute on 2 cores, announced by one warning before it starts) into a directory
+of torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``) named after the torch version and a hash of the
+sources (NOTE [Engine build identity] in buildkey.py), which later processes
+import without compiling. Never built with pip build isolation, which would
+pull a different torch.
 
 # NOTE [CUDA build of the engine]
 # With a CUDA build of torch (``torch.version.cuda`` set: the build is chosen
 # from torch, never from the environment or from whether a GPU is present),
-# the extension is built as ``tiermem_C_cuda`` (its own cache entry, so CPU and
+# the extension is built as ``tiermem_C_cuda_*`` (its own cache entry, so CPU and
 # CUDA builds never overwrite each other) with ``with_cuda=True`` (CUDA headers
 # from ``CUDA_HOME``, linked against cudart), ``-DTIERMEM_WITH_CUDA`` and
 # :data:`CUDA_SOURCES`, which add ``csrc/cuda_chain.cpp`` (the chain) and
@@ -19,24 +22,23 @@ Never built with pip build isolation, which would pull a different torch.
 # :attr:`CppEngine.cuda_chain` is True. Building it needs a CUDA toolkit of
 # torch's major version (``CUDA_HOME``, or ``nvcc`` on PATH, or
 # /usr/local/cuda), no GPU. If that build fails (no toolkit, say), the
-# CPU-only ``tiermem_C`` is built instead, with one warning: the nvme tier
+# CPU-only ``tiermem_C_*`` is built instead, with one warning: the nvme tier
 # then copies CUDA tensors from Python.
 # :func:`cuda_status` says which, and why.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import shutil
 import threading
-import time
 from typing import Optional
 
 import torch  # before the extension: it links against torch's libraries
 
 from ..errors import TierMemError
+from . import build as _build
+from . import buildkey
 from .base import IOEngine, IOFile, IOFuture, check_request
 
 __all__ = ["CppEngine", "load_extension", "extension_path", "cuda_status", "SOURCES",
@@ -56,16 +58,10 @@ def _find_csrc() -> str:
 
 _CSRC = _find_csrc()
 #: The sources compiled into the extension, in build order.
-SOURCES = [os.path.join(_CSRC, name)
-           for name in ("io_engine.cpp", "tensor_release.cpp", "bindings.cpp")]
+SOURCES = buildkey.variant(_CSRC, False)[0]
 #: ... and in its CUDA build. See NOTE [CUDA build of the engine].
-CUDA_SOURCES = SOURCES + [os.path.join(_CSRC, name)
-                          for name in ("cuda_chain.cpp", "cuda_bindings.cpp")]
-_HEADERS = [os.path.join(_CSRC, name) for name in ("io_engine.h", "tensor_release.h", "checks.h",
-                                                   "ready_queue.h")]
-_CUDA_HEADERS = [os.path.join(_CSRC, name) for name in ("cuda_chain.h", "cuda_bindings.h")]
-_NAME = "tiermem_C"
-_CUDA_NAME = "tiermem_C_cuda"
+CUDA_SOURCES = buildkey.variant(_CSRC, True)[0]
+_HEADERS = buildkey.variant(_CSRC, False)[1]
 
 _lock = threading.Lock()
 _module = None
@@ -74,9 +70,11 @@ _cuda_reason = "the C++ engine is not loaded"
 
 
 def load_extension(verbose: bool = False):
-    """The compiled extension module, built if needed (cached per process):
-    ``tiermem_C_cuda`` with a CUDA build of torch, else (or if that build
-    fails) ``tiermem_C``. See NOTE [CUDA build of the engine].
+    """The compiled extension module (cached per process): the one built at
+    install when it fits this torch and these sources, else a run-time build,
+    ``tiermem_C_cuda_*`` with a CUDA build of torch, else (or if that build
+    fails) ``tiermem_C_*`` (NOTE [CUDA build of the engine]), compiled first if
+    no complete build of it is cached (announced by one warning).
 
     Raises :class:`tiermem.TierMemError` carrying the compiler's output when it
     cannot be built or loaded; the failure is remembered for this process.
@@ -94,15 +92,19 @@ def load_extension(verbose: bool = False):
                 f"(a source checkout has csrc/, a wheel tiermem/_csrc; reinstall tiermem, "
                 f"or use TIERMEM_ENGINE=python)")
             raise _error
+        _module, note = _build.prebuilt(_CSRC)
+        if _module is not None:
+            _cuda_reason = note
+            return _module
         from torch.utils import cpp_extension
 
-        _find_ninja()
+        _build.find_ninja()
         cuda_failed = False
         if torch.version.cuda is None:
             _cuda_reason = "torch is a CPU-only build"
         else:
             try:
-                _module = _build(cpp_extension, True, verbose)
+                _module = _build.build_and_import(cpp_extension, _CSRC, True, verbose, note)
                 _cuda_reason = f"built with CUDA {torch.version.cuda}"
                 _error = None
                 return _module
@@ -111,7 +113,7 @@ def load_extension(verbose: bool = False):
                 _cuda_reason = (f"the CUDA build failed ({type(e).__name__}): "
                                 f"{_first_lines(str(e))}")
         try:
-            _module = _build(cpp_extension, False, verbose)
+            _module = _build.build_and_import(cpp_extension, _CSRC, False, verbose, note)
         except Exception as e:  # compiler missing, compile error, bad import...
             also = f"; before that, {_cuda_reason}" if cuda_failed else ""
             _error = TierMemError(
@@ -126,43 +128,6 @@ def load_extension(verbose: bool = False):
         return _module
 
 
-def _build(cpp_extension, cuda: bool, verbose: bool):
-    """Build (or find up to date) and import the CPU-only or the CUDA extension."""
-    name = _CUDA_NAME if cuda else _NAME
-    sources = CUDA_SOURCES if cuda else SOURCES
-    missing = [p for p in sources + (_CUDA_HEADERS if cuda else []) if not os.path.isfile(p)]
-    if missing:
-        raise TierMemError(f"tiermem: missing source files: {', '.join(missing)}")
-    if cuda and cpp_extension.CUDA_HOME is None:
-        raise TierMemError("no CUDA toolkit found (set CUDA_HOME, or put nvcc on PATH)")
-    # -std is left to torch: its headers need the standard it passes (C++20
-    # for torch 2.13); io_engine.cpp itself is plain C++17.
-    cflags = ["-O3"] + (["-DTIERMEM_WITH_CUDA"] if cuda else [])
-    with _build_lock(cpp_extension, name), _arch_list(cuda):
-        return cpp_extension.load(
-            name=name, sources=sources, extra_cflags=cflags, extra_include_paths=[_CSRC],
-            with_cuda=cuda, verbose=verbose)
-
-
-#: TORCH_CUDA_ARCH_LIST for the CUDA build when the user set none. The sources
-#: are all .cpp (no device code is compiled), so the value changes nothing in
-#: the library; it only spares torch's loader from asking the GPUs for their
-#: architecture, which fails on a machine without one (an IndexError).
-_ARCH_LIST_PLACEHOLDER = "9.0"
-
-
-@contextlib.contextmanager
-def _arch_list(cuda: bool):
-    if not cuda or os.environ.get("TORCH_CUDA_ARCH_LIST"):
-        yield
-        return
-    os.environ["TORCH_CUDA_ARCH_LIST"] = _ARCH_LIST_PLACEHOLDER
-    try:
-        yield
-    finally:
-        os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
-
-
 def cuda_status() -> tuple:
     """``(has_chain, reason)`` for the loaded extension: whether it moves CUDA
     tensors itself (``CudaChain``) and why (not). Does not build anything."""
@@ -174,83 +139,6 @@ def cuda_status() -> tuple:
 
 def _first_lines(text: str, limit: int = 2000) -> str:
     return text if len(text) <= limit else text[:limit] + " ... (truncated)"
-
-
-def _find_ninja() -> None:
-    """Put the ``ninja`` of the pip package on PATH if none is there (torch's
-    loader runs ``ninja`` by name; a venv's bin/ is on PATH only when activated)."""
-    if shutil.which("ninja"):
-        return
-    try:
-        import ninja
-    except ImportError:
-        return  # torch's loader then fails, and says that ninja is missing
-    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-
-
-#: A build lock older than this was left by a killed build (a build takes ~30 s).
-_STALE_LOCK_SECONDS = 600
-
-
-@contextlib.contextmanager
-def _build_lock(cpp_extension, name: str):
-    """Held around ``cpp_extension.load``.
-
-    # NOTE [Build lock]
-    # torch up to 2.13 locks a build directory with a file whose existence is
-    # the lock (``FileBaton``): a build killed while compiling leaves it, and
-    # every later build waits on it forever. tiermem builds therefore also
-    # hold an OS lock (``flock``, released by the kernel when its process
-    # dies) on ``tiermem-build.flock`` in the same directory for the whole
-    # load. Holding it, a ``lock`` file can only be a dead build's (any live
-    # tiermem build holds the flock), so it is removed whatever its age.
-    # Without the flock (no such file can be made), only a lock older than
-    # _STALE_LOCK_SECONDS is taken for stale. torch >= 2.14 locks with an OS
-    # lock itself (``FileLock``): nothing to do.
-    """
-    if getattr(cpp_extension, "FileLock", None) is not None:
-        yield
-        return
-    try:
-        import fcntl
-        build_dir = cpp_extension._get_build_directory(name, False)  # private API
-        fd = os.open(os.path.join(build_dir, "tiermem-build.flock"), os.O_RDWR | os.O_CREAT,
-                     0o644)
-    except (ImportError, AttributeError, OSError, TypeError):
-        _clear_stale_lock(cpp_extension, name)
-        yield
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)   # waits while another tiermem process builds here
-        lock = os.path.join(build_dir, "lock")
-        if os.path.exists(lock):
-            _log.warning("tiermem: removing the build lock %s left by a build of the C++ "
-                         "engine that was killed (NOTE [Build lock])", lock)
-            with contextlib.suppress(OSError):
-                os.unlink(lock)
-        yield
-    finally:
-        os.close(fd)   # releases the flock
-
-
-def _clear_stale_lock(cpp_extension, name: str) -> None:
-    """Remove the build lock of a killed build: torch (up to 2.13: a lock file
-    whose existence is the lock, ``FileBaton``) waits on it forever. Newer
-    torch holds an OS lock on a file that stays (``FileLock``): never stale,
-    and removing that file under a running build would let a second one in."""
-    if getattr(cpp_extension, "FileLock", None) is not None:
-        return
-    try:
-        build_dir = cpp_extension._get_build_directory(name, False)  # private API
-        lock = os.path.join(build_dir, "lock")
-        age = time.time() - os.path.getmtime(lock)
-    except (AttributeError, OSError, TypeError):
-        return
-    if age > _STALE_LOCK_SECONDS:
-        _log.warning("tiermem: removing the build lock %s left %.0f s ago by an interrupted "
-                     "build of the C++ engine", lock, age)
-        with contextlib.suppress(OSError):
-            os.unlink(lock)
 
 
 def extension_path() -> Optional[str]:
