@@ -2,8 +2,8 @@
 tiers, engines and models.
 
 - Tests marked ``gpu`` are skipped when ``torch.cuda.is_available()`` is false.
-  Tests marked ``slow`` (over ~1.5 s here) run by default; ``-m "not slow"``
-  leaves them out for a quick round.
+  Tests marked ``slow`` (over ~1.5 s here, and the long sweeps) are left out
+  by default (pyproject's ``addopts``); ``-m slow`` runs them (CI runs both).
 - ``clean_env`` (autouse): no ``TIERMEM_*`` variable is set while a test runs,
   so that a developer's settings cannot change what it checks, except
   ``TIERMEM_TAIL_HOLD_BYTES=0`` (see the fixture). A test that
