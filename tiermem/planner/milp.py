@@ -20,13 +20,14 @@
 # Unreachable budgets: first the most bytes the tiers can free, then the
 # cheapest choice freeing them. The greedy (greedy.py) is solved too; the
 # better of the two by (bytes short, cost) stands, so a solver stopped by its
-# time limit never makes the plan worse. HiGHS runs single-threaded and is
-# deterministic for a given model: ranks planning the same agreed profile
-# choose alike (unless a time limit cuts one short).
+# time limit never makes the plan worse. HiGHS is deterministic for a given
+# model: ranks planning the same agreed profile choose alike, unless the
+# wall-clock time limit cuts one short (then that one keeps the greedy's).
 """
 
 from __future__ import annotations
 
+import time
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -190,17 +191,19 @@ class Model:
         target = self.need if reach is None else reach
         A = coo_matrix((d_, (r_, c_)), shape=(len(lo), total)).tocsr()
         lo_arr, hi_arr = np.array(lo), np.array(hi)
+        t0 = time.perf_counter()
         if reach is None:
-            # Reachable at all? Maximise the bytes freed first.
+            # Reachable at all? Maximise the bytes freed first (the cheap
+            # phase: the rest of the time limit is the second's).
             c = np.zeros(total)
             c[:n] = -np.array(self.freed, dtype=float) / _MIB
             c[n:] = np.array([p[0] for p in self.pairs], dtype=float) / _MIB
             best = self._run(c, A, lo_arr, hi_arr, integrality, bounds,
-                             dict(options, time_limit=time_limit_s / 2))
+                             options)
             if best is None:
                 return None, "no solution within the time limit"
             target = min(target, self.evaluate(best)[0])
-            options["time_limit"] = time_limit_s / 2
+            options["time_limit"] = max(0.0, time_limit_s - (time.perf_counter() - t0))
         lo_arr = lo_arr.copy()
         lo_arr[base] = (target - 0.5) / _MIB
         c = np.zeros(total)
