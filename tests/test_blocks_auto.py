@@ -475,8 +475,8 @@ def _dedup_case() -> Case:
 def test_one_storage_is_never_moved_twice_or_counted_twice(nvme_dir, monkeypatch):
     """A plan checkpointing every block and moving all it can (target 0; the
     blocks' forwards made cheap in the profile so the greedy takes them; the
-    solver, which may find a plan freeing more without some of them, is off:
-    NOTE [Planner choice] in tiermem/planner/milp.py): each
+    solver, which may find a plan freeing more without some of them, is
+    off: NOTE [Planner choice] in tiermem/planner/milp.py): each
     input goes where rule 6 says, the step moves and keeps exactly the bytes
     the plan predicts, and gradients are exact."""
     import dataclasses

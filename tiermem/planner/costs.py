@@ -1,7 +1,22 @@
 """The auto planner's prices: per saved tensor its options (recompute, cpu,
-nvme), per auto block its checkpoint, each in predicted seconds added to
-the step and device bytes freed (NOTE [Planner cost model] in
-planner/solver.py, 2); the tier orders a plan gives."""
+nvme), per auto block its checkpoint; the tier orders a plan gives.
+
+# NOTE [Option prices]
+# - recompute (only where the recompute tier took it in the profile): its
+#   regeneration time measured in the profile's backward (else bytes / the
+#   pointwise rate); frees its bytes less its recipe's kept inputs.
+# - cpu (CUDA tensors only: a CPU tensor's host copy is the same RAM): the
+#   stall of one tensor alone on the link, copied out after its save and back
+#   from the start of backward: max(0, back - (use - max(bwd start, save + out))).
+# - nvme: the same with the disk's measured legs (plus PCIe on CUDA); for a
+#   CPU tensor plus its CPU charge: its round trip's CPU seconds over the
+#   threads the compute spreads over, which a CPU device's compute loses.
+# - an auto block's checkpoint: its profiled forward once more in backward;
+#   frees what it saved less the inputs the checkpoint keeps; its movable
+#   inputs may then move too, priced as tensors needed when its recompute
+#   starts (rule 6 of NOTE [Blocks the planner may checkpoint]).
+# Prices are lone: no channel contention; the simulation adds that after.
+"""
 
 from __future__ import annotations
 
@@ -115,7 +130,7 @@ def recompute_option(r: TensorRecord, rates: Rates, track_s: float = 0.0) -> Opt
 def move_option(r: TensorRecord, tier: Tier, legs: Tuple[float, float], rates: Rates,
                  bwd_start: float) -> Option:
     """Moving ``r`` to ``tier`` with ``legs`` (out, back): its lone-link stall
-    plus its CPU charge (NOTE [Planner cost model], 2)."""
+    plus its CPU charge (NOTE [Option prices])."""
     out, back = legs
     lead = r._use - max(bwd_start, r.pack_s + out)
     cpu = cpu_charge_s(r.nbytes, r.device, tier, rates)

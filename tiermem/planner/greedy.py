@@ -1,7 +1,10 @@
-"""The auto planner's greedy choice (NOTE [Planner cost model] in
-planner/solver.py, 2): options taken by price per freed byte until the
-device budget is met. The fallback and floor of the solver (NOTE [Planner
-choice] in planner/milp.py)."""
+"""The auto planner's greedy choice, the fallback and floor of the solver
+(NOTE [Planner choice] in planner/milp.py): each tensor's cheapest option
+per freed byte (ties: recompute, cpu, nvme) and each auto block's
+checkpoint, taken in that order of price (hinted moves first, keep hints
+last; then the longest window first) until the device budget is met. A move
+whose tier is out of room tries the tensor's next option; a checkpoint
+undoes its tensors' choices and gives their room back."""
 
 from __future__ import annotations
 

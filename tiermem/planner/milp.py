@@ -20,13 +20,14 @@
 # Unreachable budgets: first the most bytes the tiers can free, then the
 # cheapest choice freeing them. The greedy (greedy.py) is solved too; the
 # better of the two by (bytes short, cost) stands, so a solver stopped by its
-# time limit never makes the plan worse. HiGHS runs single-threaded and is
-# deterministic for a given model: ranks planning the same agreed profile
-# choose alike (unless a time limit cuts one short).
+# time limit never makes the plan worse. HiGHS is deterministic for a given
+# model: ranks planning the same agreed profile choose alike, unless the
+# wall-clock time limit cuts one short (then that one keeps the greedy's).
 """
 
 from __future__ import annotations
 
+import time
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -62,24 +63,23 @@ class Model:
         self.vars: List[tuple] = []
         self.freed: List[int] = []
         self.price: List[float] = []
-        self.biased: List[float] = []
         self.block_var = {}   # block position -> variable
         rows = []             # (variables, upper bound) of the "at most" rows
         for bi, b in enumerate(blocks):
             if b.price != float("inf") and not b.has_must and not b.nested_must:
-                self.block_var[bi] = self._add(("b", b, None), b.freed, b.cost_s, b.cost_s)
+                self.block_var[bi] = self._add(("b", b, None), b.freed, b.cost_s)
         block_of = {j: bi for bi, b in enumerate(blocks) for j in range(b.rec.start, b.rec.end)}
         for r in records:
             if r.index in must_ids or not options[r.index]:
                 continue
-            group = [self._add(("t", r, o), o.freed, o.cost_s, o.cost_s)
+            group = [self._add(("t", r, o), o.freed, o.cost_s)
                      for o in options[r.index]]
             bv = self.block_var.get(block_of.get(r.index))
             rows.append((group + ([bv] if bv is not None else []), 1))
         self.inputs = []
         for bi, bv in self.block_var.items():
             for i in blocks[bi].ins:
-                group = [self._add(("i", i, o), i.x.nbytes, o.cost_s, o.cost_s) for o in i.opts]
+                group = [self._add(("i", i, o), i.x.nbytes, o.cost_s) for o in i.opts]
                 if group:
                     rows.append((group, 0, bv))
         #: (bytes, block var, other block var) of "before" inputs (NOTE, pairs).
@@ -94,19 +94,18 @@ class Model:
         #: holding one, their inputs): set by :meth:`fix`.
         self.fixed: dict = {}
 
-    def _add(self, var: tuple, freed: int, price: float, biased: float) -> int:
+    def _add(self, var: tuple, freed: int, price: float) -> int:
         self.vars.append(var)
         self.freed.append(freed)
         self.price.append(price)
-        self.biased.append(biased)
         return len(self.vars) - 1
 
     # -- an assignment: the set of variables taken ----------------------------------
-    def evaluate(self, taken: set) -> Tuple[int, float, float]:
-        """(bytes freed, objective, priced cost) of ``taken``, exactly."""
+    def evaluate(self, taken: set) -> Tuple[int, float]:
+        """(bytes freed, priced cost in seconds) of ``taken``, exactly."""
         freed = sum(self.freed[v] for v in taken)
         freed -= sum(n for n, a, b in self.pairs if a in taken and b in taken)
-        return (freed, sum(self.biased[v] for v in taken), sum(self.price[v] for v in taken))
+        return freed, sum(self.price[v] for v in taken)
 
     def valid(self, taken: set) -> bool:
         """Whether ``taken`` satisfies every constraint but the budget's."""
@@ -127,9 +126,9 @@ class Model:
         return used
 
     def key(self, taken: set) -> Tuple[int, float]:
-        """What the choice minimises: (bytes short, objective)."""
-        freed, biased, _ = self.evaluate(taken)
-        return max(0, self.need - freed), biased
+        """What the choice minimises: (bytes short, priced cost)."""
+        freed, cost = self.evaluate(taken)
+        return max(0, self.need - freed), cost
 
     def fix(self, greedy: set) -> None:
         """Fix the hinted tensors, the blocks holding one and their inputs
@@ -192,21 +191,23 @@ class Model:
         target = self.need if reach is None else reach
         A = coo_matrix((d_, (r_, c_)), shape=(len(lo), total)).tocsr()
         lo_arr, hi_arr = np.array(lo), np.array(hi)
+        t0 = time.perf_counter()
         if reach is None:
-            # Reachable at all? Maximise the bytes freed first.
+            # Reachable at all? Maximise the bytes freed first (the cheap
+            # phase: the rest of the time limit is the second's).
             c = np.zeros(total)
             c[:n] = -np.array(self.freed, dtype=float) / _MIB
             c[n:] = np.array([p[0] for p in self.pairs], dtype=float) / _MIB
             best = self._run(c, A, lo_arr, hi_arr, integrality, bounds,
-                             dict(options, time_limit=time_limit_s / 2))
+                             options)
             if best is None:
                 return None, "no solution within the time limit"
             target = min(target, self.evaluate(best)[0])
-            options["time_limit"] = time_limit_s / 2
+            options["time_limit"] = max(0.0, time_limit_s - (time.perf_counter() - t0))
         lo_arr = lo_arr.copy()
         lo_arr[base] = (target - 0.5) / _MIB
         c = np.zeros(total)
-        c[:n] = np.array(self.biased) * _SCALE_S
+        c[:n] = np.array(self.price) * _SCALE_S
         taken = self._run(c, A, lo_arr, hi_arr, integrality, bounds, options)
         if taken is None:
             return None, "no solution within the time limit"

@@ -173,8 +173,8 @@ class Plan:
     #: restores, or None (NOTE [Restores start with backward] in runtime/hooks.py).
     kick_index: Optional[int] = None
     #: The choice's priced cost (the sum of its options' lone prices: NOTE
-    #: [Planner choice] in planner/improve.py) and the greedy's, before the
-    #: improvement pass; ``None`` when nothing had to move.
+    #: [Planner choice] in planner/milp.py) and the greedy's choice's (the
+    #: solver's floor); ``None`` when nothing had to move.
     priced_cost_s: Optional[float] = None
     greedy_priced_cost_s: Optional[float] = None
     #: Aten ops per forward a step following the plan tracks producers in,

@@ -1,119 +1,21 @@
 """From a profile, rates and budgets to a :class:`~tiermem.planner.plan.Plan`.
 
 # NOTE [Planner cost model]
-# Deterministic and explainable, one pass over the profiled tensors:
-# 1. Everything fits (fixed bytes + every tensor <= device budget): keep all,
-#    move nothing (moving costs time and buys nothing).
-# 2. Else each tensor gets its options, each priced in predicted seconds
-#    added to the step and in device bytes it frees:
-#    - recompute (only if the recompute tier took it in the profile): the
-#      regeneration time measured in the profile's backward (else bytes /
-#      measured pointwise rate); frees its bytes less the recipe inputs that
-#      the profile left on the device;
-#    - cpu (CUDA tensors only: for a CPU tensor the host tier is the same
-#      RAM and frees nothing): the stall of copying it out after its save and
-#      back from the start of backward, one tensor alone on the link:
-#      max(0, back - (first use - max(backward start, save + out)));
-#    - nvme (when the tier exists): the same with the disk's measured write
-#      and read (plus the PCIe legs on CUDA); for a CPU tensor plus its *CPU
-#      charge*: the CPU seconds of its round trip (bytes / ``move_cpu`` +
-#      ``move_fixed_cpu_s``: the engine's threads; before 2026-12-02 the probe
-#      also made two staging copies the tier does not, pricing these moves
-#      about 4x over with the C++ engine) over the
-#      ``compute_threads`` the compute spreads over. On a CPU device those
-#      seconds are taken from the compute's cores, so the step is longer by
-#      them even when no unpack waits (measured: benchmarks/results/
-#      2026-12-01-cpu-costmodel-before.md: step time beyond keep's, less the
-#      stall, was about the extra process CPU time / 2 on 2 threads). Not charged
-#      on CUDA (the host's work runs beside the GPU's).
-#    The cheapest option per freed byte wins (ties: recompute, cpu, nvme);
-#    tensors are taken in that order of price, then longest window first
-#    (what backward needs first stays), until the kept bytes are within
-#    the budget. A move whose tier is out of room (cpu budget, nvme budget,
-#    counted as if everything moved were held at once) tries the tensor's
-#    next option ("nvme: host budget full").
-#    A ``checkpoint="auto"`` block is one more option, ranked with the
-#    tensors' by the same price: checkpointing it costs its profiled forward
-#    once more in backward and frees the bytes saved inside it less the
-#    bytes of the inputs it keeps (which the checkpoint saves); or, moving
-#    its movable inputs to cpu or nvme, costs also their moves (priced as a
-#    tensor's: saved at the block's entry, needed at the first unpack of a
-#    tensor saved inside it) and frees those bytes too. Taking it undoes the
-#    choices already made for its tensors (they are no longer saved), skips
-#    them later, gives their room back to the tensors refused for room, and,
-#    where its inputs stay, makes moving each one more option (NOTE [Blocks
-#    the planner may checkpoint] in planner/runtime.py, rule 6). Ties go to
-#    the tensors, and to kept inputs.
-#    The choice itself is a mixed-integer program over these options
-#    (NOTE [Planner choice] in planner/milp.py), with the greedy above
-#    (planner/greedy.py) as its fallback and floor; steps 3 and 4 take it.
-# 3. The prefetch window (the plan's ``suggested_prefetch_bytes``, which a
-#    step following the plan uses when ``prefetch_bytes`` is unset): the room
-#    the budget leaves at the start of backward (budget - predicted kept), no
-#    more than the bytes moved, and at least AUTO_MIN_BYTES (restores need
-#    some lead); ``prefetch_bytes`` when set. Unset, it is raised by the
-#    largest moved tensor (no more than the bytes moved) where the
-#    simulation (4) predicts less stall with it, or the same stall at the
-#    measured rates and less with reads SLOW_READS times slower (the plan's
-#    notes say which). Measured (2026-12-02-cpu-stall-predict): with a
-#    one-tensor window the prefetcher starts a restore only when the moved
-#    tensor before it is used, so a moved tensor needed soon after another
-#    (attention's softmax output after its dropout's) has only the compute
-#    between them to be read in (13-30 ms predicted); on the loaded shared
-#    machine such reads took 3-22x the probe's time, and those restores were
-#    the only late ones left. The raise may hold that one tensor more
-#    restored ahead than the budget's room at the start of backward, as the
-#    AUTO_MIN_BYTES floor may.
-# 4. The chosen moves are then simulated: that gives the predicted stall
-#    (per tensor ``PlannedTensor.restore_s``: its read's start and end and
-#    its need, from the start of backward). Rules:
-#    a. Moves out queue in pack order on one serial channel per tier.
-#    b. Restores run on one serial channel per tier, issued as the
-#       prefetcher issues them (tiermem/runtime/prefetch.py), not in use order: at
-#       the kick (the first use of the plan's kick tensor, the kept tensor
-#       the profile saw unpacked first, before every moved one: NOTE
-#       [Restores start with backward] in runtime/hooks.py) from the last packed
-#       moved tensor down, and at each moved tensor's unpack from the cursor
-#       (just below it when it is above the last one, or at or below the
-#       cursor), down the packing order while the bytes restored and not yet
-#       used are below the window; a move out not landed by then stops the
-#       cursor until the next moved unpack. A tensor not started by its use
-#       is read on demand then (its unpack waits its whole read, e.g. the
-#       first one backward needs when there is no kick), ahead of what that
-#       unpack's refill issues; one whose move out has not landed at its use
-#       is not read (the unpack takes the source: ``MovingStore.take``).
-#    c. A restore that overlaps moves out of its tier runs at the measured
-#       both-directions rate for the overlap (``disk_both`` / ``link_both``:
-#       its time there is stretched by single rate / both rate).
-#    d. Each stall delays every later need.
-#    e. The needs are the followed step's, not the profile's: the profile
-#       ran under the safe order (NOTE [Profile under the safe order] in
-#       planner/runtime.py), whose backward read or regenerated nearly every
-#       tensor. Each record's first use is moved earlier by what the unpacks
-#       before it cost in the profile and the plan does not pay (their time,
-#       ``TensorRecord.unpack_s``: read waits and regenerations; and, for each
-#       read from nvme, half the CPU charge of a round trip: its read's share,
-#       which the compute lost as in 2), and later by what the plan adds
-#       (its recomputes' ``recompute_s``, half the CPU charge of each of its
-#       reads, a checkpointed block's forward at the start of its recompute):
-#       ``followed_uses``. A tensor that a regeneration read as its recipe's
-#       input before autograd unpacked it (``TensorRecord.leaf_use_s``, by
-#       ``leaf_reader``) is needed then when the plan recomputes that reader
-#       (attention's softmax output, read by the regeneration of its
-#       dropout's output), else at its own first unpack.
-#    Measured (2026-12-02-cpu-stall-predict, a 4-layer TinyGPT): every late
-#    restore of the plans made without b and the leaf uses of e was read on
-#    demand (2-4 per followed step, none predicted, the first plans
-#    predicting 0 stall), most of them attention's softmax outputs read by
-#    the regeneration of the dropout output those plans recompute; with
-#    them, no restore was read on demand. The profiled steps' own stall (its
-#    first read mostly) ranged 0.1-540 ms; under the shared machine's load
-#    the followed steps' needs still differed from the corrected ones by
-#    hundreds of ms either way, so the timeline correction is not shown by
-#    measurement (its unit tests show what it does).
-# Budgets the tiers cannot meet leave the rest kept, and the plan says so.
-# The options' prices (2) read the profile's timeline as it is; only the
-# prediction reads the followed step's (4e).
+# 1. Everything fits (fixed bytes + every tensor <= device budget): keep all;
+#    moving costs time and buys nothing.
+# 2. Else each tensor and auto block gets options, each priced in seconds
+#    added to the step and device bytes freed (NOTE [Option prices] in
+#    costs.py); the choice among them is the program of NOTE [Planner
+#    choice] (milp.py), the greedy (greedy.py) its fallback and floor.
+#    Budgets the tiers cannot meet leave the rest kept, and the plan says so.
+# 3. The prefetch window: the room the budget leaves at the start of backward,
+#    within [AUTO_MIN_BYTES, bytes moved], or ``prefetch_bytes`` when set;
+#    unset, raised by the largest moved tensor where the simulation (4)
+#    predicts less stall with it, at the measured read rates or at
+#    1/SLOW_READS of them (the plan's notes say which).
+# 4. The chosen moves are simulated on the followed step's timeline (NOTE
+#    [Predicted restores] in timeline.py): the predicted stall per tensor.
+# The prices (2) read the profile's timeline as it is; only 4 corrects it.
 """
 
 from __future__ import annotations
@@ -387,24 +289,25 @@ def _solve(records, options, blocks, need: int, freed0: int, room0: dict, greedy
     model = Model(records, options, blocks, need - freed0, room0, must_ids)
     greedy = model.taken_of(costs, checkpointed, blocks)
     model.fix(greedy)
-    got, _, greedy_priced = model.evaluate(greedy)
+    got, greedy_priced = model.evaluate(greedy)
     if got != greedy_freed - freed0:
         notes.append("choice: the greedy's: the model counted it otherwise than the greedy "
                      "(this is a bug)")
         return greedy_freed, greedy_kept, greedy_priced, greedy_priced
     if not improve:
         return greedy_freed, greedy_kept, greedy_priced, greedy_priced
-    taken, status = model.solve(time_limit_s)
+    # The greedy met the budget: it is reachable, no need to maximise first.
+    taken, _ = model.solve(time_limit_s, reach=model.need if greedy_freed >= need else None)
     if taken is None:
         notes.append(f"choice: the greedy's: the solver found no choice within its time "
                      f"limit ({time_limit_s:g} s)")
         return greedy_freed, greedy_kept, greedy_priced, greedy_priced
-    (short, biased), (g_short, g_biased) = model.key(taken), model.key(greedy)
+    (short, cost), (g_short, g_cost) = model.key(taken), model.key(greedy)
     if short > g_short or (short == g_short
-                           and biased >= g_biased - 1e-12 * max(1.0, abs(g_biased))):
+                           and cost >= g_cost - 1e-12 * max(1.0, abs(g_cost))):
         return greedy_freed, greedy_kept, greedy_priced, greedy_priced
     freed, kept = model.apply(taken, records, blocks, choice, costs, checkpointed, must_ids)
-    priced = model.evaluate(taken)[2]
+    priced = model.evaluate(taken)[1]
     notes.append(f"choice: the solver's (HiGHS) over the greedy's: priced cost "
                  f"{greedy_priced * 1e3:.2f} -> {priced * 1e3:.2f} ms"
                  + (f", {format_bytes(g_short - short)} more freed" if short < g_short else ""))

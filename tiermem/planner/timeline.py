@@ -1,6 +1,23 @@
-"""The auto planner's timeline of a followed step (NOTE [Planner cost model]
-in planner/solver.py, 4): when backward needs each moved tensor, and the
-serial channels and prefetch window that give each restore's stall."""
+"""The auto planner's timeline of a followed step: when backward needs each
+moved tensor, and the serial channels and prefetch window that give each
+restore's stall (NOTE [Planner cost model], 4, in solver.py).
+
+# NOTE [Predicted restores]
+# a. Moves out queue in pack order on one serial channel per tier.
+# b. Restores run on one serial channel per tier, issued by the prefetcher's
+#    own window walk (runtime/prefetch.py: fill_window, cursor_after_use): at
+#    the kick (the plan's kick tensor's use) from the top, and at each moved
+#    unpack; a move out not landed stops the walk. A tensor not started by
+#    its use is read on demand then; one not landed is not read at all.
+# c. A restore overlapping moves out of its tier runs at the measured
+#    both-directions rate for the overlap.
+# d. Each stall delays every later need.
+# e. The needs are the followed step's, not the profile's (which ran the
+#    safe order): each first use moves earlier by what the profile's earlier
+#    unpacks cost that the plan does not pay, later by what the plan adds
+#    (recomputes, reads' CPU charge, a checkpointed block's forward); a
+#    tensor a recomputed reader reads first is needed at that read.
+"""
 
 from __future__ import annotations
 
@@ -116,7 +133,7 @@ def simulate(chosen, bwd_start: float, window_bytes: Optional[int] = None,
 def followed_uses(records, choice, costs, blocks, chosen, kick, bwd_start: float,
                    rates: Rates) -> dict:
     """When a step following the plan needs each moved tensor (and the kick
-    tensor), by index (NOTE [Planner cost model], 4): the profile's first use
+    tensor), by index (NOTE [Predicted restores], e): the profile's first use
     less what its earlier unpacks cost there and the plan does not pay (the
     time they took, ``TensorRecord.unpack_s``: the safe order's reads and
     regenerations; the CPU charge of the reads it made, half a round trip's),
