@@ -139,6 +139,37 @@ def current_module() -> str:
     return stack[-1][1] if stack else ""
 
 
+# NOTE [Scoped tracking]
+# Exactness does not rest on the scope. Producer tracking is needed only where a
+# recipe's ops run, so when that set of modules is known (a plan's
+# ``Plan.tracking_scope``, a wrapped block's own run: :func:`track_block`), a
+# :class:`TrackingScope` enters the mode only while the innermost running module
+# is named in ``names`` (``""``: ops outside every module, such as the loss),
+# switching at each module's pre- and post-hook. Every other case (fixed or
+# callable policy, a MUST_RECOMPUTE block, a profiled step, the safe order, an
+# auto Offloader with ``hints``) tracks the whole forward. An op run outside the
+# scope has no record, so a recipe that reaches its output stores that tensor as
+# an input or declines (the next tier); the scope changes only which inputs are
+# stored (bytes) and which writes the mode sees: a write outside it to a dropped
+# tensor is not seen, and a held parameter written there is caught by NOTE
+# [Parameters changed before backward] in tracking/params.py. The scope is fixed
+# when the step starts, even if the step switches plans.
+
+
+# NOTE [Tracking inside torch calls]
+# Exactness does not rest on the gate, for the reasons of NOTE [Scoped tracking]:
+# an op it does not see has no record. Where the profile knows the torch calls
+# its recipes' ops ran in (``Record.call`` from a CallRecorder; per module,
+# ``Plan.tracking_calls``), the scope enters a :class:`CallGate` (a
+# ``TorchFunctionMode``, far fewer calls than ops) instead of the dispatch mode,
+# and the gate enters the dispatch mode only for those calls. An op run outside
+# every torch call leaves its module tracked whole. Calls are named by
+# ``__name__`` (two of one name are both tracked). A function mode sees the
+# outermost call only, the same in the profile and the step; a module run inside
+# a torch call moves the scope while the gate is out of the stack, and the gate
+# stays as it was until the next boundary. See also NOTE [Views made inside
+# untracked calls] and NOTE [Calls recorded whole] in tracking/producers.py.
+
 _NOTHING: frozenset = frozenset()
 _NO_CALLS: dict = {}
 
