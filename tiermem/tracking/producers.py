@@ -88,19 +88,15 @@ def _run_as_without_mode(func, types, args, kwargs):
 
 
 # NOTE [The pack hook runs untracked]
-# Autograd calls the pack hook after the op's kernel, with the dispatch mode
-# back on the stack, so every op of tiermem's own placement (the ``detach``
-# of each handle, a staging copy, a recipe input's copy) went through the
-# mode: in a TinyGPT step following a plan, 66 of the 114 ops its mode
-# handled per forward (the ``detach`` of each saved tensor, mostly). None of
-# them is the model's: no recipe is built from them (a saved tensor's record
-# is the op's that made it, recorded before its pack), and they write only
-# tiermem's own new tensors (no write the mode watches for). So while the
-# pack hook runs, the step's mode is taken off the dispatch stack when it is
-# the innermost mode (else, a mode above it, as it is), and put back after:
-# one pop and one push instead of a Python call per op. The same in the
-# profiled step, so the profile's op counts (NOTE [Tracking priced] in
-# planner/runtime.py) are the followed step's.
+# Tiermem's own ops in the pack hook (the ``detach`` of each handle, a staging
+# copy, a recipe input's copy) never go through the step's mode: autograd calls
+# the pack hook after the op's kernel, with the mode back on the stack, but none
+# of those ops is the model's (a saved tensor's record is the op's that made it,
+# recorded before its pack) and they write only tiermem's own new tensors. So
+# while the pack hook runs, the mode is taken off the dispatch stack when it is
+# the innermost mode, and put back after: one pop and one push instead of a
+# Python call per op. The same in the profiled step, so the profile's op counts
+# (NOTE [Tracking priced] in planner/runtime.py) are the followed step's.
 _pop_dispatch = torch._C._pop_torch_dispatch_stack
 _push_dispatch = torch._C._push_on_torch_dispatch_stack
 
