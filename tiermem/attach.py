@@ -63,8 +63,12 @@ class Attachment:
 
     Made by :meth:`tiermem.Offloader.attach`. ``detach()`` removes the hooks
     (idempotent); ``with off.attach(model): ...`` detaches on the way out.
-    ``attached`` says whether the hooks are installed. See NOTE [Attaching].
+    ``attached`` says whether the hooks are installed. One forward of the module
+    is one step, as ``with off:`` around it would be; nothing is entered when the
+    Offloader is already active in this thread, with grad mode off, or inside
+    backward.
     """
+    # NOTE [Attaching] in attach.py: the rules.
 
     def __init__(self, offloader, module: torch.nn.Module) -> None:
         self._off = offloader
@@ -136,8 +140,10 @@ class Attachment:
     # -- lifetime -------------------------------------------------------------------
     def detach(self) -> None:
         """Remove the hooks; leave the Offloader if a forward of this thread
-        left it entered (NOTE [Attaching], rule 2). Raises TierMemError, and
-        removes nothing, while the module's forward runs in another thread."""
+        left it entered (a forward ended by a KeyboardInterrupt or SystemExit).
+        Raises TierMemError, and removes nothing, while the module's forward
+        runs in another thread."""
+        # NOTE [Attaching], rule 2.
         if not self.attached:
             return
         me = threading.get_ident()
