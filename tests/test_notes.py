@@ -49,3 +49,120 @@ def test_a_note_is_written_once():
                     defs.setdefault(m.group(1), []).append(f)
     twice = {name: where for name, where in defs.items() if len(where) > 1}
     assert not twice, twice
+
+
+# -- length of a note --------------------------------------------------------------------
+
+MAX_NOTE_LINES = 15
+
+# Notes still over MAX_NOTE_LINES, in files being changed elsewhere at the time of
+# writing. This list may only shrink: condense a note, then take it off.
+LONG_NOTES = {
+    ("tiermem/planner/agree.py", "Ranks agree once"),
+    ("tiermem/planner/hints.py", "Planner hints"),
+    ("tiermem/planner/profile.py", "Profile times on a GPU"),
+    ("tiermem/planner/profile.py", "Repeated layers share their timings"),
+    ("tiermem/planner/rates.py", "A tracking price of 0"),
+    ("tiermem/planner/runtime.py", "Blocks the planner may checkpoint"),
+    ("tiermem/planner/runtime.py", "Closed loop"),
+    ("tiermem/planner/runtime.py", "Following a plan"),
+    ("tiermem/planner/runtime.py", "Plans across sizes"),
+    ("tiermem/planner/runtime.py", "Stall on the GPU's timeline"),
+    ("tiermem/planner/runtime.py", "Steps that never reach backward"),
+    ("tiermem/planner/runtime.py", "Tracking priced"),
+    ("tiermem/runtime/hooks.py", "Restores start with backward"),
+    ("tiermem/runtime/hooks.py", "Sharded parameters"),
+}
+
+
+def _note_lengths():
+    """``{(path, name): lines}`` for every note written in tiermem/. A ``# NOTE [x]``
+    note runs from that line to the last consecutive comment line (or to the next
+    note); a bare ``NOTE [x]`` line in a docstring runs to the next blank line."""
+    lengths = {}
+    for f in _files():
+        if not (f.startswith("tiermem/") and f.endswith(".py")):
+            continue
+        with open(os.path.join(ROOT, f), errors="replace") as fh:
+            lines = fh.read().splitlines()
+        for i, line in enumerate(lines):
+            m = _DEF.match(line)
+            if not m:
+                continue
+            comment = line.lstrip().startswith("#")
+            j = i + 1
+            while j < len(lines) and not _DEF.match(lines[j]) and (
+                    lines[j].lstrip().startswith("#") if comment else lines[j].strip()):
+                j += 1
+            lengths[(f, m.group(1))] = j - i
+    return lengths
+
+
+def test_a_note_is_at_most_15_lines():
+    lengths = _note_lengths()
+    assert len(lengths) >= 20, "the notes were not found: is the pattern still right?"
+    long = {key: n for key, n in lengths.items() if n > MAX_NOTE_LINES and key not in LONG_NOTES}
+    assert not long, (f"notes over {MAX_NOTE_LINES} lines (state one invariant and why; "
+                      f"measurements and history go to CHANGELOG.md): {long}")
+
+
+def test_long_notes_allowlist_is_current():
+    lengths = _note_lengths()
+    gone = sorted(key for key in LONG_NOTES if key not in lengths)
+    short = sorted(key for key in LONG_NOTES if lengths.get(key, 0) <= MAX_NOTE_LINES
+                   and key in lengths)
+    assert not gone, f"LONG_NOTES names notes that no longer exist: {gone}"
+    assert not short, f"LONG_NOTES names notes now within {MAX_NOTE_LINES} lines: take them off: {short}"
+
+
+# -- public docstrings -------------------------------------------------------------------
+
+# Public docstrings that still point into the source, in files being changed elsewhere at
+# the time of writing. This list may only shrink.
+DOCSTRINGS_WITH_NOTES = {
+    "Config",
+    "Config.setting_name",
+    "Config.unused_settings",
+    "Offloader",
+    "Offloader.plan",
+    "Offloader.store_stats",
+    "engine_info",
+    "no_offload",
+    "wrap_blocks",
+}
+
+
+def _public_docstrings():
+    """``{qualified name: docstring}`` of the names in ``tiermem.__all__`` and of the
+    public methods and properties their classes define."""
+    import inspect
+
+    import tiermem
+
+    docs = {}
+    for name in tiermem.__all__:
+        obj = getattr(tiermem, name)
+        docs[name] = inspect.getdoc(obj) if callable(obj) else None
+        if not inspect.isclass(obj):
+            continue
+        for attr, value in vars(obj).items():
+            if attr.startswith("_"):
+                continue
+            if isinstance(value, (staticmethod, classmethod)):
+                value = value.__func__
+            if isinstance(value, property) or inspect.isfunction(value):
+                docs[f"{name}.{attr}"] = value.__doc__
+    return docs
+
+
+def test_public_docstrings_point_into_no_note():
+    docs = _public_docstrings()
+    bad = sorted(q for q, d in docs.items() if d and "NOTE [" in d
+                 and q not in DOCSTRINGS_WITH_NOTES)
+    assert not bad, f"public docstrings that point into the source (NOTE [...]): {bad}"
+
+
+def test_docstrings_with_notes_allowlist_is_current():
+    docs = _public_docstrings()
+    stale = sorted(q for q in DOCSTRINGS_WITH_NOTES if not (docs.get(q) and "NOTE [" in docs[q]))
+    assert not stale, f"DOCSTRINGS_WITH_NOTES names docstrings without a note pointer: {stale}"

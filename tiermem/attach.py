@@ -5,38 +5,23 @@ Lightning): ``off.attach(model)`` puts each forward of ``model`` under the
 Offloader, as ``with off: out = model(...)`` would, with a forward pre-hook
 that enters it and a forward hook registered with ``always_call=True`` that
 leaves it when the forward returns or raises. ``detach()`` removes both.
+"""
 
 # NOTE [Attaching]
-# Rules, each tested in tests/test_attach.py:
-# 1. One forward of the attached module is one step (``with off:``): its
-#    saved tensors, its stats (``off.stats`` is the last forward's), its
-#    backward. Tensors saved outside the module's forward (a loss computed
-#    from its output by the loop) are plain autograd's.
-# 2. The forward is left when it returns or raises an Exception (torch runs
-#    ``always_call`` hooks then). torch does not run them for a BaseException
-#    that is not an Exception (KeyboardInterrupt, SystemExit): the context of
-#    such a forward is left at the next forward hook of this attachment, or
-#    at ``detach()``. To tell the two apart, each entry holds the frame that
-#    called the pre-hook (the frame of the module call, ``Module._call_impl``'s
-#    ``inner``): an entry whose frame is no longer on this thread's stack
-#    belongs to a forward that is over.
-# 3. Nothing is entered when the Offloader is already active in this thread
-#    (an attached module inside another attached module's forward, a module
-#    called re-entrantly, or a forward inside the user's own ``with off:``):
-#    the outer step holds the tensors. Another Offloader's context, attached
-#    or not, inside or outside, nests as contexts do: the innermost wins.
-# 4. Nothing is entered when grad mode is off (``torch.no_grad``,
-#    ``inference_mode``, evaluation loops: nothing is saved, and ``off.stats``
-#    keeps the last training step's), nor inside backward (a checkpoint
-#    regenerating its region: what backward regenerates is kept anyway, NOTE
-#    [Pack order of checks] in runtime/hooks.py).
-# 5. Attaching a module already attached to the same Offloader raises
-#    TierMemError; ``Attachment.detach()`` and ``Offloader.detach()`` (no
-#    argument) may be called any number of times.
-# 6. A deep copy or a pickle of an attached module carries inert hooks (they
-#    do nothing): the copy is not attached (EMA and reference copies stay
-#    plain) and the Offloader is not copied.
-"""
+# One forward of the attached module is one step, exactly as ``with off:`` around
+# it would be (rules tested in tests/test_attach.py):
+# 1. Its saved tensors, stats and backward are the step's; tensors saved outside
+#    the module's forward (the loop's loss) are plain autograd's.
+# 2. The step is left when the forward returns or raises an Exception
+#    (``always_call`` hooks). torch skips them for other BaseExceptions, so each
+#    entry holds the frame of the module call: an entry whose frame left this
+#    thread's stack belongs to a forward that is over, left at the next hook or
+#    at ``detach()``.
+# 3. Nothing is entered when the Offloader is already active in this thread (the
+#    outer step holds the tensors); other Offloaders nest as contexts do.
+# 4. Nothing is entered with grad mode off, nor inside backward.
+# 5. Attaching twice to the same Offloader raises; ``detach()`` is idempotent.
+# 6. A deep copy or pickle of an attached module carries inert hooks.
 
 from __future__ import annotations
 
@@ -78,8 +63,12 @@ class Attachment:
 
     Made by :meth:`tiermem.Offloader.attach`. ``detach()`` removes the hooks
     (idempotent); ``with off.attach(model): ...`` detaches on the way out.
-    ``attached`` says whether the hooks are installed. See NOTE [Attaching].
+    ``attached`` says whether the hooks are installed. One forward of the module
+    is one step, as ``with off:`` around it would be; nothing is entered when the
+    Offloader is already active in this thread, with grad mode off, or inside
+    backward.
     """
+    # NOTE [Attaching] in attach.py: the rules.
 
     def __init__(self, offloader, module: torch.nn.Module) -> None:
         self._off = offloader
@@ -151,8 +140,10 @@ class Attachment:
     # -- lifetime -------------------------------------------------------------------
     def detach(self) -> None:
         """Remove the hooks; leave the Offloader if a forward of this thread
-        left it entered (NOTE [Attaching], rule 2). Raises TierMemError, and
-        removes nothing, while the module's forward runs in another thread."""
+        left it entered (a forward ended by a KeyboardInterrupt or SystemExit).
+        Raises TierMemError, and removes nothing, while the module's forward
+        runs in another thread."""
+        # NOTE [Attaching], rule 2.
         if not self.attached:
             return
         me = threading.get_ident()

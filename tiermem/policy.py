@@ -4,49 +4,23 @@ A policy answers, per saved tensor, with a :class:`Tier`, a tier name
 (``"cpu"``), PyTorch's own ``torch.utils.checkpoint.CheckpointPolicy`` value,
 or a list of these in order of preference; :func:`tier_order` turns the answer
 into a :class:`TierOrder`, the tiers to try in turn.
+"""
 
 # NOTE [CheckpointPolicy answers]
-# What each ``CheckpointPolicy`` member (all six of torch 2.13) means to tiermem:
-#
-# | answer             | tiers tried, in order                       | when the first cannot take it              |
-# | ------------------ | ------------------------------------------- | ------------------------------------------ |
-# | MUST_SAVE          | keep                                        | (keep never refuses)                       |
-# | PREFER_SAVE        | keep                                        | (keep never refuses)                       |
-# | MUST_RECOMPUTE     | recompute                                   | TierMemError naming the op and the module  |
-# | PREFER_RECOMPUTE   | recompute, then the device's default tier   | the next tier (stats.recompute_fallbacks)  |
-# | MUST_CPU_OFFLOAD   | cpu, keep                                   | keep, one warning (stats.budget_fallbacks) |
-# | PREFER_CPU_OFFLOAD | cpu, keep                                   | keep, one warning (stats.budget_fallbacks) |
-#
-# 1. The device's default tier is the one the default policy picks: cpu for
-#    CUDA tensors (then keep); for CPU tensors nvme when the Offloader has an
-#    nvme tier (then cpu, keep), else keep. It is also where the inputs of a
-#    MUST_RECOMPUTE tensor's recipe are stored (NOTE [What a recipe holds] in
-#    tiers/recompute.py). Placement fills it in per device
-#    (``Placement.complete``); :attr:`TierOrder.then_default` marks the orders
-#    that need it.
-# 2. In a list each value stands for its first tier: ``[PREFER_RECOMPUTE,
-#    "nvme"]`` is recompute, nvme, cpu, keep. After the last entry come its
-#    fallbacks (rule 1 when it is a *_RECOMPUTE value). A MUST_* value may only
-#    be the first entry (later entries of ``[MUST_RECOMPUTE, "nvme"]`` say where
-#    the recipe's inputs go); elsewhere it is refused.
-# 3. MUST_RECOMPUTE that cannot be honoured raises (in the forward, at the
-#    tensor's save): the op is not on the allow-list, an input is gone, or the
-#    recipe would cost as much memory as it frees. Those follow from the
-#    program, not from the load, so they fail the same way every step: a MUST
-#    the runtime silently broke would be found only by its memory use.
-#    PREFER_RECOMPUTE is the soft form. A full cpu budget under
-#    MUST_CPU_OFFLOAD is a matter of capacity and, like every full tier,
-#    passes the tensor on with one warning.
-# 4. Without the planner MUST_* and PREFER_* differ only as in the table. The
-#    planner (``policy="auto"``) takes the same answers from its ``hints``
-#    callable and reads :attr:`TierOrder.must`: a MUST_* answer is a
-#    constraint it obeys; a PREFER_* answer (:attr:`TierOrder.hint`) and a
-#    plain tier name are hints it may override (NOTE [Planner hints] in
-#    planner/hints.py).
-# 5. Tensors kept before any policy is asked (NOTE [Pack order of checks] in
-#    runtime/hooks.py: parameters, small or unmovable tensors, saves during backward)
-#    stay kept whatever the answer, MUST_RECOMPUTE included.
-"""
+# A MUST_* answer is honoured or fails the same way every step; a PREFER_* answer
+# or a tier name may pass the tensor on. Tiers tried: MUST_SAVE, PREFER_SAVE: keep.
+# MUST_RECOMPUTE: recompute, else TierMemError naming the op and the module.
+# PREFER_RECOMPUTE: recompute, then the device's default tier. MUST_CPU_OFFLOAD,
+# PREFER_CPU_OFFLOAD: cpu, then keep with one warning.
+# 1. The device's default tier is the default policy's: cpu (then keep) for CUDA
+#    tensors; for CPU tensors nvme if the Offloader has one (then cpu, keep), else
+#    keep. MUST_RECOMPUTE stores its recipe's inputs there (``Placement.complete``).
+# 2. In a list each value stands for its first tier; a MUST_* value only first.
+# 3. MUST_RECOMPUTE raises because its failures (op not allowed, input gone, no
+#    memory freed) follow from the program, not the load; a full cpu budget is
+#    capacity, so MUST_CPU_OFFLOAD passes the tensor on like every full tier.
+# 4. The planner obeys MUST_* as constraints (``TierOrder.must``); the rest are hints.
+# 5. Tensors kept before any policy is asked stay kept, MUST_RECOMPUTE included.
 
 from __future__ import annotations
 

@@ -49,10 +49,9 @@ class StepStats:
       an upper bound of GPU stalls: the stream may still not have reached them).
     - ``host_waits``: late restores whose unpack blocked the host (a read from
       disk not done yet, or a CPU copy), rather than only making the stream wait
-      on a copy's event (NOTE [Waiting only for the read] in
-      tiers/nvme_chain.py); their time is in ``stall_seconds``.
+      on a copy's event; their time is in ``stall_seconds``.
     - ``tail_hits``: unpacks that took a moved tensor's source, still held
-      by the tail hold (NOTE [Tail hold] in runtime/tailhold.py), with no restore;
+      by the tail hold (``tail_hold_bytes``), with no restore;
       ``peak_tail_hold_bytes``: most bytes in the tail hold during the step
       (an upper bound on the memory it held; at most ``tail_hold_bytes``).
     - ``peak_host_bytes``: most host bytes held by the cpu tier during the step.

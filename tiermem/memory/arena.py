@@ -10,33 +10,20 @@ the file stops growing after the first step.
 """
 
 # NOTE [Interrupted updates]
-# An asynchronous exception (KeyboardInterrupt raised by a signal handler,
-# which Python runs in the main thread between two bytecodes: at a function's
-# entry, after a call returns, at a loop's back edge) can cut any Python code
-# short, the arena's methods included. A free list kept in two structures (a
-# sorted list of offsets and a dict of lengths) was once left with an offset
-# the dict did not hold, and every later ``alloc`` raised KeyError. Rules:
-# 1. The arena's whole state (free extents, ``used_bytes``, ``size_bytes``) is
-#    one immutable ``_State``. An update builds the new state aside and
-#    publishes it with one assignment, the last thing it does: an exception
-#    before it leaves the old state, after it the new one. So the invariants
-#    (free extents sorted, disjoint, coalesced, within the file; ``used_bytes
-#    == size_bytes`` - their bytes) hold at every bytecode boundary, and an
-#    interrupted ``alloc`` or ``free`` has happened entirely or not at all
-#    (and ``with`` releases the lock wherever a signal handler may run).
-#    Readers (``used_bytes``, ``size_bytes``) read one state, without the lock.
-# 2. Growth resizes the file before it publishes the larger size: interrupted
-#    in between, the file is larger than ``size_bytes``, which is harmless (the
-#    next growth sets the size again).
-# 3. What an interruption can still lose lies with the caller, between the
-#    arena and the caller's own records: an offset ``alloc`` returned that the
-#    caller never stored stays in use (leaked, not corrupt), and a caller that
-#    repeats a ``free`` it was interrupted after gives back an extent twice.
-#    An extent given back that overlaps free bytes is such a repeat (or a
-#    bug): it is ignored and counted in ``repeated_frees``, since applying it
-#    would hand the same bytes out twice. A repeat after the extent was handed
-#    out again cannot be told from a valid free: a caller must drop its record
-#    of an extent before it gives the extent back, never after.
+# The arena's invariants (free extents sorted, disjoint, coalesced, within the
+# file; ``used_bytes == size_bytes`` - their bytes) hold at every bytecode
+# boundary, so an asynchronous exception (KeyboardInterrupt from a signal
+# handler) cannot corrupt them. Why:
+# 1. The whole state is one immutable ``_State``: an update builds the new one
+#    aside and publishes it with one assignment, its last act, so an interrupted
+#    ``alloc`` or ``free`` happened entirely or not at all. Readers read one state
+#    without the lock.
+# 2. Growth resizes the file before publishing the larger size: interrupted in
+#    between, the file is merely larger than ``size_bytes``.
+# 3. What can still be lost lies with the caller: an offset never stored leaks. A
+#    free overlapping free bytes is a repeat: ignored, counted in ``repeated_frees``
+#    (applying it would hand bytes out twice). So a caller drops its record of an
+#    extent before giving the extent back, never after.
 
 from __future__ import annotations
 

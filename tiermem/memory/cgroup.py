@@ -24,23 +24,17 @@ def available_memory_bytes() -> int:
     return available if in_cgroup is None else min(available, in_cgroup)
 
 # NOTE [Container memory limits]
-# In a container, /proc/meminfo (what psutil reads) describes the host: a job
-# limited to 32 GiB on a 2 TiB host would be given a cpu budget of ~1 TiB.
-# The limit that counts is the memory cgroup's: past it the kernel's OOM
-# killer ends the process. And on CUDA the cpu tier holds pinned (page-locked)
-# buffers, which are never swapped out nor reclaimed, so a budget above the
-# limit ends the run, it does not slow it down. So the default budget takes
-# the least of what the host has available and what the cgroup may still
-# take: its limit less its usage, where the usage does not count the cgroup's
-# inactive file cache (the kernel drops that before it kills; counting it
-# would give a budget near 0 to any job whose reads filled the cache up to
-# the limit). Read from the cgroup mounted at /sys/fs/cgroup, which in a
-# container (Docker, Kubernetes) is usually its own: v2 memory.max ("max":
-# no limit), memory.current and memory.stat's inactive_file; v1 memory/memory.limit_in_bytes (no limit
-# reads as a huge number, about 2**63), memory.usage_in_bytes and
-# memory.stat's total_inactive_file. A limit set only on an ancestor cgroup is
-# not seen. Files that are absent or unreadable mean "no limit known": the
-# host's figure alone decides, as before.
+# The default cpu budget never exceeds what this process's memory cgroup may still
+# take: past its limit the OOM killer ends the process, and the cpu tier's pinned
+# buffers are never reclaimed, while /proc/meminfo (psutil) describes the host. So
+# the budget takes the least of the host's available memory and the cgroup's
+# limit less its usage, usage not counting inactive file cache (the kernel drops
+# it before it kills; counting it would give a budget near 0 after heavy reads).
+# Read from /sys/fs/cgroup: v2 memory.max ("max": no limit), memory.current and
+# memory.stat's inactive_file; v1 memory/memory.limit_in_bytes (no limit: about
+# 2**63), memory.usage_in_bytes and memory.stat's total_inactive_file. A limit set
+# only on an ancestor cgroup is not seen; absent or unreadable files mean "no
+# limit known": the host's figure alone decides.
 _CGROUP_ROOT = "/sys/fs/cgroup"
 #: A v1 limit at least this large is "no limit" (the kernel's is 2**63 less a page).
 _CGROUP_V1_NO_LIMIT = 1 << 62

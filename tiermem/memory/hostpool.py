@@ -14,65 +14,51 @@ tier allocates nothing.
 A returned buffer carries the :class:`~tiermem.runtime.jobs.Job` that last used it;
 it is handed out again only once that job is done. See NOTE [Stream lifetime].
 
-NOTE [Trimming pinned buffers]
-  Torch's caching host allocator keeps freed pinned blocks pinned, so a pinned
-  buffer we drop to make room under the budget must be handed back to the OS
-  (``torch._C._host_emptyCache``): otherwise the budget would not bound the
-  pinned memory really held. That frees with ``cudaFreeHost``, which
-  synchronizes the whole device, and frees only blocks whose copies are seen
-  complete: during a step, with copies queued on the side streams, it frees
-  little and stalls the forward (``set_sync_debug_mode`` does not see it).
-  So pinned buffers are never trimmed mid-step: a pinned request is served by
-  an idle buffer of its class, else of the next class up; else a new buffer
-  if the budget has room; else it is refused (the tier is full for it: the
-  tensor goes to the next tier), and the shortfall is remembered.
-  :meth:`HostPool.trim_when_idle`, called between steps (the Offloader's
-  entry: the previous backward is over, this step has issued no copy), drops
-  idle ready pinned buffers, largest first, up to the shortfall, and returns
-  them to the OS once (counted in ``pinned_returns``): the next step finds
-  room. The budget holds at every moment, copies queued or not. It runs
-  outside the pool's lock, after the dropped buffers' last references are gone.
-
 The pool is thread-safe: buffers come back from whichever thread autograd frees
 a handle on.
-
-NOTE [Idle pageable buffers]
-  Pageable buffers have exact sizes, so under varying shapes (NLP batches of
-  varying length) few are reused and idle ones would pile up to the budget
-  (reported in issue 14: 2.48 GiB idle after 400 steps of 64-1024 rows). Idle
-  pageable bytes are therefore capped at the most pageable bytes ever in use at
-  once (what one step moves): beyond it, the least recently used classes are
-  dropped, which costs nothing (no device sync; glibc returns the pages, see
-  NOTE [Freed memory and RSS] in memory/malloc.py). Pinned buffers come in
-  power-of-two classes, so they are reused across shapes; trimming them stays
-  as NOTE [Trimming pinned buffers] says.
-
-NOTE [Buffers of earlier steps]
-  A buffer comes back while its last copy may still run: backward consumed a
-  tensor whose copy out had not landed yet (it takes the original), and the
-  copy goes on. Under load such copies can still run when the next step
-  starts, and that step found its buffers busy: it pinned or allocated new ones
-  (``allocations`` grew, idle memory beyond one step's worth) or, with the
-  budget full, sent tensors to the next tier, so where a tensor went depended
-  on timing. :meth:`HostPool.start_step` (the Offloader's entry, between steps)
-  marks the idle buffers whose job is not done yet; when ``acquire`` finds no
-  ready buffer of the class, it waits for the job of such a marked buffer of
-  the class (a copy of an earlier step, which nobody needs any more) and takes
-  that buffer, before it allocates or refuses. Buffers given back during the
-  current step are never waited for. The wait is on the host (CUDA: that copy's
-  event), only when the pool would otherwise grow or refuse.
-
-NOTE [Releases from finalizers]
-  ``release`` runs from handles' finalizers, which the cyclic garbage collector
-  may run at any allocation, on a thread that may be inside this pool's lock
-  (``acquire`` allocates under it): a release that took the lock would then
-  wait for itself forever. So ``release`` takes no lock: it appends to a deque
-  (atomic), and every method that reads or changes the pool's state drains
-  that deque first, under the lock. The same rule holds for every release
-  path of tiermem (NvmeStore's extents, the prefetcher's window): nothing that
-  runs from ``__del__`` or a weakref callback takes a lock that code
-  allocating Python objects may hold.
 """
+
+# NOTE [Trimming pinned buffers]
+# The budget bounds the pinned memory really held at every moment, yet pinned
+# buffers are never trimmed mid-step. Torch's caching host allocator keeps freed
+# pinned blocks pinned, so a dropped buffer must be handed back to the OS
+# (``torch._C._host_emptyCache``), which synchronizes the whole device and frees
+# only blocks whose copies are seen complete: mid-step it frees little and stalls
+# the forward. So a pinned request is served by an idle buffer of its class, else
+# of the next class up, else a new buffer if the budget has room, else refused
+# (the tensor goes to the next tier) and the shortfall remembered.
+# :meth:`HostPool.trim_when_idle`, between steps, drops idle ready pinned buffers,
+# largest first, up to the shortfall, and returns them to the OS once
+# (``pinned_returns``), outside the pool's lock.
+
+# NOTE [Idle pageable buffers]
+# Idle pageable bytes never exceed the most pageable bytes ever in use at once
+# (what one step moves): pageable buffers have exact sizes, so under varying
+# shapes few are reused and idle ones would pile up to the budget. Beyond the cap
+# the least recently used classes are dropped, at no cost (no device sync; glibc
+# returns the pages: NOTE [Freed memory and RSS] in memory/malloc.py). Pinned
+# buffers come in power-of-two classes, reused across shapes: NOTE [Trimming
+# pinned buffers].
+
+# NOTE [Buffers of earlier steps]
+# Where a tensor goes does not depend on a copy of an earlier step still running.
+# A buffer may come back while its last copy still runs (backward took the
+# original before the copy out landed). :meth:`HostPool.start_step` (between
+# steps) marks idle buffers whose job is not done; when ``acquire`` finds no ready
+# buffer of the class, it waits for the job of such a marked buffer (a copy nobody
+# needs any more) and takes it, before it allocates or refuses. Buffers given back
+# during the current step are never waited for; the wait is on the host (CUDA:
+# the copy's event), only where the pool would otherwise grow or refuse.
+
+# NOTE [Releases from finalizers]
+# Nothing that runs from ``__del__`` or a weakref callback takes a lock that code
+# allocating Python objects may hold: the cyclic collector may run a finalizer at
+# any allocation, on a thread inside that lock (``acquire`` allocates under it),
+# and a release taking the lock would wait for itself forever. So ``release``
+# appends to a deque (atomic), and every method that reads or changes the pool's
+# state drains it first, under the lock. The same rule holds for every release
+# path of tiermem (NvmeStore's extents, the prefetcher's window).
+
 
 from __future__ import annotations
 

@@ -1,24 +1,20 @@
 """Where this process stands in a distributed job (torchrun, or any launcher
 that sets the same variables): its rank, the number of ranks on its node, and
 the per-rank share of a per-node default.
+"""
 
 # NOTE [Per-rank budgets]
-# Every rank of a job runs its own Offloader, and the ranks of one node share
-# its RAM, its NVMe disk and its pinned memory. So:
-# - A default derived from the node (half the available RAM for the cpu tier,
-#   80% of the NVMe dir's free space for the nvme tier, 256 MiB of pinned
-#   staging for the nvme tier's writes in flight) is a per-node figure,
-#   divided by LOCAL_WORLD_SIZE (1 when unset). The staging share is at least
-#   STAGING_MIN_BYTES: a tensor larger than the whole pool could never be
-#   staged.
+# The ranks of one node together stay within the node's defaults: each runs its
+# own Offloader, sharing the node's RAM, NVMe disk and pinned memory. So:
+# - A default derived from the node (half the available RAM for cpu, 80% of the
+#   NVMe dir's free space, 256 MiB of pinned staging) is divided by
+#   LOCAL_WORLD_SIZE (1 when unset); staging gets at least STAGING_MIN_BYTES, or
+#   a tensor larger than the whole pool could never be staged.
 # - An explicit setting (cpu_budget, nvme_budget, prefetch_bytes, by argument or
-#   TIERMEM_*) is per rank: it bounds the Offloader that reads it, which is
-#   one rank's. Eight ranks with TIERMEM_CPU_BUDGET=8GiB may hold 64 GiB.
-# - Each rank's NVMe files live in its own private directory (memory/spilldir.py),
-#   named with its rank, under the one shared TIERMEM_NVME_DIR.
-# Log lines of the ``tiermem`` logger and ``python -m tiermem doctor`` name the
-# rank (RANK, and LOCAL_RANK when it differs) whenever one is set.
-"""
+#   TIERMEM_*) is per rank: eight ranks with TIERMEM_CPU_BUDGET=8GiB may hold 64 GiB.
+# - Each rank's NVMe files live in its own private directory, named with its rank,
+#   under the one shared TIERMEM_NVME_DIR (memory/spilldir.py).
+# The ``tiermem`` logger and ``doctor`` name the rank whenever one is set.
 
 from __future__ import annotations
 

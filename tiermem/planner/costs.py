@@ -1,5 +1,6 @@
 """The auto planner's prices: per saved tensor its options (recompute, cpu,
 nvme), per auto block its checkpoint; the tier orders a plan gives.
+"""
 
 # NOTE [Option prices]
 # - recompute (only where the recompute tier took it in the profile): its
@@ -16,7 +17,6 @@ nvme), per auto block its checkpoint; the tier orders a plan gives.
 #   inputs may then move too, priced as tensors needed when its recompute
 #   starts (rule 6 of NOTE [Blocks the planner may checkpoint]).
 # Prices are lone: no channel contention; the simulation adds that after.
-"""
 
 from __future__ import annotations
 

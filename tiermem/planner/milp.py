@@ -1,29 +1,21 @@
 """The auto planner's choice as a mixed-integer program, solved by HiGHS
 (``scipy.optimize.milp``).
+"""
 
 # NOTE [Planner choice]
-# One binary per (tensor, option) (recompute, cpu, nvme: the options
-# costs.options_of gives it; none taken: kept), one per auto block
-# (checkpointed or not) and one per (checkpointed block's movable input,
-# move). Constraints: a tensor takes at most one option, none when its block
-# is checkpointed; an input moves only when its block is checkpointed; a
-# "before" input whose saver sits in another checkpointed block is kept
-# anew (a product of the two blocks' binaries); the bytes freed reach what
-# the device budget needs; the cpu and nvme bytes stay within their rooms
-# (counted as if everything moved were held at once). MUST answers are fixed
-# before the model (their options taken, their room used); a block holding
-# one, or a nested wrap_blocks block with a MUST policy, is fixed plain.
-# Objective: the sum of the options' lone prices (costs.py). PREFER hints
-# rank by preference, not by price (NOTE [Planner hints]): a tensor with one,
-# and a block holding one (with its inputs), are fixed variables at the
-# greedy's choice, which takes hinted moves first and keep hints last.
-# Unreachable budgets: first the most bytes the tiers can free, then the
-# cheapest choice freeing them. The greedy (greedy.py) is solved too; the
-# better of the two by (bytes short, cost) stands, so a solver stopped by its
-# time limit never makes the plan worse. HiGHS is deterministic for a given
-# model: ranks planning the same agreed profile choose alike, unless the
-# wall-clock time limit cuts one short (then that one keeps the greedy's).
-"""
+# The plan chosen is never worse, by (bytes short, cost), than the greedy's: both
+# are solved and the better stands, so a solver stopped by its time limit cannot
+# make the plan worse. The model: one binary per (tensor, option) (none taken:
+# kept), per auto block (checkpointed or not) and per (checkpointed block's
+# movable input, move). A tensor takes at most one option, none when its block is
+# checkpointed; an input moves only when its block is; the bytes freed reach the
+# device budget's need; cpu and nvme bytes stay within their rooms (as if all
+# held at once). MUST answers are fixed before the model; PREFER hints rank by
+# preference (NOTE [Planner hints]), so hinted tensors and blocks are fixed at the
+# greedy's choice. Objective: the sum of the options' prices (costs.py); an
+# unreachable budget frees the most bytes first, then at the least cost. HiGHS is
+# deterministic for a given model, so ranks planning the same agreed profile
+# choose alike unless the time limit cuts one short (that one keeps the greedy's).
 
 from __future__ import annotations
 

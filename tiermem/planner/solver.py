@@ -1,22 +1,20 @@
 """From a profile, rates and budgets to a :class:`~tiermem.planner.plan.Plan`.
+"""
 
 # NOTE [Planner cost model]
 # 1. Everything fits (fixed bytes + every tensor <= device budget): keep all;
 #    moving costs time and buys nothing.
-# 2. Else each tensor and auto block gets options, each priced in seconds
-#    added to the step and device bytes freed (NOTE [Option prices] in
-#    costs.py); the choice among them is the program of NOTE [Planner
-#    choice] (milp.py), the greedy (greedy.py) its fallback and floor.
-#    Budgets the tiers cannot meet leave the rest kept, and the plan says so.
-# 3. The prefetch window: the room the budget leaves at the start of backward,
-#    within [AUTO_MIN_BYTES, bytes moved], or ``prefetch_bytes`` when set;
-#    unset, raised by the largest moved tensor where the simulation (4)
-#    predicts less stall with it, at the measured read rates or at
-#    1/SLOW_READS of them (the plan's notes say which).
+# 2. Else each tensor and auto block gets options priced in seconds added and
+#    device bytes freed (NOTE [Option prices] in costs.py), chosen by NOTE
+#    [Planner choice] (milp.py), the greedy its fallback and floor. Budgets the
+#    tiers cannot meet leave the rest kept, and the plan says so.
+# 3. The prefetch window: the room the budget leaves at backward's start, within
+#    [AUTO_MIN_BYTES, bytes moved], or ``prefetch_bytes`` when set; unset, raised
+#    by the largest moved tensor where the simulation (4) predicts less stall, at
+#    the measured read rates or 1/SLOW_READS of them (the plan's notes say which).
 # 4. The chosen moves are simulated on the followed step's timeline (NOTE
 #    [Predicted restores] in timeline.py): the predicted stall per tensor.
 # The prices (2) read the profile's timeline as it is; only 4 corrects it.
-"""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The auto planner's timeline of a followed step: when backward needs each
 moved tensor, and the serial channels and prefetch window that give each
 restore's stall (NOTE [Planner cost model], 4, in solver.py).
+"""
 
 # NOTE [Predicted restores]
 # a. Moves out queue in pack order on one serial channel per tier.
@@ -17,7 +18,6 @@ restore's stall (NOTE [Planner cost model], 4, in solver.py).
 #    unpacks cost that the plan does not pay, later by what the plan adds
 #    (recomputes, reads' CPU charge, a checkpointed block's forward); a
 #    tensor a recomputed reader reads first is needed at that read.
-"""
 
 from __future__ import annotations
 

@@ -14,49 +14,32 @@ buffer's elements on the device and copy in after the pad):
   GIL inside the copy. ``Job.order_before_use()`` blocks until the copy is done.
   At exit they finish their queue first (NOTE [Copy threads at exit]).
   This runs the same wait/free ordering as CUDA in CI.
+"""
 
 # NOTE [Stream lifetime]
+# No block is reused while a copy on a side stream may still read or write it:
 # 1. Copy out: the D2H stream waits for the compute stream (event recorded at
-#    pack), so it reads the tensor after its producer wrote it. The source
-#    tensor is held by its handle until the forward thread sees the copy's
-#    event complete (``Job.done()``), and only then dropped; the caching
-#    allocator may then hand the block to the compute stream at once, since no
-#    work of another stream still reads it. Hence no ``record_stream`` on the
-#    source.
-# 2. Copy in: the destination is allocated while the *compute* stream is
-#    current, so the block belongs to the compute stream's pool and is freed
-#    there after its consumer; the H2D stream first waits on the compute stream
-#    (the block may be a just-freed one that queued kernels still read), then
-#    copies; the consumer waits on the copy's event before use. If it is used
-#    on another stream than the one it was allocated on, ``record_stream``
-#    tells the allocator. A restore dropped unconsumed (its handle died) is
-#    ``record_stream``-ed on the H2D stream first, so that its block is not
-#    reused while the copy may still be writing it. Likewise a source whose
-#    handle died before its copy out landed is ``record_stream``-ed on the D2H
-#    stream (the pending list holds handles weakly).
-# 3. Pinned buffers: a buffer goes back to the pool together with the job that
-#    last used it; the pool hands it out again only once that job is done
-#    (``HostPool.acquire``), so a new D2H copy can never overwrite bytes an H2D
-#    copy is still reading, nor the reverse.
-#
+#    pack), so it reads the tensor after its producer wrote it. The handle holds
+#    the source until the forward thread sees the copy done, so the allocator may
+#    hand the block to the compute stream at once: no ``record_stream``.
+# 2. Copy in: the destination is allocated with the compute stream current (its
+#    pool); the H2D stream waits on the compute stream (the block may be one that
+#    queued kernels still read), copies, and the consumer waits on the copy's
+#    event; a consumer on another stream ``record_stream``-s it. A restore dropped
+#    unconsumed, or a source whose handle died before its copy landed, is
+#    ``record_stream``-ed on the side stream first.
+# 3. Pinned buffers: a buffer goes back to the pool with the job that last used
+#    it and is handed out again only once that job is done (``HostPool.acquire``).
+
 # NOTE [Temporaries on the compute stream]
-# A source that cannot be copied as raw bytes (a gapped view, a lazy conjugate
-# or negative view) needs a dense device temporary first. Made by torch's
-# copy_ with the side stream current, it came from the side stream's pool of
-# the caching allocator, and went back there: blocks that only the side
-# stream could reuse, so device memory the compute stream could not use
-# (fragmentation: the compute stream then asks for new segments). Now the
-# temporary is made on the compute stream, before the side stream is ordered
-# after it, and the copy out reads it. The job holds it (``CudaJob.temp``) as
-# the handle holds the source (rule 1), and lets go of it once the copy is
-# ordered before any reuse: seen complete (``done``, ``wait_host``), or the
-# compute stream made to wait on the copy (``order_after_copy``, the in-flight
-# window); if abandoned, it is ``record_stream``-ed on the side stream first.
-# Its block then goes back to the compute stream's pool. The C++ chain does
-# the same (write_from_device's ``resolved``, csrc/cuda_chain.cpp). Cost: the
-# gather (a device-to-device copy of the source's bytes) now runs on the
-# compute stream, where it ran on the side stream before; not measured yet.
-"""
+# A dense device temporary (for a source that cannot be copied as raw bytes: a
+# gapped view, a lazy conjugate or negative view) comes from the compute
+# stream's pool and goes back there, so no device memory is stranded in a side
+# stream's pool. It is made on the compute stream before the side stream is
+# ordered after it; the job holds it (``CudaJob.temp``) until the copy is
+# ordered before any reuse (seen done, or ``order_after_copy``), and an abandoned
+# one is ``record_stream``-ed on the side stream first. The C++ chain does the
+# same (write_from_device's ``resolved``, csrc/cuda_chain.cpp).
 
 from __future__ import annotations
 

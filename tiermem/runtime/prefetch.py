@@ -3,46 +3,28 @@
 Backward consumes saved tensors in roughly the reverse of their packing order.
 Each unpack of a moved tensor advances a cursor backwards through the packing
 order and starts restores ahead of need until ``budget_bytes`` are restored but
-not yet consumed. :meth:`Prefetcher.kick` starts the cursor earlier, from
-the top, when backward unpacks a kept tensor before any moved one (NOTE
-[Restores start with backward] in runtime/hooks.py). A restore is
-"consumed" when its handle's ``get`` takes it, and given back if the handle
-dies first.
+not yet consumed. :meth:`Prefetcher.kick` starts the cursor from the top when
+backward unpacks a kept tensor before any moved one (NOTE [Restores start with
+backward] in runtime/hooks.py). An unpack that goes *up* in packing order, or
+lands at or below the cursor, restarts the cursor just below it: prefetch
+follows whatever backward does. A handle whose move out has not landed yet
+stops the cursor (retried at the next unpack, not skipped).
 
-If an unpack goes *up* in packing order (a second backward with
-``retain_graph=True``, or one node unpacking its tensors in packing order), or
-lands at or below the cursor, the cursor restarts just below it: prefetch
-follows whatever backward does. Handles already on their way, or already
-consumed in this pass, are skipped cheaply.
+A *pass* is one backward over the step's graph. Per handle, an :class:`Entry`
+(written by the prefetcher alone) holds the pass that last consumed it
+(``gen``) and how many of its saves took it (``taken`` of ``uses``); a handle
+consumed more often than saved starts a new pass (``retain_graph=True``).
 
-A *pass* is one backward over the step's graph. The prefetcher keeps, per
-handle, an :class:`Entry` (it alone writes it; tiers never read it): the pass
-that last consumed the handle (``gen``) and how many of its consumers took it
-in that pass (``taken``, out of ``uses``: the saves of that tensor, dedup
-included); a handle consumed more often than it was saved starts a new pass
-(``retain_graph=True``): everything becomes eligible again.
+Calls run one way: the unpack hook calls :meth:`Prefetcher.begin_use`, the
+handle's tier, then :meth:`Prefetcher.advance`, which asks tiers to start
+restores. Nothing calls the prefetcher from a tier or a finalizer: a restore
+whose handle dies unconsumed is noticed through a weak reference whose callback
+only appends to a deque, drained at the next ``advance`` (O(1) per handle).
 
-Calls run one way: the unpack hook (:func:`tiermem.runtime.hooks.unpack`) calls
-:meth:`Prefetcher.begin_use`, then the handle's tier, then
-:meth:`Prefetcher.advance`, which asks tiers to start restores
-(``store.prefetch(handle)``). Nothing calls the prefetcher from a tier or from
-a handle's finalizer: a restore prefetched for a handle that dies unconsumed
-is noticed through its entry, a weak reference whose callback only appends
-to a deque (atomic, no lock: it may run from the cyclic collector at any
-allocation), drained at the next ``advance``; so the window's accounting
-costs O(1) per handle, whatever the number of tensors in flight.
-
-The window: ``budget_bytes`` when set (``TIERMEM_PREFETCH_BYTES``); unset, it
-is sized when backward starts from what the step moved: a quarter of it,
-between :data:`AUTO_MIN_BYTES` and :data:`AUTO_MAX_BYTES`. A fixed window as
-large as everything moved would restore it all at the start of backward and
-give back the memory offloading saved (measured on a 4-layer GPT on the CPU:
-a 256 MiB window over 131 MiB moved left peak RSS where it was without
-tiermem).
-
-A handle whose move out has not landed yet stops the cursor: it is retried at
-the next unpack rather than skipped (skipping it would make it a miss later,
-while the window fills with tensors needed last).
+The window: ``budget_bytes`` when set (``TIERMEM_PREFETCH_BYTES``); unset, a
+quarter of what the step moved, between :data:`AUTO_MIN_BYTES` and
+:data:`AUTO_MAX_BYTES`: a window as large as everything moved would restore it
+all at backward's start and give back the memory offloading saved.
 """
 
 from __future__ import annotations

@@ -1,72 +1,21 @@
 """The tail hold: the sources of the last moved tensors stay in memory for
-backward's first unpacks (NOTE [Tail hold]).
+backward's first unpacks (NOTE [Tail hold])."""
 
 # NOTE [Tail hold]
-# Backward starts with the tensors the forward saved last. Under a fixed or
-# callable policy (a step that follows no plan) on a model whose loss is
-# computed in the forward, backward's very first unpack is often a *moved*
-# tensor (cross-entropy: NllLossBackward0 unpacks the log-softmax output, or,
-# with recompute,nvme, its recipe unpacks the logits): nothing of the step's
-# graph runs before it to start a restore (NOTE [Restores start with
-# backward] in runtime/hooks.py, rule 5), so it was read on demand in almost every
-# step, and on a GPU it is the model's largest tensor (batch x seq x vocab).
-# The rules:
-# 1. Which: an Offloader has one :class:`TailHold`. Each move out of a step
-#    that follows no plan enters it in packing order, with its bytes; the
-#    entries are the last moves whose bytes add up to at most ``W``
-#    (``tail_hold_bytes``; unset: the step's prefetch window,
-#    ``prefetch_bytes``, else ``auto_window_bytes`` of the bytes moved so
-#    far; 0: off). A move that pushes an entry out of those ``W`` bytes
-#    releases its source. A tensor larger than ``W`` alone is not held and
-#    releases every entry. Several forwards before one backward share the
-#    one tail: the last ``W`` bytes moved, whichever step moved them (with
-#    1F1B's forward, forward, backward, the second forward's moves push the
-#    first's out: the bound holds for the Offloader, not per step). Entries
-#    released (rule 5) are forgotten from the oldest on, so that the bytes
-#    counted stay those held.
-# 2. What: an entry's handle keeps a second reference to its source
-#    (``MovedHandle.tail``, the very ``h.src`` object), beside the store's
-#    own, which the store drops as before (landing, the in-flight window,
-#    staging: NOTE [Copy landed], [In-flight window], [Staged moves]). So the
-#    move, its landing and the memory ordering of the copy are unchanged;
-#    the held reference only delays the free. Bytes counted: the source's
-#    storage if larger than the tensor (a view holds its whole storage), so
-#    the memory held by the tail never exceeds ``W``.
-# 3. Unpack: a held source whose version is unchanged is returned as it is
-#    (or as a dense copy when its layout is compact, as an unlanded source
-#    is: NOTE [Layout of a moved tensor]): the tensor autograd would have
-#    kept, bit for bit, with no read; counted in ``stats.tail_hits``, neither
-#    a prefetch hit nor a miss. It is released at the pass's last use of the
-#    handle (dedup: every save of it takes it). A source modified in place
-#    since it was saved is released and the copy is restored, which holds
-#    the pack-time values (NOTE [Copy landed]): exactly what the unpack gives
-#    without the hold.
-# 4. Prefetch: a held source needs no restore; the prefetcher counts it as
-#    in flight in its window until it is taken, so restores of the tensors
-#    below it start where they would have and the memory at backward's start
-#    is that of the window, as without the hold.
-# 5. Release: a source is released when it is taken (3), pushed out (1), at
-#    the end of the backward that took one of the step's held sources
-#    (an autograd engine callback: a backward over part of the graph, or
-#    one with ``retain_graph=True``, leaves none held), when its handle dies
-#    (its graph is freed), when the forward raises (``Offloader._exit``) and
-#    at ``close()``. Nothing else refers to a held source: no leak outlives
-#    the handle.
-# 6. Not held: steps that follow an auto plan (the plan keeps what backward
-#    needs first, and its prefetch window is sized for its moves; the planner
-#    reads the step's memory), and steps whose parameters may be freed
-#    (FSDP2, NOTE [Sharded parameters] in runtime/hooks.py): a moved tensor may alias
-#    an unsharded parameter, whose storage FSDP2 frees and refills.
-# 7. CUDA: the held tensor was made on the forward's stream and is consumed
-#    by backward as a kept one would be; the D2H copy only reads it. The
-#    store's reference still orders its free after the copy (it is dropped
-#    only once landed or ordered: NOTE [In-flight window]); when the held
-#    reference goes last, that order was already made. So no record_stream.
-# Memory contract: from the forward to backward's first unpacks, memory (the
-# device's for CUDA tensors, RAM for CPU ones) is higher by at most ``W``
-# bytes than without the hold; at backward's start the held sources take the
-# place of restores the prefetcher would have started.
-"""
+# Invariant: from the forward to backward's first unpacks, memory is higher by at
+# most ``W`` bytes (``tail_hold_bytes``; unset: the prefetch window) than without
+# the hold, and every unpack returns the values saved at pack time. Why:
+# 1. Each move of a step that follows no plan enters the tail in packing order; a
+#    move that pushes the tail past ``W`` releases the oldest sources (bytes
+#    counted as the source's whole storage), and a tensor over ``W`` is not held.
+# 2. The handle keeps a second reference to its source: only the free is delayed.
+# 3. An unpack of a held, unmodified source returns it (no read); a source changed
+#    in place is released and the copy, holding the pack-time values, is restored.
+# 4. The prefetcher counts a held source as in flight until taken.
+# 5. Released when taken, pushed out, at the end of the backward, when its handle
+#    dies, when the forward raises and at ``close()``: nothing outlives the handle.
+# 6. Not held under an auto plan, nor when parameters may be freed (FSDP2).
+# 7. CUDA: the store's reference already orders the free after the copy (no record_stream).
 
 from __future__ import annotations
 

@@ -7,25 +7,19 @@ owned by autograd; when autograd drops one, the tier gets its buffers back.
 A tier reports what happens to the step it was given (:class:`StepEvents`),
 keeps that step on its handles for backward, and reaches nothing else of the
 step: the recompute tier also uses the step's :class:`RecipeServices`.
+"""
 
 # NOTE [Layout of a moved tensor]
-# A saved tensor may be a view with any strides, including stride 0 (expand)
-# and overlapping or gapped views. We move the *span* of storage it touches,
-# ``[storage_offset, storage_offset + 1 + sum((size_i - 1) * stride_i))``, and
-# restore with ``as_strided(size, stride)`` on the copy: sizes and strides are
-# exactly the original ones, and the data keeps its address modulo 256 bytes
-# on CUDA, 64 on the CPU (``pad`` elements before it), so every kernel in
-# backward sees the same layout and the same pointer alignment (vectorized
-# paths, hence reduction orders, depend on it) and gradients stay
-# bit-identical. 256: cuBLAS(Lt) picks its kernels by
-# the operands' alignment up to 256 bytes (torch's _getAlignment); CUDA
-# allocations are 512-aligned, so CUDA restores keep the address modulo 256.
-# CPU tensors keep it modulo 64 (the CPU allocator's alignment, and all that
-# CPU kernels look at).
-# When the span is much larger than the tensor (a column of a big matrix), we
-# move a dense copy instead (``compact``): same values and sizes, contiguous
-# strides. Contiguous tensors take the span path with span == numel.
-"""
+# A restored tensor has the original sizes, strides and pointer alignment, so every
+# backward kernel takes the same path and gradients stay bit-identical. We move
+# the *span* of storage the tensor touches, ``[storage_offset, storage_offset + 1
+# + sum((size_i - 1) * stride_i))`` (any strides: stride 0, overlapping, gapped),
+# and restore with ``as_strided(size, stride)`` on the copy, ``pad`` elements in so
+# the data keeps its address modulo 256 bytes on CUDA (cuBLAS(Lt) picks kernels by
+# alignment up to 256; CUDA allocations are 512-aligned) and modulo 64 on the CPU
+# (the CPU allocator's alignment, all CPU kernels look at). When the span is much
+# larger than the tensor (a column of a big matrix), a dense copy (``compact``)
+# moves instead: same values and sizes, contiguous strides.
 
 from __future__ import annotations
 

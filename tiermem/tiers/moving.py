@@ -29,6 +29,7 @@ the restore was usually started ahead of need by the
 returns the rebuilt tensor and the wait that orders the consumer after the
 copy (run by the hook outside the lock). The store reports to the step it was
 given at ``put`` (``handle.step``, :class:`~tiermem.tiers.base.StepEvents`).
+"""
 
 # NOTE [Copy landed]
 # A copied tensor must hold its pack-time values, never a torn mix of before
@@ -45,71 +46,46 @@ given at ``put`` (``handle.step``, :class:`~tiermem.tiers.base.StepEvents`).
 # in-place kernel from one still running.
 
 # NOTE [Launch after the saving op]
-# Autograd packs an op's saved *inputs* before the op's kernel runs, and an op
-# may write an input it saves without bumping its version:
-# ``rrelu_with_noise`` saves its ``noise`` argument, then its kernel writes the
-# random slopes into it. Autograd itself is right (it keeps a reference); a
-# copy started at pack time is not (CPU: it races the kernel; CUDA: its event
-# is recorded before the kernel is launched, so it copies the values from
-# before). So a move is *reserved* at pack time (the budget decision, and the
-# tier's fallback to the next one, stay there) and *launched* only once the
-# saving op has run: at the first pack of a later op, at the end of the
-# forward, or when backward (or an abandoned forward) needs it. "A later op"
-# is read from autograd's node sequence number (thread-local; an Offloader is
-# active in one thread at a time): every op that saves tensors creates its
-# node before saving any, so a pack that sees another number than the one its
-# pending launches were reserved under comes from a later op, which Python
-# only reaches after the saving op returned (CPU: its kernel ran; CUDA: its
-# kernels are queued before the copy's event). Until launched, the source
-# stays alive (one op longer than before); a write that bumped its version
-# meanwhile is caught by the version check (NOTE [Copy landed]).
+# A move copies the values the saving op left, not those from before its kernel:
+# autograd packs an op's saved inputs before the kernel runs, and a kernel may
+# write an input it saves without bumping its version (``rrelu_with_noise``
+# writes its saved ``noise``). So a move is *reserved* at pack time (the budget
+# decision and the fallback stay there) and *launched* only once the saving op
+# has run: at the first pack of a later op, at the end of the forward, or when
+# backward (or an abandoned forward) needs it. "A later op" is one whose autograd
+# node sequence number (thread-local) differs: every op that saves creates its
+# node before saving, and Python reaches a later op only after the saving op
+# returned (CPU: its kernel ran; CUDA: it is queued before the copy's event).
+# Until launched the source stays alive; a write meanwhile is caught by the
+# version check (NOTE [Copy landed]).
 
 # NOTE [Staged moves]
-# A job with a ``host_view`` (a tensor) moves the bytes through that host
-# buffer: ``copied()`` says they are all in it, ``done()`` that the move as a
-# whole (the disk write) is over. At ``poll`` (the forward thread, as in NOTE
-# [Copy landed]) a copied move's source is dropped after the same version
-# check, and ``h.host`` holds the staging view until the move lands:
-# - until then the handle counts as not landed (no prefetch from the disk, which
-#   may not hold the bytes yet); ``get`` copies the bytes back from ``h.host``
-#   (on CUDA on the current stream, the lease holding the buffer until then);
-# - if the move then fails, ``h.host`` stays as the tensor's only copy, and
-#   ``get`` restores from it, so nothing is lost;
-# - the staging buffer goes back to its pool through ``h.lease``: only when
-#   ``h.lease.release()`` is called (the move landed without needing it, the
-#   copy was torn, or the handle died), and the pool reuses it once the move
-#   and every copy out of it are done. The pool never hands it out while a
-#   handle may still read it, and counts it in use until then.
-"""
+# A staged move never loses the tensor's bytes: a job with a ``host_view`` moves
+# them through that host buffer (``copied()``: all in it; ``done()``: the move,
+# the disk write, is over). Once copied, ``poll`` drops the source after the
+# version check of NOTE [Copy landed], and ``h.host`` holds the staging view:
+# - until the move lands the handle counts as not landed (no prefetch from the
+#   disk) and ``get`` copies the bytes back from ``h.host``;
+# - if the move then fails, ``h.host`` stays the only copy and ``get`` restores it;
+# - the buffer goes back to its pool only through ``h.lease.release()``, and the
+#   pool reuses it once the move and every copy out of it are done: it is never
+#   handed out while a handle may still read it.
 
 # NOTE [In-flight window]
-# Landing alone (NOTE [Copy landed]) frees a source only when the forward
-# thread happens to see its copy finished. The host usually runs far ahead of
-# the copies (a GPU behind its queue, a slow disk), so few land during the
-# forward and the saved tensors pile up as if kept. So at each ``poll``, once
-# more than ``window_tensors`` launched moves, or more than ``window_bytes``
-# of their sources, are held, the oldest are retired until the window holds:
+# At each ``poll`` at most ``window_tensors`` launched moves, and ``window_bytes``
+# of their sources, are held: the host usually runs far ahead of the copies, so
+# waiting for landing alone (NOTE [Copy landed]) would hold the saved tensors as
+# if kept. Beyond the window the oldest are retired:
 # - a job that can order the source's reuse after its copy without the host
-#   (``Job.order_after_copy``: CUDA, the stream the source was made on and the
-#   current stream wait on the copy's event) gets the version check of NOTE
-#   [Copy landed] at once and its source is dropped. Invariant: every later
-#   kernel of those streams, among them any in-place write of the source and
-#   any kernel that gets its memory from the caching allocator (a block freed
-#   on a stream is handed out on that stream only), runs after the copy; a
-#   version unchanged now means no write was issued before. Hence no
-#   ``record_stream``. A staged move keeps its staging view as the copy
-#   (NOTE [Staged moves]), read back on the current stream, ordered after;
-# - otherwise, for CPU tensors only, the host waits for the copy (or the
-#   write) and the move lands as at ``poll``;
-# - a CUDA tensor whose job cannot order a stream (the engine's chain) is left
-#   to land: the forward never waits on the host for a CUDA copy.
-# The count kept is of launched moves in order, not yet retired: a source
-# dropped out of order still counts until the ones before it go, so the
-# sources held never exceed the window. Defaults: DEFAULT_WINDOW_TENSORS is
-# torchtune's (5 tensors), the only public figure; DEFAULT_WINDOW_BYTES the
-# prefetcher's largest window (256 MiB), the same bound on bytes in flight in
-# each direction. Neither was measured here: the first GPU run is to choose
-# them (benchmarks/gpu_suite.sh), and the planner may set them per store.
+#   (``Job.order_after_copy``: CUDA, the source's stream and the current stream
+#   wait on the copy's event) gets the version check at once and drops its
+#   source: every later kernel of those streams, in-place writes and reuse of the
+#   freed block (handed out on that stream only) included, runs after the copy,
+#   hence no ``record_stream``;
+# - otherwise CPU tensors wait for the copy and land; a CUDA tensor whose job
+#   cannot order a stream is left to land (the forward never waits on a CUDA copy).
+# Moves count in launch order until retired, so the sources held never exceed the
+# window.
 
 from __future__ import annotations
 
@@ -137,46 +113,28 @@ __all__ = ["MovingStore", "MovedHandle"]
 # The number autograd's next node will get (this thread): NOTE [Launch after the saving op].
 _sequence_nr = torch._C._autograd._get_sequence_nr
 
-#: NOTE [In-flight window]: most launched moves whose sources are held.
+#: NOTE [In-flight window]: most launched moves whose sources are held (torchtune's 5).
 DEFAULT_WINDOW_TENSORS = 5
-#: NOTE [In-flight window]: most bytes of sources held for launched moves.
+#: NOTE [In-flight window]: most bytes of sources held for launched moves (the
+#: prefetcher's largest window: the same bound on bytes in flight each way).
 DEFAULT_WINDOW_BYTES = 256 * 1024 ** 2
 
 
 # NOTE [Interrupted releases]
-# A handle gives its room back when autograd drops it. A KeyboardInterrupt (a
-# signal handler, run in the main thread at a function's entry, after a call
-# returns or at a loop's back edge) can land in that release: Python prints
-# "Exception ignored in ..." and drops it, and a plain ``__del__`` lost the
-# release for good (host or disk bytes counted in use forever). It mostly
-# landed at ``__del__``'s very entry: the signal arrives during C work that
-# frees the handle (a backward on the CPU), and the finalizer is the first
-# Python code to run after it. So:
-# 1. No Python code runs before a dying handle is kept: ``MovedHandle.__del__``
-#    is a property whose getter, ``_DYING.__getitem__``, runs in C and stores
-#    the handle (resurrecting it) in ``_DYING`` under a fresh ``_Finalizer``
-#    (made in C too: it has no ``__init__``), which the finalizer then calls.
-#    The handle stays in ``_DYING`` until its release is over.
-# 2. ``_release_dying`` releases the handle of the ``_Finalizer`` called, and
-#    every other one whose finalizer has run (``gc.is_finalized``: kept after
-#    an interrupted release), and then drops them from ``_DYING``. A release
-#    that was interrupted is so run again at the next handle's death (of any
-#    store), not lost.
-# 3. A release may so run twice (or on two threads at once): each step of
-#    ``MovingStore._release`` is idempotent, or claimed before it is done
-#    (a field swapped, or ``released`` set, in bytecodes where no signal
-#    handler runs), so that none is done twice: giving a host buffer or an
-#    extent back twice would hand it to two tensors. An interrupt at the
-#    entry of the store's ``_free``/``_unreserve`` right after the claim
-#    loses that room instead: a signal must arrive within those few
-#    bytecodes for that (one that arrived during C work before is handled at
-#    an earlier entry). A launch likewise takes the reservation off the
-#    handle before ``_launch``, which gives it back if it raises (a
-#    KeyboardInterrupt too): the handle, when it dies, does not do it again.
-# 4. Reading ``__del__`` of a live handle (a debugger listing attributes)
-#    stores it in ``_DYING`` too. It is not released there (its finalizer has
-#    not run, rule 2) but is kept, with its room, for the rest of the process.
-
+# A handle's room (host buffer, disk extent) is given back exactly once, even when
+# a KeyboardInterrupt lands in its release (Python then prints "Exception ignored"
+# and drops it; it mostly lands at a finalizer's entry, after C work freed the handle):
+# 1. No Python code runs before a dying handle is kept: ``MovedHandle.__del__`` is
+#    a property whose C getter, ``_DYING.__getitem__``, stores the handle in
+#    ``_DYING`` under a fresh ``_Finalizer`` (made in C), which is then called.
+# 2. ``_release_dying`` releases that handle and every other whose finalizer has
+#    run (``gc.is_finalized``), then drops them: an interrupted release is run
+#    again at the next handle's death, not lost.
+# 3. A release may so run twice or on two threads: each step of
+#    ``MovingStore._release`` is idempotent or claimed first (in bytecodes where no
+#    signal handler runs), so no room is handed to two tensors; an interrupt right
+#    after a claim loses that room instead. A launch takes the reservation first.
+# 4. Reading ``__del__`` of a live handle keeps it (and its room) for good.
 
 class _Finalizer:
     """What a dying handle's ``__del__`` returns, then called: NOTE

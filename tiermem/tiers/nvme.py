@@ -2,51 +2,31 @@
 
 Data path:
 
-- CPU tensors: the engine writes straight from the tensor's memory (its
-  future holds the tensor), and reads straight into the restored tensor.
-- CUDA tensors: device -> pooled pinned staging buffer on the D2H side stream
-  of the device's :class:`~tiermem.runtime.copier.CudaCopier`, then the write once
-  that copy's event has completed. The device memory is freed once the copy
-  has landed (the forward thread sees it at its next pack), the staging
-  buffer once the write has; until then the staging buffer is the tensor's
-  copy, and stays so if the write fails (NOTE [Staged moves] in moving.py).
-  Backward reverses it: read into staging, then the H2D
-  copy into a tensor allocated on the compute stream, with an event the
-  consumer's stream waits on. The forward thread and the compute stream never
-  wait for the disk. Two implementations, same streams and ordering:
-
-  - the engine's CUDA chain (``engine.cuda_chain``: the C++ engine built with
-    CUDA): the engine issues the copies and its own threads wait for them, no
-    Python per request (NOTE [CUDA chain] in csrc/cuda_chain.cpp);
-  - otherwise (Python engine, CPU-only build of the C++ engine) and with
-    ``verify`` (the checksum is taken in Python, between copy and write): a
-    Python chain thread waits for the copy's event and writes, or reads and
-    then issues the copy.
-
-  If the engine's chain refuses a request at submit, that tensor goes through
-  the Python chain instead (same staging buffer and extent), and so does
-  every later one of this store unless the refusal was about the arguments
-  (``ValueError``/``TypeError``: that tensor only). One warning with the
-  error, kept in :attr:`NvmeStore.engine_chain_error`. Failures after submit
-  (the disk) are the tier's usual failures (see MovingStore).
+- CPU tensors: the engine writes straight from the tensor's memory and reads
+  straight into the restored tensor.
+- CUDA tensors: device -> pooled pinned staging buffer on the D2H side stream,
+  then the write once that copy has completed. The device memory is freed once
+  the copy has landed, the staging buffer once the write has (until then it is
+  the tensor's copy: NOTE [Staged moves] in moving.py). Backward reverses it:
+  read into staging, then the H2D copy. The forward thread and the compute
+  stream never wait for the disk. Two implementations, same ordering: the
+  engine's CUDA chain (NOTE [CUDA chain] in csrc/cuda_chain.cpp), else (Python
+  engine, CPU-only build, or ``verify``) a Python chain thread. A request the
+  engine's chain refuses at submit goes through the Python chain, and so does
+  every later one unless the refusal was about the arguments; one warning,
+  kept in :attr:`NvmeStore.engine_chain_error`.
 
 Landing, in-place safety, prefetch and release are :class:`~.moving.MovingStore`'s.
-An extent is given back to the arena only once the last I/O on it is done
-(``_deferred``), so a new write can never race a read still in flight.
+An extent goes back to the arena only once the last I/O on it is done.
 
-A full disk: the arena grows with fallocate, so ENOSPC shows there first and
-the arena stops growing (:class:`~tiermem.memory.arena.Arena`); later tensors its
-freed extents cannot hold go to the policy's next tier. On a filesystem without fallocate it shows at a write
-instead: that tensor stays on its device (exact, counted in
-``budget_fallbacks``), and the store takes no new tensor for the rest of its
-life (NvmeStore.disk_full), one warning. Any other error at submit also leaves
-the tensor on its device: the write is submitted after the room was reserved
-and the handle given to autograd (NOTE [Launch after the saving op] in
-moving.py), too late to choose another tier for it.
+A full disk: ENOSPC at the arena's fallocate stops its growth (later tensors go
+to the next tier); at a write (no fallocate) that tensor stays on its device
+(``budget_fallbacks``) and the store takes no new tensor (``disk_full``), one
+warning. Any other error at submit also leaves the tensor on its device: it is
+too late to choose another tier (NOTE [Launch after the saving op] in moving.py).
 
-With ``verify``, a CRC32 of each tensor's bytes is taken before the write and
-checked after the read; a mismatch (or a short read: the file was changed
-underneath) raises :class:`~tiermem.TierMemError` naming the tensor and file.
+With ``verify``, a CRC32 of each tensor's bytes is checked after the read; a
+mismatch or short read raises :class:`~tiermem.TierMemError`.
 """
 
 from __future__ import annotations

@@ -37,21 +37,17 @@ def _check(data: torch.Tensor, expected: Optional[int], what: str) -> None:
 
 
 # NOTE [Waiting only for the read]
-# A restore through the Python chain is a read (and its check) on a chain
-# thread, then a copy issued from it (CUDA: host-to-device on a side stream).
-# The consumer (backward) used to wait for the whole chain task: behind every
-# request queued before it on the pool, then for the chain thread to get the
-# GIL and issue the copy. Now (ReadThenCopy):
+# A consumer waits on the host only for its own read, never for requests queued
+# before it nor for a chain thread to issue the copy (ReadThenCopy):
 # 1. a read no thread has started yet is read by the consumer itself, at once
 #    (the chain thread that later picks it finds it taken);
 # 2. a read in progress: the consumer waits for that read alone, on the host
-#    (unavoidable: the bytes are not in memory yet; counted as a host wait,
-#    StepStats.host_waits);
-# 3. a read done: whichever thread comes first issues the copy (exactly
-#    once); the consumer then waits for it on the device only (its stream
-#    waits on the copy's event), never on the host.
-# The staging buffer goes back to its pool once, right after the copy is
-# issued (or the read failed), with the copy as its last use.
+#    (the bytes are not in memory yet; counted in StepStats.host_waits);
+# 3. a read done: whichever thread comes first issues the copy (exactly once);
+#    the consumer then waits for it on the device only (CUDA: its stream waits
+#    on the copy's event).
+# The staging buffer goes back to its pool once, right after the copy is issued
+# (or the read failed), with the copy as its last use.
 
 
 class ReadThenCopy:

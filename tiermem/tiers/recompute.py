@@ -4,32 +4,24 @@ A saved tensor is recomputable when its producer op is on the allow-list
 (:data:`~tiermem.tracking.producers.RECOMPUTABLE_OPS`) and the op's inputs can be had
 again in backward. ``put`` plans a *recipe*: a small tree whose root is the
 producer op and whose leaves are handles of tensors tiermem stores anyway.
+"""
 
 # NOTE [What a recipe holds]
-# For each tensor argument of a recorded op, in this order of preference:
-# 1. a tensor this step already saved (a dedup hit): its handle is shared, so
-#    the input costs nothing extra, whatever tier holds it;
-# 2. a parameter (or a leaf that requires grad): held as is (it stays on the
-#    device anyway, and is not modified during a forward pass; buffers, which
-#    may be, such as BatchNorm's running statistics, go through 4); checked
-#    for changes before backward (NOTE [Parameters changed before backward]
-#    in tracking/params.py);
-# 3. the argument's own recipe, when its producer is recomputable too (chains:
-#    views, casts, pointwise ops), if that costs fewer stored bytes than 4;
-# 4. the argument itself, stored in the tiers the planned tensor's policy
-#    lists after recompute (keep if none; the policy is not asked again), and
-#    registered for dedup so that later saves of it share it.
-# The bytes of case 4 are what the recipe costs. A tensor is dropped only if
-# its recipe costs fewer bytes than the tensor itself (so dropping frees
-# memory); otherwise, or if an input is gone (freed, or modified in place
-# since the op ran), it is not eligible and goes to the policy's next choice,
-# counted in ``stats.recompute_fallbacks`` by reason. Small arguments (under
-# ``min_offload_bytes``) are copied into the recipe, and so is every argument
-# of case 4 before it is stored: the program may still modify it in place
-# (autograd never saved it), and the copy keeps sizes, strides and alignment
-# (``exact_copy``). Gapped views (moved as dense copies by the moving tiers) are
-# not used as inputs: a view op replayed on a dense copy gives other strides.
-#
+# A recipe holds no tensor the program may still change, and a tensor is dropped
+# only if its recipe stores fewer bytes than it frees. For each tensor argument
+# of a recorded op, in this order of preference:
+# 1. a tensor this step already saved (a dedup hit): its handle is shared;
+# 2. a parameter (or a leaf that requires grad): held as is, checked for changes
+#    (NOTE [Parameters changed before backward] in tracking/params.py); buffers go
+#    through 4;
+# 3. the argument's own recipe, when its producer is recomputable and that stores
+#    fewer bytes than 4;
+# 4. a copy of the argument (``exact_copy``: sizes, strides, alignment), stored in
+#    the tiers the policy lists after recompute and registered for dedup.
+# The bytes of case 4 are the recipe's cost. An input gone (freed, or modified in
+# place since the op ran) makes the tensor not eligible: the policy's next choice.
+# Gapped views are not inputs: a view op replayed on a dense copy gives other strides.
+
 # NOTE [Recompute is exact]
 # The op is run again on inputs equal to the originals in values, sizes,
 # strides and alignment (see NOTE [Layout of a moved tensor]), under
@@ -39,7 +31,7 @@ producer op and whose leaves are handles of tensors tiermem stores anyway.
 # PyTorch's built-in backward formulas) and the next step are not disturbed.
 # If the saved tensor itself is still alive at unpack (someone else kept it),
 # it is returned as is: nothing was freed, and nothing needs computing.
-#
+
 # NOTE [Recomputed for consumers on several streams]
 # A tensor saved by several ops is regenerated once per backward pass, by the
 # first unpack, on that consumer's current stream, and kept for the others
@@ -52,7 +44,6 @@ producer op and whose leaves are handles of tensors tiermem stores anyway.
 # (:class:`_Cached`); a consumer on another stream waits for it (a GPU-side
 # wait, no host sync) and ``record_stream``-s the tensor on its own stream,
 # as the moving tiers order a restore for each of its consumers.
-"""
 
 from __future__ import annotations
 

@@ -140,69 +140,35 @@ def current_module() -> str:
 
 
 # NOTE [Scoped tracking]
-# Producer tracking (a dispatch mode: a Python call per op, most of it the
-# price of any mode) is needed only where a recipe's ops run. When that set is
-# known, a :class:`TrackingScope` keeps the mode entered only while the
-# innermost running module (``current_module()``, what ``Record.module``
-# records) is named in ``names``: at each module's pre- and post-hook
-# (called also when it raises) it enters or leaves the mode. ``""`` (or, for
-# a context entered inside a module, that module's name) stands for the ops
-# run outside every module of the context, such as a loss computed after the
-# model. A wrapped block whose policy recomputes keeps the scopes that follow
-# blocks entered for its whole run, nested modules included
-# (:func:`track_block`). Who knows the set: a plan (the modules that ran the
-# recipe ops of the tensors it recomputes, recorded by its profile:
-# ``Record.module``, ``RecomputeHandle.modules``, ``Plan.tracking_scope``),
-# and a wrapped block (its own run). A fixed policy with recompute, a
-# callable policy, a block with MUST_RECOMPUTE, a profiled step, the safe
-# order and every step of an auto Offloader with ``hints`` (its callable
-# reads ``TensorInfo.op`` off the plan) track the whole forward.
-# The scope is fixed when the step starts: a step that switches to another
-# cached plan midway (NOTE [Following a plan] in planner/runtime.py) keeps
-# the first plan's scope. Inside the scope, a step following a plan records
-# only the ops its recipes use (``ops``: NOTE [Recording only what recipes
-# use] in tracking/producers.py), and the mode is called only inside the torch calls
-# those ops ran in (``calls``: NOTE [Tracking inside torch calls]).
-# Exactness does not rest on the scope: an op that ran outside it has no
-# record, so a recipe that reaches its output stores that tensor as an input
-# (NOTE [What a recipe holds], case 4: the tensor itself, as it was at the
-# op) or, if it is gone, declines (the next tier). What the scope can change
-# is only which inputs a recipe stores (bytes: the closed loop measures them)
-# and what the mode sees of the forward's writes: writes outside the scope to
-# a dropped tensor (through an alias, the tensor itself freed) are not seen
-# (its recompute returns its values at save, where autograd would raise), and
-# a parameter that a recipe holds as it is, written outside the scope, is
-# caught at recompute by the parameter check (NOTE [Parameters changed before
-# backward] in tracking/params.py) rather than copied before the write.
+# Exactness does not rest on the scope. Producer tracking is needed only where a
+# recipe's ops run, so when that set of modules is known (a plan's
+# ``Plan.tracking_scope``, a wrapped block's own run: :func:`track_block`), a
+# :class:`TrackingScope` enters the mode only while the innermost running module
+# is named in ``names`` (``""``: ops outside every module, such as the loss),
+# switching at each module's pre- and post-hook. Every other case (fixed or
+# callable policy, a MUST_RECOMPUTE block, a profiled step, the safe order, an
+# auto Offloader with ``hints``) tracks the whole forward. An op run outside the
+# scope has no record, so a recipe that reaches its output stores that tensor as
+# an input or declines (the next tier); the scope changes only which inputs are
+# stored (bytes) and which writes the mode sees: a write outside it to a dropped
+# tensor is not seen, and a held parameter written there is caught by NOTE
+# [Parameters changed before backward] in tracking/params.py. The scope is fixed
+# when the step starts, even if the step switches plans.
 
 
 # NOTE [Tracking inside torch calls]
-# Inside a scoped module the dispatch mode was called for every aten op,
-# ~20-40 µs each, most of it the price of any dispatch mode (6.5% of a
-# TinyGPT forward: benchmarks/results/2026-12-02-cpu-tracking-idle.md), while
-# the recipes of a plan use few of them: a layer norm's output, a GELU's,
-# the softmax inside attention. A ``TorchFunctionMode`` sees the model's
-# torch calls instead (F.linear, F.gelu, Tensor.view: about a third as many,
-# and a quarter of the cost), so where the profile knows the calls its
-# recipes' ops ran in, the scope enters a :class:`CallGate` (a function
-# mode) in the module instead of the dispatch mode, and the gate enters the
-# dispatch mode only for the duration of those calls. Who knows the calls: a
-# profiled step runs a :class:`~tiermem.tracking.producers.CallRecorder`, which names
-# the outermost torch call running (``Record.call``); a plan gathers, per
-# module, the calls of the ops of its recipes (``RecomputeHandle.calls``,
-# ``Plan.tracking_calls``); an op that ran outside every torch call (a
-# direct ``torch.ops`` call) leaves its module tracked whole, as before. A
-# view a call makes of a tensor the recipe regenerates (F.linear's
-# ``input.view``) needs no tracking of that call: NOTE [Views made inside
-# untracked calls] in tracking/producers.py. Calls are named by ``__name__``
-# (``call_name``): two of one name are both tracked. Exactness does not rest
-# on the gate, for the reasons of NOTE [Scoped tracking]: an op it does not
-# see has no record. A function mode sees the outermost call only, the same
-# in the profile and the step; a module run inside a torch call (none in
-# torch's own functions) moves the scope while the gate is out of the stack,
-# and the gate then stays as it was until the next boundary. A call the
-# profile saw run one recomputable op is recorded whole by the gate, without
-# the dispatch mode: NOTE [Calls recorded whole] in tracking/producers.py.
+# Exactness does not rest on the gate, for the reasons of NOTE [Scoped tracking]:
+# an op it does not see has no record. Where the profile knows the torch calls
+# its recipes' ops ran in (``Record.call`` from a CallRecorder; per module,
+# ``Plan.tracking_calls``), the scope enters a :class:`CallGate` (a
+# ``TorchFunctionMode``, far fewer calls than ops) instead of the dispatch mode,
+# and the gate enters the dispatch mode only for those calls. An op run outside
+# every torch call leaves its module tracked whole. Calls are named by
+# ``__name__`` (two of one name are both tracked). A function mode sees the
+# outermost call only, the same in the profile and the step; a module run inside
+# a torch call moves the scope while the gate is out of the stack, and the gate
+# stays as it was until the next boundary. See also NOTE [Views made inside
+# untracked calls] and NOTE [Calls recorded whole] in tracking/producers.py.
 
 _NOTHING: frozenset = frozenset()
 _NO_CALLS: dict = {}

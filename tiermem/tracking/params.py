@@ -1,39 +1,22 @@
 """Parameters a recipe holds as they are, checked at recompute for changes
 made between the forward and the backward.
+"""
 
 # NOTE [Parameters changed before backward]
-# A recipe holds parameters (and leaves that require grad) as they are, not a
-# copy (NOTE [What a recipe holds] in tiers/recompute.py): its Kept handle is
-# an alias of the parameter (``p.detach()``: same storage, same version
-# counter). Plain autograd uses the activations of the forward; a recompute
-# reads the parameter again, in backward. What the program may do to it in
-# between, and what tiermem does:
-# 1. ``p.data = new`` (the parameter now points to another storage): the alias
-#    still holds the old storage, so the recompute reads the forward's values.
-#    Nothing to check; gradients are plain autograd's.
-# 2. ``with torch.no_grad(): p.add_(...)`` (the version counter moves): the
-#    old values are gone; the recompute raises a TierMemError naming the
-#    parameter. Always on, it costs a comparison of two integers.
-# 3. ``p.data.add_(...)``, ``p.data.copy_(...)`` (same storage; ``.data`` has a
-#    version counter of its own, and no dispatch mode runs then): only the
-#    values show it. With ``check_params`` (default on) a fingerprint of the
-#    values the recipe holds (the 64-bit sum and the xor of their 32-bit words)
-#    is taken once per tensor and step, when the first recipe holding it is
-#    packed, and again at its first recompute in each backward pass; a
-#    difference raises, naming the parameter. Not seen: a write that only
-#    permutes the words, or changes that cancel in both sum and xor.
-#    On the CPU the fingerprints are compared at once, before the recompute
-#    runs. On CUDA comparing would make backward wait for the device: each
-#    comparison leaves a flag on the device, and one callback queued on the
-#    backward pass (``queue_callback``) reads them after the last gradient is
-#    computed and raises there (the gradients of that backward are then wrong
-#    and the error says so).
-# A write made during the forward is seen by producer tracking and gives the
-# recipe a copy (NOTE [Writes to recipe inputs] in tracking/producers.py); such a
-# tensor is no longer held as it is and has nothing to check. The fingerprint
-# is not compared across steps: an optimizer step after backward, before the
-# next forward, is no change.
-"""
+# A recompute never silently reads a parameter other than the forward's. A recipe
+# holds parameters (and leaves that require grad) as an alias (``p.detach()``:
+# same storage, same version counter), not a copy, and what the program may do
+# between forward and backward is:
+# 1. ``p.data = new``: the alias keeps the old storage, so the values are the forward's.
+# 2. ``with torch.no_grad(): p.add_(...)``: the version moves; the recompute raises
+#    a TierMemError naming the parameter (always on).
+# 3. ``p.data.add_(...)``: only the values show it. With ``check_params`` a
+#    fingerprint (64-bit sum and xor of the 32-bit words) taken at the first pack
+#    of each step is compared at the first recompute; a difference raises. On CUDA
+#    each comparison leaves a flag on the device, read by one callback after the
+#    backward's last gradient (no wait for the device; the error says the
+#    gradients are wrong). A write that only permutes words is not seen.
+# A write during the forward gives the recipe a copy (producer tracking).
 
 from __future__ import annotations
 

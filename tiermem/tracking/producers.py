@@ -7,23 +7,6 @@ forward runs and records, for each output tensor, a :class:`Record`: the op's
 name and, for ops on the recompute allow-list, what is needed to run it again
 (the op, its non-tensor arguments, and a :class:`Ref` per tensor argument).
 
-# NOTE [Records hold no tensor]
-# A record must never keep a tensor alive: the point of recomputing is to free
-# memory. Tensor arguments are held by weak reference, with the version they
-# had when the op ran and the record of *their* producer (records form a DAG
-# of small Python objects, dropped when the context exits). Records are found
-# by the identity of the output's Python object (``id`` checked against a weak
-# reference): PyTorch hands the pack hook the very object the op returned, and
-# an ``id`` reused by a later tensor fails the weak-reference check.
-#
-# NOTE [Version of a record]
-# A record describes a tensor's values when it was made (``Record.version``).
-# After an in-place op (or an in-place op on a view of it) the version moves
-# on and the record no longer describes the tensor: it is only used while the
-# tensor's version still equals ``Record.version``; an argument only while its
-# version at the op (``Ref.version``) equals the version its own record (or
-# its stored copy) describes.
-
 The allow-list (:data:`RECOMPUTABLE_OPS`) holds cheap ops that are
 deterministic on CPU and CUDA: pointwise math and activations, casts, views,
 layer/RMS/group norm, softmax, concatenation, embedding lookups, and the
@@ -32,6 +15,23 @@ attention are left out on purpose (their cost is what recomputing avoids;
 checkpointing covers them). Ops with a mutable schema (in-place, ``out=``) are
 never recomputable.
 """
+
+# NOTE [Records hold no tensor]
+# A record must never keep a tensor alive: the point of recomputing is to free
+# memory. Tensor arguments are held by weak reference, with the version they
+# had when the op ran and the record of *their* producer (records form a DAG
+# of small Python objects, dropped when the context exits). Records are found
+# by the identity of the output's Python object (``id`` checked against a weak
+# reference): PyTorch hands the pack hook the very object the op returned, and
+# an ``id`` reused by a later tensor fails the weak-reference check.
+
+# NOTE [Version of a record]
+# A record describes a tensor's values when it was made (``Record.version``).
+# After an in-place op (or an in-place op on a view of it) the version moves
+# on and the record no longer describes the tensor: it is only used while the
+# tensor's version still equals ``Record.version``; an argument only while its
+# version at the op (``Ref.version``) equals the version its own record (or
+# its stored copy) describes.
 
 from __future__ import annotations
 
@@ -52,21 +52,16 @@ __all__ = ["ProducerMode", "CallRecorder", "Record", "Ref", "call_name", "storag
 _aten = torch.ops.aten
 
 # NOTE [Ops run as without a mode]
-# Tracking must not change the forward's values. PyTorch runs a dispatch
-# mode's handler with every dispatch key above Python excluded, among them
-# Conjugate, Negative and ZeroTensor, and the op the handler calls runs under
-# that exclusion. A kernel that makes a lazy conjugate (or negative) view
-# inside and hands it to another op then has it consumed as if it were a plain
-# tensor: complex ``linalg.pinv`` returns wrong values under any mode, even one
-# that only forwards (PyTorch #198118; also complex ``linalg.lstsq``'s
-# residuals). Without a mode those keys are not excluded, so the handler runs
-# the op with the three keys it finds excluded allowed again, and excludes
-# them again after: the op's tensors carry no such key (the handler sees
-# resolved arguments), and only what the kernel makes inside meets them, as
-# it would without tiermem. Only when ours is the last mode and no argument is
-# a tensor subclass (``types`` empty): another mode or a subclass (DTensor)
-# gets the op as PyTorch hands it over, as it would without tiermem.
-# Cost: ~0.5 µs per op.
+# Tracking must not change the forward's values. PyTorch runs a dispatch mode's
+# handler with the Conjugate, Negative and ZeroTensor keys excluded, and the op
+# the handler calls runs under that exclusion: a kernel that makes a lazy
+# conjugate (or negative) view inside and hands it to another op would consume
+# it as a plain tensor (complex ``linalg.pinv`` gives wrong values under any
+# mode). So the handler runs the op with those keys allowed again, as without a
+# mode, and excludes them again after; its arguments are already resolved, so
+# only what the kernel makes inside meets them. Only when ours is the last mode
+# and no argument is a tensor subclass: otherwise the op goes on as PyTorch
+# hands it over, as it would without tiermem.
 _KEY = torch._C.DispatchKey
 _VIEW_BIT_KEYS = tuple(getattr(_KEY, n) for n in ("Conjugate", "Negative", "ZeroTensor")
                        if hasattr(_KEY, n))
@@ -93,19 +88,15 @@ def _run_as_without_mode(func, types, args, kwargs):
 
 
 # NOTE [The pack hook runs untracked]
-# Autograd calls the pack hook after the op's kernel, with the dispatch mode
-# back on the stack, so every op of tiermem's own placement (the ``detach``
-# of each handle, a staging copy, a recipe input's copy) went through the
-# mode: in a TinyGPT step following a plan, 66 of the 114 ops its mode
-# handled per forward (the ``detach`` of each saved tensor, mostly). None of
-# them is the model's: no recipe is built from them (a saved tensor's record
-# is the op's that made it, recorded before its pack), and they write only
-# tiermem's own new tensors (no write the mode watches for). So while the
-# pack hook runs, the step's mode is taken off the dispatch stack when it is
-# the innermost mode (else, a mode above it, as it is), and put back after:
-# one pop and one push instead of a Python call per op. The same in the
-# profiled step, so the profile's op counts (NOTE [Tracking priced] in
-# planner/runtime.py) are the followed step's.
+# Tiermem's own ops in the pack hook (the ``detach`` of each handle, a staging
+# copy, a recipe input's copy) never go through the step's mode: autograd calls
+# the pack hook after the op's kernel, with the mode back on the stack, but none
+# of those ops is the model's (a saved tensor's record is the op's that made it,
+# recorded before its pack) and they write only tiermem's own new tensors. So
+# while the pack hook runs, the mode is taken off the dispatch stack when it is
+# the innermost mode, and put back after: one pop and one push instead of a
+# Python call per op. The same in the profiled step, so the profile's op counts
+# (NOTE [Tracking priced] in planner/runtime.py) are the followed step's.
 _pop_dispatch = torch._C._pop_torch_dispatch_stack
 _push_dispatch = torch._C._push_on_torch_dispatch_stack
 
@@ -438,23 +429,15 @@ class ProducerMode(TorchDispatchMode):
         return rec if rec.version == t._version else None
 
     # NOTE [Views made inside untracked calls]
-    # F.linear on a 3-d input saves ``input.view(-1, in)``, a view it makes
-    # itself. A step tracking inside chosen torch calls only (NOTE [Tracking
-    # inside torch calls] in tracking/modules.py) would have to track all of F.linear
-    # (its matmul included) to record that one view. It need not: a tensor
-    # that is contiguous and starts where a recorded contiguous tensor of the
+    # A contiguous tensor that starts where a recorded contiguous tensor of the
     # same dtype and element count starts, on the same storage, holds that
-    # tensor's elements in the same order, so ``reshape(base, shape)``
-    # regenerates it from the base's recipe (a regenerated base with other
-    # strides is copied by reshape, the same elements in the same logical
-    # order; the recompute tier gives backward the saved strides). A scoped
+    # tensor's elements in the same order, so ``reshape(base, shape)`` regenerates
+    # it from the base's recipe. So a view a torch call makes itself (F.linear
+    # saves ``input.view(-1, in)``) needs no tracking inside that call: a scoped
     # step indexes the contiguous outputs it records by storage and offset
-    # (``alias_index``) and makes such a record for a saved tensor that has
-    # none; the profile (which records every op) marks the recipes whose saved
-    # tensor is such a view of a tensor the recipe regenerates (``alias_of``),
-    # and the plan does not track the call that made the view. Exactness does
-    # not rest on it: without the base's record the tensor has no recipe
-    # (the next tier), as any tensor made outside the tracking.
+    # (``alias_index``) and makes such a record for a saved tensor that has none;
+    # the profile marks such recipes (``alias_of``). Exactness does not rest on
+    # it: without the base's record the tensor has no recipe (the next tier).
     def _alias_record(self, t: torch.Tensor) -> Optional[Record]:
         if type(t) not in _PLAIN_TYPES or t.layout is not _STRIDED or not t.is_contiguous():
             return None
@@ -573,36 +556,16 @@ class ProducerMode(TorchDispatchMode):
         return Ref(t, rec)
 
     # NOTE [Recording only what recipes use]
-    # Records have two readers: ``op_name`` (``TensorInfo.op``: a callable
-    # policy, the profile's table, hints) and the recompute tier
-    # (``record_of``, ``Ref.record``), which uses only the records of
-    # recomputable ops: to it, a record whose ``func`` is ``None`` and no
-    # record at all both mean "no recipe from here" (the tensor is stored as a
-    # recipe input, or not recomputed). So:
-    # 1. A mode made with ``names=False`` (a step of an auto Offloader without
-    #    hints that follows a plan or the safe order, no wrapped block that may
-    #    recompute being live: no one reads ``TensorInfo.op`` or the names in
-    #    ``stats.recompute_fallback_reasons``) records no op that is not
-    #    recomputable: the op just runs. Its writes are still seen (NOTE
-    #    [Writes to dropped tensors], NOTE [Writes to recipe inputs]). A
-    #    tensor it does not record falls back with the reason "no recorded
-    #    producer" rather than "op X is not recomputable".
-    # 2. In a step following a plan, the TrackingScope sets ``wanted`` at each
-    #    module boundary to the names of the ops the plan's recipes ran in
-    #    that module, as its profile recorded them (``Plan.tracking_ops``,
-    #    gathered from ``RecomputeHandle.ops``: every node a recipe built), and
-    #    the other ops run unrecorded. A recipe of the profile is built from
-    #    records of those (module, op) pairs only, so the step finds again every
-    #    record its recipes used, given the same forward; more records than
-    #    that (the same op name elsewhere in the module) change nothing a
-    #    recipe chooses that the profile did not consider.
-    # Exactness does not rest on either (as for the scope, NOTE [Scoped
-    # tracking] in tracking/modules.py): a record is made in full or not at all, and a
-    # missing one only makes a recipe store that tensor (bytes, which the
-    # closed loop measures) or decline. Records of an in-place op's output are
-    # not needed either: the tensor's version moved on (NOTE [Version of a
-    # record]), so its old record no longer describes it.
-    # Cost (TinyGPT, per op): see benchmarks/results/2026-12-01-cpu-tracking-fast.md.
+    # Only the recompute tier needs records of recomputable ops; to it a record
+    # with ``func=None`` and no record at all both mean "no recipe from here". So:
+    # 1. a mode made with ``names=False`` (no one reads ``TensorInfo.op``) records
+    #    no op that is not recomputable; its writes are still seen;
+    # 2. in a step following a plan, ``wanted`` holds, per module, the names of the
+    #    ops the plan's recipes ran there (``Plan.tracking_ops``), and other ops run
+    #    unrecorded: the step finds again every record its recipes used, given the
+    #    same forward.
+    # Exactness does not rest on either: a record is made in full or not at all,
+    # and a missing one only makes a recipe store that tensor or decline.
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
@@ -677,57 +640,20 @@ class ProducerMode(TorchDispatchMode):
                 self._by_storage[key] = (weakref.ref(o), rec)
 
     # NOTE [Calls recorded whole]
-    # A dispatch mode, entered even for one torch call, costs more than its
-    # handler: while one is active the kernels themselves run 3-10% longer on
-    # this CPU (benchmarks/results/2026-12-02-cpu-tracking-untracked-pack.md),
-    # a floor no handler goes under. Many torch calls a plan's recipes run in
-    # are one op (F.gelu, F.layer_norm, F.embedding, ``x + y``, ``x.view``;
-    # F.dropout on CUDA): there the call itself can be the recipe. The profiled step
-    # learns which (``note_call``, from its CallRecorder: per (module, torch
-    # call), whether every such call ran exactly one aten op, always the
-    # same, recomputable); the plan lists them (``Plan.tracking_direct``), and a step
-    # following it records such a call at the torch-function level
-    # (``record_call``, from its CallGate: NOTE [Tracking inside torch calls]
-    # in tracking/modules.py) without entering the dispatch mode: a Record whose
-    # ``func`` is the torch function, its arguments captured as an op's are,
-    # replayed under no_grad and without autocast as every recipe is (NOTE
-    # [Recompute is exact] in tiers/recompute.py). Exact because:
-    # 1. the replay is the very function on the same arguments (lists copied:
-    #    the program may reuse its own), on inputs equal in values and layout:
-    #    it computes what it computed, whatever ops it runs inside;
-    # 2. only while no autocast is active (autocast would cast inside the
-    #    call, the replay runs without it): else the call goes through the
-    #    mode as before;
-    # 3. a call that wrote to an argument (its version moved: this step's call
-    #    is not the profile's, ``F.relu(x, inplace=True)`` where the profile
-    #    saw ``inplace=False``) or returned one of them is not recorded (its
-    #    output has no recipe: the next tier); the handles of dropped tensors
-    #    on the written storage are tainted as the mode would (NOTE [Writes to
-    #    dropped tensors]), and a parameter a recipe holds as it is, written
-    #    there, is caught by the parameter check at recompute;
-    # 4. subclass arguments and inference mode: not recorded, as by the mode;
-    # 5. a call whose op draws random numbers (F.dropout: native_dropout) has
-    #    the state of the generator it draws from captured before it runs,
-    #    as the mode captures an op's (``_capture_rng``: the generator
-    #    argument, else the default one of its first tensor argument's
-    #    device), and replays it; unknown generator: not recorded.
-    # 6. so does every other call: the profile's call ran one op that draws
-    #    nothing, but this step's call of the same name in the same module may
-    #    draw (``torch.rrelu`` runs ``leaky_relu`` with ``training=False`` and
-    #    the random ``rrelu_with_noise`` with ``True``). The generator's state
-    #    is copied before every such call and compared after it (host-side
-    #    copies, no device sync; ~7 µs a call on this CPU, against ~25 µs for
-    #    the rest of a record): unchanged, the record holds no state; changed,
-    #    it replays the state of before the call (rule 5's replay).
-    #    A generator other than that one (a call on CUDA tensors drawing from
-    #    the CPU's) is not seen.
-    # Only the tensors the function returns get records (F.layer_norm's
-    # output, not native_layer_norm's mean and rstd), so the profile marks the
-    # records of what each call returned (``Record.returned``) and a plan
-    # whose recipes use another output of a call
-    # (``TensorRecord.recipe_unreturned``) does not record that call whole.
-    # Tracking's price (NOTE [Tracking priced] in planner/runtime.py) counts
-    # such a call at ``Rates.track_call_s``.
+    # A torch call that the profile saw run exactly one recomputable aten op, always
+    # the same (``note_call``; listed in ``Plan.tracking_direct``), is recorded at
+    # the torch-function level (``record_call``) without entering the dispatch mode:
+    # its Record's ``func`` is the torch function, replayed under no_grad and
+    # without autocast. Exact because:
+    # 1. the replay is the very function on inputs equal in values and layout;
+    # 2. only while no autocast is active: else the call goes through the mode;
+    # 3. a call that wrote to or returned an argument is not recorded;
+    # 4. subclass arguments and inference mode are not recorded, as by the mode;
+    # 5. a call whose op draws random numbers replays the generator state captured
+    #    before it ran (``_capture_rng``); unknown generator: not recorded;
+    # 6. any other call may draw too: the state is compared after it, and a changed
+    #    one is replayed as in rule 5.
+    # Only returned tensors get records (``Record.returned``).
     def note_call(self, module: str, call: str, n_ops: int, out: Any) -> None:
         """A profiled torch call ``call`` in ``module`` ran ``n_ops`` ops (the
         last of them ``last_op``) and returned ``out``, whose records it marks
