@@ -34,7 +34,7 @@ from helpers import compare_records, moved_count, offloader, run_step, train_ste
 import models
 from models import Case, make_case
 from tiermem.models import Block, GPTConfig, TinyGPT
-from tiermem.planner.runtime import KEPT_TOLERANCE
+from tiermem.planner.lifecycle import KEPT_TOLERANCE
 
 CFG = GPTConfig(vocab=64, seq_len=32, width=32, heads=2, layers=3, dropout=0.1)
 STEPS = 4
@@ -481,8 +481,8 @@ def test_one_storage_is_never_moved_twice_or_counted_twice(nvme_dir, monkeypatch
     the plan predicts, and gradients are exact."""
     import dataclasses
     import functools
-    import tiermem.planner.runtime as runtime
-    monkeypatch.setattr(runtime, "make_plan", functools.partial(runtime.make_plan,
+    import tiermem.planner.planning as planning
+    monkeypatch.setattr(planning, "make_plan", functools.partial(planning.make_plan,
                                                                 improve=False))
     case = _dedup_case()
     tiermem.wrap_blocks(case.model, _ReluBlock, checkpoint="auto")
@@ -705,7 +705,7 @@ def test_steps_of_other_sizes_move_the_inputs_their_resized_plan_moves(nvme_dir,
     blocks' inputs that plan moves are moved in that step too (they were
     kept: their shapes differ from the planned ones), and the step is exact.
     With a size budget only a plan for larger tensors is followed."""
-    from tiermem.planner.runtime import PROFILED_SIZES
+    from tiermem.planner.lifecycle import PROFILED_SIZES
     sizes = [6, 6, 6, 5, 5, 5, 4, 4, 4, 3, 3, 2, 2]
     assert PROFILED_SIZES == 3
     cases = {n: _gpt_case(batch=n) for n in set(sizes)}

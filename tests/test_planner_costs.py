@@ -391,7 +391,7 @@ def test_the_planner_reads_the_device_of_the_model_not_the_current_one():
     reads as no device (nothing is initialised)."""
     from types import SimpleNamespace as NS
     from tiermem.planner.rates import _cuda_device
-    from tiermem.planner.runtime import _cuda_of
+    from tiermem.planner.planning import _cuda_of
     assert _cuda_of([NS(device="cpu"), NS(device="cuda:1"), NS(device="cuda:0")]) == "cuda:1"
     assert _cuda_of([NS(device="cpu")]) is None and _cuda_of([]) is None
     assert _cuda_device(False) is None and _cuda_device("cpu") is None

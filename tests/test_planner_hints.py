@@ -27,7 +27,7 @@ import tiermem
 import tiermem.runtime.hooks
 from helpers import compare_records, offloader, reference_steps, run_step, train_steps
 from models import make_case
-from tiermem.planner.runtime import KEPT_TOLERANCE
+from tiermem.planner.lifecycle import KEPT_TOLERANCE
 from tiermem.tiers.keep import Kept, KickKept
 from tiermem.tiers.recompute import RecomputeHandle
 

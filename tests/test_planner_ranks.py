@@ -175,8 +175,8 @@ def _plan_after_first_backward(rank, nvme_dir, **settings) -> bool:
 
 def _worker(rank: int, world: int, port: int, nvme_dir: str) -> dict:
     init_gloo(rank, world, port)
-    import tiermem.planner.runtime as runtime
-    runtime.measure_rates = lambda nvme_store=None, cuda=False: _rates(rank)
+    import tiermem.planner.planning as planning
+    planning.measure_rates = lambda nvme_store=None, cuda=False: _rates(rank)
     records = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())

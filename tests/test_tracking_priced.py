@@ -16,7 +16,8 @@ import tiermem.tracking.producers as producers
 from tiermem.models import GPTConfig, TinyGPT
 from tiermem.planner.profile import Profile, TensorRecord
 from tiermem.planner.rates import Rates, measure_rates
-from tiermem.planner.runtime import _priced_plan, tracked_op_count, tracking_shares
+from tiermem.planner.tracking_cost import priced_plan as _priced_plan
+from tiermem.planner.tracking_cost import tracked_op_count, tracking_shares
 from tiermem.planner.solver import make_plan
 
 MB = 1_000_000
