@@ -75,8 +75,10 @@ class PlanMaker:
         self.agreement = _agree.exchange(row, profile, cuda)
         if self.agreement is not None:
             if self.agreement.rates is not None:
-                self.rates = dataclasses.replace(self.agreement.rates, disk_engine=(
-                    None if rates is None else rates.disk_engine))
+                self.rates = dataclasses.replace(
+                    self.agreement.rates,
+                    disk_engine=None if rates is None else rates.disk_engine,
+                    disk_probe_error=None if rates is None else rates.disk_probe_error)
             _log.info("tiermem: auto: %s", self.agreement.describe(profile))
 
     def _measure_rates(self, cuda: Optional[str]):
