@@ -133,3 +133,146 @@ def test_a_size_budget_out_of_reach_warns_with_its_value(caplog):
     warned = [r.getMessage() for r in caplog.records if "not reachable" in r.getMessage()]
     assert warned and all("64 bytes" in w for w in warned), warned
     off.close()
+
+
+# -- one test per transition of the state table (planner/lifecycle.py) ---------------
+
+def test_the_first_step_is_profiled_and_its_backward_makes_the_plan(nvme_dir):
+    model = Branchy()
+    off = offloader("auto", device_budget="50%", nvme_dir=nvme_dir)
+    planner = tiermem.testing.planner_of(off)
+    _step(off, model, 8)
+    assert planner.profiles == 1 and off.plan is not None
+    off.close()
+
+
+def test_a_step_leaving_every_plan_asks_for_a_profile_and_is_safe_ordered_alone(nvme_dir):
+    model = Branchy()
+    off = offloader("auto", device_budget="50%", nvme_dir=nvme_dir)
+    planner = tiermem.testing.planner_of(off)
+    _step(off, model, 8)
+    plan = off.plan
+    _step(off, model, 8, wide=True)
+    assert len(planner.requests) == 1 and planner.profiles == 1
+    _step(off, model, 8)   # its own plan again, no profile
+    assert off.plan is plan and planner.profiles == 1
+    off.close()
+
+
+def test_a_requested_signature_is_profiled_at_its_next_step(nvme_dir):
+    model = Branchy()
+    off = offloader("auto", device_budget="50%", nvme_dir=nvme_dir)
+    planner = tiermem.testing.planner_of(off)
+    _step(off, model, 8)
+    _step(off, model, 8, wide=True)
+    _step(off, model, 8, wide=True)
+    off.plan
+    assert planner.profiles == 2 and len(planner.plans) == 2 and not planner.requests
+    off.close()
+
+
+def test_a_request_passed_over_too_often_is_forgotten(nvme_dir):
+    from tiermem.planner.lifecycle import REQUEST_ATTEMPTS
+    model = Branchy()
+    off = offloader("auto", device_budget="50%", nvme_dir=nvme_dir)
+    planner = tiermem.testing.planner_of(off)
+    _step(off, model, 8)
+    _step(off, model, 8, wide=True)   # once only
+    for _ in range(REQUEST_ATTEMPTS):
+        _step(off, model, 8)
+    assert not planner.requests and planner.profiles == 1
+    off.close()
+
+
+def test_a_profiled_forward_that_raises_is_profiled_again(nvme_dir):
+    model = Branchy()
+    off = offloader("auto", device_budget="50%", nvme_dir=nvme_dir)
+    planner = tiermem.testing.planner_of(off)
+    with pytest.raises(ValueError):
+        with off:
+            model(torch.randn(8, 16))
+            raise ValueError("a bad batch")
+    assert planner.profiles == 0
+    _step(off, model, 8)
+    assert planner.profiles == 1 and off.plan is not None
+    off.close()
+
+
+def test_a_planned_signature_that_returns_reuses_its_plan(nvme_dir):
+    model = Branchy()
+    off = offloader("auto", device_budget="50%", nvme_dir=nvme_dir)
+    planner = tiermem.testing.planner_of(off)
+    for _ in range(2):
+        _step(off, model, 8)
+        _step(off, model, 8, wide=True)
+    off.plan   # settles the second profile
+    first, second = (p.signature for p in planner.plans.values())
+    for _ in range(3):
+        _step(off, model, 8)
+        assert off.plan.signature == first
+        _step(off, model, 8, wide=True)
+        assert off.plan.signature == second
+    assert planner.profiles == 2
+    off.close()
+
+
+# -- fuzzed step sequences --------------------------------------------------------------
+
+class _Boom(Exception):
+    pass
+
+
+def _fuzz(steps, nvme_dir, seed):
+    import copy
+    import random
+    rng = random.Random(seed)
+    model = Branchy()
+    ref = copy.deepcopy(model)
+    off = offloader("auto", device_budget=rng.choice(["50%", "25%", "4KiB"]),
+                    nvme_dir=nvme_dir)
+    planner = tiermem.testing.planner_of(off)
+    kinds = [(rows, wide) for rows in (8, 12, 20) for wide in (False, True)]
+    kinds = rng.sample(kinds, rng.randint(2, 4))
+    seen, held = set(), []
+    for i in range(steps):
+        rows, wide = rng.choice(kinds) if rng.random() < 0.7 else kinds[i % len(kinds)]
+        x = torch.randn(rows, 16, generator=torch.Generator().manual_seed(i))
+        fate = rng.random()
+        if fate < 0.05:   # an exception in forward
+            with pytest.raises(_Boom):
+                with off:
+                    model(x, wide=wide)
+                    raise _Boom()
+            continue
+        seen.add((rows, wide))
+        with off:
+            loss = model(x, wide=wide)
+        if fate < 0.12:   # discarded, or held for a while, never backwarded
+            if rng.random() < 0.5:
+                held.append(loss)
+            del held[:-3]
+            continue
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        loss.backward()
+        expected = ref(x, wide=wide)
+        expected.backward()
+        assert torch.equal(loss, expected), i
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert (p.grad is None) == (q.grad is None), (i, name)
+            assert p.grad is None or torch.equal(p.grad, q.grad), (i, name)
+    off.plan
+    replans = sum(p.replans for p in planner.plans.values())
+    assert planner.profiles - planner.profiles_dropped <= len(seen) + replans, (
+        planner.profiles, planner.profiles_dropped, len(seen), replans)
+    off.close()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fuzzed_step_sequences_never_raise_from_a_hook_and_stay_exact(nvme_dir, seed):
+    _fuzz(200, nvme_dir, seed)
+
+
+@pytest.mark.slow
+def test_a_long_fuzzed_step_sequence_never_raises_and_stays_exact(nvme_dir):
+    _fuzz(1000, nvme_dir, 7)
