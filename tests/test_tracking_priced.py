@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import tiermem
+import tiermem.testing
 import tiermem.tracking.producers as producers
 from tiermem.models import GPTConfig, TinyGPT
 from tiermem.planner.profile import Profile, TensorRecord
@@ -213,7 +214,7 @@ def test_the_profile_counts_ops_per_call_and_a_followed_step_tracks_what_was_pri
         with off:
             loss = model(idx, idx)
         loss.backward()
-    planner = off._placement.planner
+    planner = tiermem.testing.planner_of(off)
     plan = off.plan
     prof = planner._profiles[plan.keys]
     ops = prof.call_ops

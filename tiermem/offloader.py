@@ -33,9 +33,10 @@ from typing import Any, Callable, Optional
 import torch
 
 from .attach import Attachment, attach_module, detach_modules
-from .blocks import _scope as _block_scope
+from .blocks import BLOCK_SCOPE
 from .blocks import blocks_need_full_tracking, blocks_need_producers
 from .config import Config
+from .deciders import make_decider
 from .errors import ConfigError, TierMemError
 from .runtime.hooks import Packer, keep_pack, opaque, unpack
 from .runtime.placement import Placement, default_cpu_budget_bytes, default_nvme_budget_bytes
@@ -68,9 +69,9 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
     def __init__(self, offloader: "Offloader") -> None:
         self._off = offloader
         placement = offloader._placement
-        planner = placement.planner
-        #: policy="auto": this step's planning (profile, plan, or safe order).
-        self.planning = None if planner is None else planner.begin_step(unpack)
+        decider = offloader._decider
+        #: The decider's planning of this step (tiermem/deciders.py), or None.
+        self.planning = decider.begin_step(unpack)
         planning = self.planning
         #: Producer of each tensor of the forward (None unless the policy may
         #: recompute or is a callable that may read ``TensorInfo.op``).
@@ -87,12 +88,11 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         # that follows a plan or the safe order (NOTE [Recording only what
         # recipes use] in tracking/producers.py).
         op_names = (planning is None or must_blocks or planning.recorder is not None
-                    or planner.hints is not None or blocks_need_producers())
+                    or decider.reads_op_names or blocks_need_producers())
         #: A profiled step's namer of torch calls (NOTE [Tracking inside torch
         #: calls] in tracking/modules.py), entered with the producer mode.
         self._calls: Optional[CallRecorder] = None
-        if (placement.tracks_producers if planning is None else (
-                planning.tracks and names is None)) or must_blocks:
+        if decider.tracks_producers(planning) or must_blocks:
             profiled = planning is not None and planning.recorder is not None
             self.producers = ProducerMode(module_names=profiled, names=op_names)
             if profiled:
@@ -129,7 +129,7 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         if self.planning is None and limit != 0:   # NOTE [Tail hold] in runtime/tailhold.py
             self.step.tail = offloader._tail
             self.step.tail_hold_bytes = tail_hold_bytes
-        self._packer = Packer(self.step, placement)
+        self._packer = Packer(self.step, placement, BLOCK_SCOPE)
         self._modules = ModuleStack(on_root=self._packer.note_root, scope=self.tracking)
         unpack_hook = _hidden("unpack", unpack)
         if self.planning is not None:
@@ -165,7 +165,7 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
             except BaseException:
                 super().__exit__(None, None, None)
                 raise
-            _block_scope.contexts.append(self)   # what checkpoint="auto" blocks ask
+            BLOCK_SCOPE.contexts.append(self)   # what checkpoint="auto" blocks ask
         except BaseException:
             self._modules.__exit__(None, None, None)
             raise
@@ -186,7 +186,7 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
             self._exit_hooks(exc_type, exc, tb)
 
     def _exit_hooks(self, exc_type, exc, tb) -> None:
-        contexts = _block_scope.contexts
+        contexts = BLOCK_SCOPE.contexts
         for i in range(len(contexts) - 1, -1, -1):
             if contexts[i] is self:
                 del contexts[i]
@@ -196,8 +196,7 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         _run_all(   # NOTE [Every exit step runs]
             lambda: torch.autograd.graph.saved_tensors_hooks.__exit__(self, exc_type, exc, tb),
             lambda: self._modules.__exit__(exc_type, exc, tb),
-            lambda: (planning is None or self._off._placement.planner.end_forward(
-                planning, self.stats, failed=failed)),
+            lambda: self._off._decider.end_step(planning, self.stats, failed),
             self.step.end_forward,
             self._packer.clear,
             lambda: self._off._exit(self, failed=failed))
@@ -277,7 +276,9 @@ class Offloader:
         self._attachments: list = []   # attach(): NOTE [Attaching] in attach.py
         if cfg.disable:
             return
-        self._placement = Placement(cfg, hints)
+        self._placement = Placement(cfg)
+        #: Who answers each step's orders (tiermem/deciders.py).
+        self._decider = make_decider(cfg, self._placement, hints)
         #: NOTE [Tail hold] in runtime/tailhold.py: the sources of the last moves.
         self._tail = TailHold()
         self.cpu_budget_bytes = self._placement.cpu_budget_bytes
@@ -384,10 +385,10 @@ class Offloader:
         torch.distributed, before the second step begins: NOTE [Ranks agree
         once] in planner/agree.py), and for other policies. Read it after a backward: it settles the planner
         (plans from a finished profile, checks the last step; NOTE [Closed
-        loop] in planner/runtime.py)."""
-        if self.config.disable or self._placement.planner is None:
+        loop] in planner/lifecycle.py)."""
+        if self.config.disable:
             return None
-        return self._placement.planner.settle()
+        return self._decider.settle()
 
     @property
     def host_bytes_in_use(self) -> int:

@@ -143,6 +143,21 @@ class Planner(PlanMaker):
         self.steps_begun = 0
         self.agreement: Optional[_agree.Agreement] = None
 
+    # -- the Decider protocol (tiermem/deciders.py) -------------------------------------
+    @property
+    def reads_op_names(self) -> bool:
+        """Hints read ``TensorInfo.op``."""
+        return self.hints is not None
+
+    @staticmethod
+    def tracks_producers(planning: StepPlanning) -> bool:
+        """Over the whole forward: profiling, safe order, or a plan that
+        recomputes and names no scope (NOTE [Scoped tracking] in tracking/modules.py)."""
+        return planning.tracks and planning.scope is None
+
+    def end_step(self, planning: StepPlanning, stats, failed: bool) -> None:
+        self.end_forward(planning, stats, failed)
+
     # -- per step ----------------------------------------------------------------------
     def begin_step(self, unpack) -> StepPlanning:
         """The planning of a step starting now (the module docstring's table).
