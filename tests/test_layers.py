@@ -24,7 +24,7 @@ PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 
 
 LAYERS = {
     "offloader": 0, "attach": 0, "blocks": 0, "deciders": 0, "demo": 0, "doctor": 0,
-    "testing": 0,
+    "oneshot": 0, "testing": 0,
     "__main__": 0, "__init__": 0, "integrations": 0,
     "runtime.hooks": 1, "runtime.step": 2, "runtime.placement": 3,
     "tiers": 4, "planner": 4,

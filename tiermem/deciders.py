@@ -29,9 +29,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Protocol
 
+from .config import Config
+from .errors import ConfigError
 from .policy import AUTO, resolve_policy
 
-__all__ = ["Decider", "PolicyDecider", "make_decider"]
+__all__ = ["Decider", "PolicyDecider", "make_decider", "check_hints"]
 
 
 class Decider(Protocol):
@@ -79,3 +81,18 @@ def make_decider(cfg, placement, hints=None) -> Decider:
         from .planner import Planner
         return Planner(placement, cfg, hints)
     return PolicyDecider(placement.tracks_producers)
+
+
+def check_hints(hints: Any, cfg: Config) -> None:
+    """``ConfigError`` for a ``hints`` setting the Offloader cannot use."""
+    if hints is None:
+        return
+    if not callable(hints):
+        raise ConfigError(
+            f"tiermem: hints={hints!r} is not callable; pass a function (TensorInfo) -> "
+            "a CheckpointPolicy value, a tier name or list, or None (no opinion)")
+    if cfg.policy != "auto":
+        raise ConfigError(
+            f"tiermem: hints= is advice to the auto planner, but policy={cfg.policy!r} "
+            "(from the argument or TIERMEM_POLICY); use policy='auto', or answer with "
+            "CheckpointPolicy values from a callable policy (policy=fn)")

@@ -1,5 +1,6 @@
-"""The public surface: :class:`Offloader`, :func:`offload`, :func:`no_offload`
-(attaching to a module: ``attach.py``).
+"""The public surface: :class:`Offloader` and the step it runs,
+:class:`OffloadContext` (the one-shot :func:`~tiermem.offload` and
+:func:`~tiermem.no_offload`: ``oneshot.py``; attaching to a module: ``attach.py``).
 
 How a saved tensor travels (each arrow owned by one module)::
 
@@ -33,12 +34,11 @@ from typing import Any, Callable, Optional
 import torch
 
 from .attach import Attachment, attach_module, detach_modules
-from .blocks import BLOCK_SCOPE
-from .blocks import blocks_need_full_tracking, blocks_need_producers
+from .blocks import BLOCK_SCOPE, blocks_need_full_tracking, blocks_need_producers
 from .config import Config
-from .deciders import make_decider
+from .deciders import check_hints, make_decider
 from .errors import ConfigError, TierMemError
-from .runtime.hooks import Packer, keep_pack, opaque, unpack
+from .runtime.hooks import Packer, opaque, unpack
 from .runtime.placement import Placement, default_cpu_budget_bytes, default_nvme_budget_bytes
 from .runtime.step import Step
 from .runtime.tailhold import TailHold
@@ -46,15 +46,14 @@ from .telemetry import StepStats
 from .tracking.modules import ModuleStack, TrackingScope
 from .tracking.producers import CallRecorder, ProducerMode, untracked_pack
 
-__all__ = ["Offloader", "OffloadContext", "offload", "no_offload", "default_cpu_budget_bytes",
-           "default_nvme_budget_bytes"]
+__all__ = ["Offloader", "OffloadContext", "hidden_hook"]
 
 _log = logging.getLogger("tiermem")
 
 _opaque_hooks: dict = {}
 
 
-def _hidden(name: str, fn):
+def hidden_hook(name: str, fn):
     """``fn`` hidden from torch.compile, made once per process."""
     hook = _opaque_hooks.get(name)
     if hook is None:
@@ -131,7 +130,7 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
             self.step.tail_hold_bytes = tail_hold_bytes
         self._packer = Packer(self.step, placement, BLOCK_SCOPE)
         self._modules = ModuleStack(on_root=self._packer.note_root, scope=self.tracking)
-        unpack_hook = _hidden("unpack", unpack)
+        unpack_hook = hidden_hook("unpack", unpack)
         if self.planning is not None:
             self.step.planning = self.planning
             self.planning.step = self.step
@@ -263,7 +262,7 @@ class Offloader:
                  **settings: Any) -> None:
         self.config = Config.from_env(policy=policy, **settings)
         cfg = self.config
-        _check_hints(hints, cfg)
+        check_hints(hints, cfg)
         #: The planner's ``hints`` callable (``None``: none).
         self.hints = hints
         self.stats = StepStats()
@@ -296,7 +295,7 @@ class Offloader:
             raise TierMemError(
                 f"tiermem: this Offloader was made in process {self._pid}, before this "
                 "process was forked from it; its threads, pools and files are that "
-                "process's: make a new Offloader in this process (see NOTE [Fork])")
+                "process's: make a new Offloader in this process")
         if self.closed:
             raise TierMemError(
                 "tiermem: this Offloader was closed (its pools, files and threads are "
@@ -436,24 +435,6 @@ class Offloader:
         return f"Offloader(policy={policy!r}, disabled={self.config.disable})"
 
 
-def _check_hints(hints: Any, cfg: Config) -> None:
-    """``ConfigError`` for a ``hints`` setting the Offloader cannot use."""
-    if hints is None:
-        return
-    if not callable(hints):
-        raise ConfigError(
-            f"tiermem: hints={hints!r} is not callable; pass a function (TensorInfo) -> "
-            "a CheckpointPolicy value, a tier name or list, or None (no opinion)")
-    if cfg.policy != "auto":
-        raise ConfigError(
-            f"tiermem: hints= is advice to the auto planner, but policy={cfg.policy!r} "
-            "(from the argument or TIERMEM_POLICY); use policy='auto', or answer with "
-            "CheckpointPolicy values from a callable policy (policy=fn)")
-
-
-_tls = threading.local()
-_CACHE_SIZE = 8
-
 # NOTE [Fork]
 # After os.fork() (multiprocessing's default start method on Linux, DataLoader
 # workers, some launchers) only the forking thread exists in the child. The
@@ -464,68 +445,3 @@ _CACHE_SIZE = 8
 # parent's), and offload()'s cache starts empty there. A C++ engine object kept
 # across the fork anyway is inert there (NOTE [Engine after fork], csrc/io_engine.h). A child that never uses
 # tiermem is not affected: the hooks only drop references.
-
-
-def _after_fork_in_child() -> None:
-    _tls.__dict__.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def offload(policy: Any = None, *, hints: Optional[Callable] = None,
-            **settings: Any) -> Offloader:
-    """One-shot form: ``with tiermem.offload(policy="cpu"): loss = model(x)``.
-
-    Returns an Offloader cached per thread and per resulting :class:`Config`
-    (and ``hints`` callable), so repeated calls with the same settings reuse
-    the same pools.
-    """
-    cfg = Config.from_env(policy=policy, **settings)
-    _check_hints(hints, cfg)
-    key = cfg if hints is None else (cfg, hints)
-    cache = getattr(_tls, "cache", None)
-    if cache is None:
-        cache = _tls.cache = {}
-        _tls.retired = []
-    _close_retired()
-    off = cache.get(key)
-    if off is not None and off.closed:   # closed by its user: make a fresh one
-        del cache[key]
-        off = None
-    if off is None:
-        if len(cache) >= _CACHE_SIZE:
-            # Evicted, but closed only once no graph of it may still unpack:
-            # closing earlier would lose saved tensors (NVMe files, buffers).
-            _tls.retired.append(cache.pop(next(iter(cache))))
-            _close_retired()
-        # The same arguments, not cfg's fields: a value from the environment
-        # stays named by its variable (NOTE [Setting names in messages]).
-        off = cache[key] = Offloader(policy, hints=hints, **settings)
-    return off
-
-
-def _close_retired() -> None:
-    """Close the evicted Offloaders of this thread that nothing uses any more."""
-    retired = _tls.retired
-    if retired:
-        keep = []
-        for off in retired:
-            if off.in_use:
-                keep.append(off)
-            else:
-                off.close()
-        retired[:] = keep
-
-
-class no_offload(torch.autograd.graph.saved_tensors_hooks):
-    """A region whose saved tensors stay where autograd puts them.
-
-    Nested inside an Offloader it wins (the innermost hooks apply). Tensors are
-    kept as plain autograd would keep them, with autograd's in-place check
-    preserved (see NOTE [In-place check]).
-    """
-
-    def __init__(self) -> None:
-        super().__init__(_hidden("keep", keep_pack), _hidden("unpack", unpack))

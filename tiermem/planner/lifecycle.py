@@ -48,17 +48,6 @@ profile for each one that raised, was dropped or expired).
 # per tensor, its MUST answers being shape-dependent. The caches are bounded:
 # MAX_PLANS plans, least recently used dropped first.
 #
-# NOTE [Steps that never reach backward]
-# A forward whose backward never runs (a skipped non-finite loss, a warm-up
-# with grad on) or that raises must not steer the planner:
-# 1. A profile waits for its backward (its windows come from it). If its
-#    graph is freed first (``Recorder.graph_dropped``), or PROFILE_EXPIRY_STEPS
-#    steps begin before its backward (an output kept for good), it is dropped
-#    and its signature asks again: never stuck in the safe order.
-# 2. A step following a plan that raised stopped early: its tensors say
-#    nothing of the signature, so plans and requests are left as they are.
-#    A step that left its plan before it raised has asked already.
-#
 # NOTE [Closed loop]
 # A step that followed a plan is measured when the next step starts (or
 # ``Offloader.plan`` is read): its kept bytes (``stats.bytes_by_tier['keep']``)
@@ -197,7 +186,7 @@ class Planner(PlanMaker):
             self.requests = [r for r in self.requests if r not in satisfied]
             return
         plan = sp.plan
-        if plan is None or failed:   # NOTE [Steps that never reach backward], rule 2
+        if plan is None or failed:   # rule 2 of NOTE [Steps that never reach backward]
             return
         if sp.count != len(plan.orders):   # a shorter step: a plan for it, or a profile
             keys = plan.keys

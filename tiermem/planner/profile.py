@@ -396,7 +396,7 @@ class Recorder:
         else:
             rec.profile_tier = handle.store.tier.value
         self._by_handle[id(handle)] = index
-        try:   # NOTE [Steps that never reach backward] in planner/lifecycle.py
+        try:   # NOTE [Steps that never reach backward] in planner/runtime.py
             self._handle_refs.append(weakref.ref(handle))
         except TypeError:
             self._unwatched = True
@@ -410,7 +410,7 @@ class Recorder:
     def graph_dropped(self) -> bool:
         """The step's graph is gone with no unpack seen: its step object has
         died, or every handle it recorded has (and each could be watched).
-        NOTE [Steps that never reach backward] in planner/lifecycle.py."""
+        NOTE [Steps that never reach backward] in planner/runtime.py."""
         if self.backward_seen or self.forward_end_s is None:
             return False
         step = self._step_ref

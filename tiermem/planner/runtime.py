@@ -14,6 +14,17 @@ with is the per-signature state machine's (planner/lifecycle.py).
 # producer tracking, recomputes and moves, and its timeline (the windows the
 # plan reads) is the timeline of that placement.
 #
+# NOTE [Steps that never reach backward]
+# A forward whose backward never runs (a skipped non-finite loss, a warm-up
+# with grad on) or that raises must not steer the planner:
+# 1. A profile waits for its backward (its windows come from it). If its
+#    graph is freed first (``Recorder.graph_dropped``), or PROFILE_EXPIRY_STEPS
+#    steps begin before its backward (an output kept for good), it is dropped
+#    and its signature asks again: never stuck in the safe order.
+# 2. A step following a plan that raised stopped early: its tensors say
+#    nothing of the signature, so plans and requests are left as they are.
+#    A step that left its plan before it raised has asked already.
+#
 # NOTE [Following a plan]
 # A plan is a tier order per pack index (``TensorInfo.index``), valid for one
 # step signature: the (shape, dtype, device) of each tensor in pack order.
