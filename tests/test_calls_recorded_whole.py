@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import tiermem.testing
+
 from helpers import assert_same_step, compare_records, offloader, reference_steps, run_step, \
     train_steps
 from models import make_case

@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+import tiermem.testing
 from tiermem.planner import improve
 from tiermem.planner.profile import BlockInput, BlockRecord, Profile, TensorRecord
 from tiermem.planner.rates import Rates
