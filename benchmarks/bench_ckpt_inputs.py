@@ -38,6 +38,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tiermem  # noqa: E402
+import tiermem.testing  # noqa: E402
 from common import emit, machine  # noqa: E402
 from tiermem.models import Block, GPTConfig, TinyGPT  # noqa: E402
 
@@ -133,7 +134,7 @@ def main() -> None:
                 "inputs_moved": sum(getattr(x, "tier", "keep") != "keep"
                                     for b in blocks for x in getattr(b, "inputs", ())),
                 "bytes_by_tier": plan.bytes_by_tier(), "notes": plan.notes,
-                "replans": plan.replans, "profiles": c["off"]._placement.planner.profiles,
+                "replans": plan.replans, "profiles": tiermem.testing.planner_of(c["off"]).profiles,
                 "table": str(plan)}
         out["configs"][name] = entry
     out["machine"]["load_average_end"] = list(os.getloadavg())

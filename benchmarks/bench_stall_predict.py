@@ -39,6 +39,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tiermem  # noqa: E402
+import tiermem.testing  # noqa: E402
 import tiermem.offloader  # noqa: E402
 from common import add_gpt_args, emit, gpt_config, machine  # noqa: E402
 from tiermem.models import TinyGPT  # noqa: E402
@@ -210,7 +211,7 @@ def run_config(budget: str, model_cfg, batches, nvme_dir, steps: int, engine: st
               f"{stats.stall_seconds * 1e3:.2f} ms predicted "
               f"{'-' if plan_before is None else round(plan_before.predicted_stall_s * 1e3, 2)}"
               f" replans {step['replans_now']}", file=sys.stderr)
-    prof = off._placement.planner._profiles.get(off.plan.keys) if off.plan is not None else None
+    prof = tiermem.testing.planner_of(off)._profiles.get(off.plan.keys) if off.plan is not None else None
     if prof is not None:
         out["profile_backward_span_ms"] = _ms(prof.backward_end_s - prof.backward_start_s) \
             if getattr(prof, "backward_end_s", None) is not None else None

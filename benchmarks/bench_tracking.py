@@ -83,6 +83,7 @@ from benchmarks.suite.budgets import median_ci  # noqa: E402
 from benchmarks.suite.roles import round_order  # noqa: E402
 
 import tiermem  # noqa: E402
+import tiermem.testing  # noqa: E402
 from tiermem.models import TinyGPT  # noqa: E402
 from tiermem.tracking.producers import RANDOM_OPS, ProducerMode, storage_key  # noqa: E402
 from tiermem.tracking.modules import ModuleStack, TrackingScope, current_module  # noqa: E402
@@ -171,13 +172,13 @@ def _auto_forward(off, force_whole, by_module=False, hook_tracked=False, no_dire
     def run(model, x):
         off.plan   # reading it settles the planner (closed loop) before the step
         if force_whole:
-            for p in off._placement.planner.plans.values():
+            for p in tiermem.testing.planner_of(off).plans.values():
                 p.tracking_scope = None
         if by_module:
-            for p in off._placement.planner.plans.values():
+            for p in tiermem.testing.planner_of(off).plans.values():
                 p.tracking_calls = None
         if no_direct:
-            for p in off._placement.planner.plans.values():
+            for p in tiermem.testing.planner_of(off).plans.values():
                 p.tracking_direct = None
         real = tiermem.offloader.untracked_pack
         if hook_tracked:

@@ -30,11 +30,12 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 import tiermem
+import tiermem.testing
 from helpers import compare_records, moved_count, offloader, run_step, train_steps
 import models
 from models import Case, make_case
 from tiermem.models import Block, GPTConfig, TinyGPT
-from tiermem.planner.runtime import KEPT_TOLERANCE
+from tiermem.planner.lifecycle import KEPT_TOLERANCE
 
 CFG = GPTConfig(vocab=64, seq_len=32, width=32, heads=2, layers=3, dropout=0.1)
 STEPS = 4
@@ -101,7 +102,7 @@ def test_budget_is_met_and_gradients_exact(name, budget, nvme_dir):
     for i, stats in enumerate(log[1:], 1):   # every planned step
         kept = stats.bytes_by_tier["keep"]
         assert kept <= plan.budget_bytes * (1 + KEPT_TOLERANCE), (i, kept, plan.budget_bytes)
-    assert off._placement.planner.profiles == 1
+    assert tiermem.testing.planner_of(off).profiles == 1
     assert len(plan.blocks) == (CFG.layers if name == "gpt" else 1)
 
 
@@ -161,7 +162,7 @@ def test_every_block_has_a_reason_and_the_plan_is_json(nvme_dir):
 def test_one_profile_and_the_closed_loop_over_many_steps():
     off, log, records = _run("gpt", steps=7, device_budget="25%")
     compare_records(records, _reference("gpt", steps=7), "gpt")
-    planner = off._placement.planner
+    planner = tiermem.testing.planner_of(off)
     assert planner.profiles == 1
     plan = off.plan
     assert plan.measured_kept_bytes == log[-1].bytes_by_tier["keep"]
@@ -177,7 +178,7 @@ def _force(off, checkpoint):
     plan = off.plan
     for b, c in zip(plan.blocks, checkpoint, strict=True):
         b.checkpoint = c
-    plan.follow(plan.keys, off._placement.planner._profiles[plan.keys].positions)
+    plan.follow(plan.keys, tiermem.testing.planner_of(off)._profiles[plan.keys].positions)
     return plan
 
 
@@ -192,7 +193,7 @@ def test_a_plan_checkpointing_some_blocks_is_followed_as_planned():
     _wrap(case)
     more = []
     compare_records(train_steps(case, lambda: _Log(off, more), 3), ref, "gpt")
-    assert off._placement.planner.profiles == 1
+    assert tiermem.testing.planner_of(off).profiles == 1
     for stats in more:
         # The block's tensors replaced by the checkpoint's one input; rest as planned.
         assert _packed(stats) == _packed(log[1]) - inner + 1
@@ -234,7 +235,7 @@ def test_a_block_output_saved_again_after_it_keeps_the_step_on_its_plan():
     compare_records(train_steps(case, ctx, 6), ref, "relu")
     plan = forced[0]
     assert plan.revived_at   # the last block's output, saved again by the head
-    assert off._placement.planner.profiles == 1
+    assert tiermem.testing.planner_of(off).profiles == 1
     assert off.plan is plan and len({tuple(s.count_by_tier.items()) for s in log[2:]}) == 1
     # Per block one input, kept by the checkpoint; the head's input (a new
     # tensor now, kept); the loss's input.
@@ -261,7 +262,7 @@ def test_saves_in_backward_leave_the_numbering_alone():
         got.append((loss.detach(), grads,
                     {n: p.detach().clone() for n, p in case.model.named_parameters()}))
     compare_records(got, ref, "gpt")
-    assert off._placement.planner.profiles == 1
+    assert tiermem.testing.planner_of(off).profiles == 1
     assert any(b.checkpoint for b in off.plan.blocks)
 
 
@@ -270,7 +271,7 @@ def test_reentrant_checkpointing():
     _wrap(case, use_reentrant=True)
     off = offloader("auto", device_budget="25%")
     compare_records(train_steps(case, lambda: off, STEPS), _reference("gpt"), "gpt")
-    assert off._placement.planner.profiles == 1
+    assert tiermem.testing.planner_of(off).profiles == 1
     assert any(b.checkpoint for b in off.plan.blocks)
 
 
@@ -279,7 +280,7 @@ def test_reentrant_checkpointing_with_moved_inputs(nvme_dir):
     _wrap(case, use_reentrant=True)
     off = offloader("auto", nvme_dir=nvme_dir, **TIGHT)
     compare_records(train_steps(case, lambda: off, STEPS), _reference("gpt"), "gpt")
-    assert off._placement.planner.profiles == 1
+    assert tiermem.testing.planner_of(off).profiles == 1
     assert _moved_inputs(off.plan), str(off.plan)
     assert off.stats.bytes_by_tier["keep"] <= off.plan.budget_bytes * (1 + KEPT_TOLERANCE)
 
@@ -362,12 +363,12 @@ def test_checkpoint_with_moved_inputs_meets_a_budget_kept_inputs_cannot(nvme_dir
     assert plan.measured_kept_bytes == plan.predicted_kept_bytes, str(plan)
     assert log[-1].bytes_by_tier["nvme"] == plan.bytes_by_tier()["nvme"], str(plan)
     if min_offload_bytes:   # small tensors saved inside checkpointed blocks: not kept
-        profile = off._placement.planner._profiles[plan.keys]
+        profile = tiermem.testing.planner_of(off)._profiles[plan.keys]
         assert all(b.fixed_bytes > 0 for b in profile.blocks)
         assert plan.fixed_kept_bytes == profile.fixed_kept_bytes - sum(
             b.fixed_bytes for b, pb in zip(profile.blocks, plan.blocks) if pb.checkpoint)
     # One profile; at most one correction; the last steps all pack the same.
-    assert off._placement.planner.profiles == 1 and plan.replans <= 1
+    assert tiermem.testing.planner_of(off).profiles == 1 and plan.replans <= 1
     assert len({tuple(sorted(s.count_by_tier.items())) for s in log[-3:]}) == 1
 
 
@@ -441,7 +442,7 @@ def test_moved_inputs_with_several_forwards_before_their_backwards(nvme_dir):
     assert all(torch.equal(a, b) for a, b in zip(got[0], want[0]))
     for n, g_ in want[1].items():
         assert torch.equal(got[1][n], g_), n
-    assert off._placement.planner.profiles == 1
+    assert tiermem.testing.planner_of(off).profiles == 1
     assert all(s.bytes_by_tier["nvme"] == off.plan.bytes_by_tier()["nvme"] for s in stats)
 
 
@@ -481,8 +482,8 @@ def test_one_storage_is_never_moved_twice_or_counted_twice(nvme_dir, monkeypatch
     the plan predicts, and gradients are exact."""
     import dataclasses
     import functools
-    import tiermem.planner.runtime as runtime
-    monkeypatch.setattr(runtime, "make_plan", functools.partial(runtime.make_plan,
+    import tiermem.planner.planning as planning
+    monkeypatch.setattr(planning, "make_plan", functools.partial(planning.make_plan,
                                                                 improve=False))
     case = _dedup_case()
     tiermem.wrap_blocks(case.model, _ReluBlock, checkpoint="auto")
@@ -492,7 +493,7 @@ def test_one_storage_is_never_moved_twice_or_counted_twice(nvme_dir, monkeypatch
 
     def ctx():
         if len(log) == 1:   # the profile's backward ran: plan it our way
-            planner = off._placement.planner
+            planner = tiermem.testing.planner_of(off)
             profile = planner._profiles[off.plan.keys]
             profile.blocks = tuple(dataclasses.replace(b, forward_s=1e-9)
                                    for b in profile.blocks)
@@ -518,7 +519,7 @@ def test_one_storage_is_never_moved_twice_or_counted_twice(nvme_dir, monkeypatch
         assert stats.bytes_by_tier["keep"] == plan.predicted_kept_bytes, str(plan)
         assert stats.bytes_by_tier["nvme"] == plan.bytes_by_tier()["nvme"], str(plan)
         assert stats.bytes_by_tier["recompute"] == 0
-    assert off._placement.planner.profiles == 1
+    assert tiermem.testing.planner_of(off).profiles == 1
 
 
 # -- the solver alone, on made-up profiles (deterministic prices) ----------------------
@@ -667,7 +668,7 @@ def test_gpu_blocks_auto_exact_and_timed_on_the_gpu(budget):
     off = offloader("auto", device_budget=budget)
     compare_records(train_steps(c, lambda: off, STEPS), ref, "gpt cuda")
     plan = off.plan
-    assert off._placement.planner.profiles == 1
+    assert tiermem.testing.planner_of(off).profiles == 1
     assert len(plan.blocks) == CFG.layers and all(b.forward_s > 0 for b in plan.blocks)
     if budget == "100%":
         assert not any(b.checkpoint for b in plan.blocks) and moved_count(off.stats) == 0
@@ -692,7 +693,7 @@ def test_gpu_checkpoint_inputs_moved_to_the_cpu_tier():
     off = offloader("auto", device_budget="3%", cpu_budget="192KiB")
     compare_records(train_steps(c, lambda: off, STEPS), ref, "gpt cuda")
     plan = off.plan
-    assert off._placement.planner.profiles == 1
+    assert tiermem.testing.planner_of(off).profiles == 1
     moved = _moved_inputs(plan)
     assert moved and all(x.tier == "cpu" for x in moved), str(plan)
     assert off.stats.bytes_by_tier["keep"] <= plan.budget_bytes * (1 + KEPT_TOLERANCE)
@@ -705,7 +706,7 @@ def test_steps_of_other_sizes_move_the_inputs_their_resized_plan_moves(nvme_dir,
     blocks' inputs that plan moves are moved in that step too (they were
     kept: their shapes differ from the planned ones), and the step is exact.
     With a size budget only a plan for larger tensors is followed."""
-    from tiermem.planner.runtime import PROFILED_SIZES
+    from tiermem.planner.lifecycle import PROFILED_SIZES
     sizes = [6, 6, 6, 5, 5, 5, 4, 4, 4, 3, 3, 2, 2]
     assert PROFILED_SIZES == 3
     cases = {n: _gpt_case(batch=n) for n in set(sizes)}
@@ -722,7 +723,7 @@ def test_steps_of_other_sizes_move_the_inputs_their_resized_plan_moves(nvme_dir,
         assert torch.equal(got[0], ref[0]), (i, n)
         for name in ref[1]:
             assert torch.equal(got[1][name], ref[1][name]), (i, n, name)
-    planner = off._placement.planner
+    planner = tiermem.testing.planner_of(off)
     assert planner.profiles == PROFILED_SIZES
     # Batches 3 and 2 follow the batch-4 plan resized (the closest, and with
     # a size budget the closest for tensors no smaller): the tiers of its own

@@ -9,7 +9,7 @@ import contextlib
 import pytest
 
 import tiermem.runtime.placement
-import tiermem.planner.runtime
+import tiermem.planner.lifecycle
 from helpers import assert_same_step, offloader
 from models import make_case
 
@@ -49,7 +49,7 @@ def test_an_interrupted_exit_leaves_the_offloader_usable(monkeypatch, nvme_dir, 
     _step(case, off)
     _step(ref_case, contextlib.nullcontext())
     owner = (tiermem.runtime.placement.Placement if where != "end_forward"
-             else tiermem.planner.runtime.Planner)
+             else tiermem.planner.lifecycle.Planner)
     calls = _interrupt_once(monkeypatch, owner, where)
     with pytest.raises(KeyboardInterrupt):
         with off:

@@ -4,8 +4,8 @@ state of the one that drives it.
 
 Layers, top first (a module's layer is that of its longest listed prefix):
 
-0. the top level users touch: ``offloader``, ``attach``, ``blocks``, ``demo``,
-   ``doctor``, ``testing``, the CLI, ``integrations/``;
+0. the top level users touch: ``offloader``, ``attach``, ``blocks``,
+   ``deciders``, ``demo``, ``doctor``, ``testing``, the CLI, ``integrations/``;
 1. ``runtime.hooks`` (pack/unpack) -> 2. ``runtime.step`` -> 3.
    ``runtime.placement``;
 4. ``tiers/`` and ``planner/`` (the planner reads what tiers hand back);
@@ -23,7 +23,8 @@ import pytest
 PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tiermem")
 
 LAYERS = {
-    "offloader": 0, "attach": 0, "blocks": 0, "demo": 0, "doctor": 0, "testing": 0,
+    "offloader": 0, "attach": 0, "blocks": 0, "deciders": 0, "demo": 0, "doctor": 0,
+    "oneshot": 0, "testing": 0,
     "__main__": 0, "__init__": 0, "integrations": 0,
     "runtime.hooks": 1, "runtime.step": 2, "runtime.placement": 3,
     "tiers": 4, "planner": 4,
@@ -34,11 +35,7 @@ LAYERS = {
 
 #: Imports against the layers that are known and due to go, each with the work
 #: that removes it. The list may only shrink.
-KNOWN = {
-    # hooks reads the wrap_blocks scope's private thread-local: the Decider seam
-    # (issue 29) hands the scope to the step instead.
-    ("runtime.hooks", "blocks"),
-}
+KNOWN: set = set()
 
 
 def _layer(module: str) -> int:
@@ -117,3 +114,37 @@ def test_known_exceptions_still_exist():
         for _, target in _imports(path, _package(mod, path)):
             seen.add((mod, target.split(".")[0]))
     assert KNOWN <= seen, f"no longer imported, remove from KNOWN: {KNOWN - seen}"
+
+
+def _names(path: str):
+    """Every identifier of ``path``'s code: names, attributes, definitions,
+    arguments and imported names (not comments, not strings)."""
+    tree = ast.parse(open(path).read(), path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            yield node.lineno, node.id
+        elif isinstance(node, ast.Attribute):
+            yield node.lineno, node.attr
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            yield node.lineno, node.name
+        elif isinstance(node, ast.arg):
+            yield node.lineno, node.arg
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                yield node.lineno, alias.asname or alias.name
+
+
+def test_the_runtime_and_the_tiers_never_import_or_name_the_planner():
+    """runtime -> decider only (tiermem/deciders.py): the step path is given a
+    decider and never reaches for the planner."""
+    bad = []
+    for mod, path in _modules():
+        if not mod.startswith(("runtime", "tiers")):
+            continue
+        for line, target in _imports(path, _package(mod, path)):
+            if target.split(".")[0] in ("planner", "deciders"):
+                bad.append(f"tiermem/{mod.replace('.', '/')}.py:{line} imports {target}")
+        for line, name in _names(path):
+            if "planner" in name.lower():
+                bad.append(f"tiermem/{mod.replace('.', '/')}.py:{line} names {name}")
+    assert not bad, "the runtime reaches for the planner:\n" + "\n".join(bad)

@@ -6,7 +6,7 @@ import os
 import torch
 
 import tiermem
-from tiermem import offloader as _offloader
+from tiermem import oneshot as _offloader
 
 
 def _chain(x):

@@ -7,7 +7,7 @@ tracking runs only while a plan recomputes; a branch midway profiles once
 per branch.
 
 Measured kept bytes are ``stats.bytes_by_tier['keep']`` (NOTE [Closed loop]
-in tiermem/planner/runtime.py). On the CPU only recompute and nvme free RAM,
+in tiermem/planner/lifecycle.py). On the CPU only recompute and nvme free RAM,
 so the budgets below 100% run with an nvme_dir (Python engine).
 Runtime: 4-25 s on 2 shared cores (measured 2026-12-01, varies with load).
 """
@@ -25,7 +25,7 @@ import tiermem.testing
 from helpers import compare_records, offloader, reference_steps, train_steps
 from models import make_case
 from tiermem.planner.rates import default_device_budget_bytes
-from tiermem.planner.runtime import KEPT_TOLERANCE, MAX_REPLANS
+from tiermem.planner.lifecycle import KEPT_TOLERANCE, MAX_REPLANS
 
 MODELS = ("mlp", "block", "convnet", "embed_gather")
 STEPS = 4
@@ -363,7 +363,7 @@ def test_a_wrong_first_plan_is_corrected_once_and_then_holds(nvme_dir, monkeypat
     # halved and the same target; every later step keeps that plan
     # (MAX_REPLANS: no oscillation, no new profile).
     from tiermem.planner.rates import Rates
-    from tiermem.planner.runtime import Planner
+    from tiermem.planner.lifecycle import Planner
     check = Planner._check
     seen = []
 
@@ -447,7 +447,7 @@ def test_varying_sizes_profile_a_few_and_then_follow_resized_plans(nvme_dir):
     """Variable-length batches: the first PROFILED_SIZES sizes are profiled,
     then other sizes follow a resized plan: no profile per step, bounded cache,
     exact (NOTE [Plans across sizes])."""
-    from tiermem.planner.runtime import PROFILED_SIZES
+    from tiermem.planner.lifecycle import PROFILED_SIZES
     import random
     rng = random.Random(0)
     sizes = [rng.randint(8, 96) for _ in range(30)]
@@ -467,7 +467,7 @@ def test_a_size_budget_never_follows_a_plan_made_for_smaller_tensors(nvme_dir):
     """With a budget in bytes a resized plan is followed only by tensors no
     larger than its own: a larger step goes to the safe order, and kept bytes
     never exceed what a plan for smaller tensors predicted."""
-    from tiermem.planner.runtime import PROFILED_SIZES
+    from tiermem.planner.lifecycle import PROFILED_SIZES
     sizes = [40, 30, 20, 10, 25, 35, 90, 15]
     off = offloader("auto", device_budget="2KiB", nvme_dir=nvme_dir)
     planner = tiermem.testing.planner_of(off)
@@ -481,8 +481,8 @@ def test_a_size_budget_never_follows_a_plan_made_for_smaller_tensors(nvme_dir):
 
 
 def test_the_plan_cache_is_bounded(nvme_dir, monkeypatch):
-    from tiermem.planner import runtime
-    monkeypatch.setattr(runtime, "MAX_PLANS", 2)
+    from tiermem.planner import lifecycle
+    monkeypatch.setattr(lifecycle, "MAX_PLANS", 2)
     off = offloader("auto", device_budget="2KiB", nvme_dir=nvme_dir)
     planner = tiermem.testing.planner_of(off)
     # Growing sizes: each one larger than every plan, so each is profiled.

@@ -249,7 +249,7 @@ def test_the_profile_records_how_long_each_first_unpack_took(nvme_dir):
                             min_offload_bytes=1024)
     _tiny_step(off, x, lin)
     assert off.plan is not None   # planned from the profile
-    prof = next(iter(off._placement.planner._profiles.values()))
+    prof = next(iter(tiermem.testing.planner_of(off)._profiles.values()))
     used = [r for r in prof.records if r.first_use_s is not None]
     assert used and all(r.unpack_s is not None and r.unpack_s >= 0 for r in used)
     first = min(used, key=lambda r: r.first_use_s)
@@ -276,7 +276,7 @@ def test_the_profile_records_a_regeneration_reading_a_saved_tensor_first(nvme_di
         loss = forward()
     loss.backward()
     assert off.plan is not None
-    s, d = next(iter(off._placement.planner._profiles.values())).records
+    s, d = next(iter(tiermem.testing.planner_of(off)._profiles.values())).records
     assert (s.profile_tier, d.profile_tier) == ("nvme", "recompute")
     assert d.first_use_s <= s.leaf_use_s <= d.first_use_s + d.recompute_s < s.first_use_s
     assert s.leaf_reader == d.index and d.leaf_use_s is None
@@ -391,7 +391,7 @@ def test_the_planner_reads_the_device_of_the_model_not_the_current_one():
     reads as no device (nothing is initialised)."""
     from types import SimpleNamespace as NS
     from tiermem.planner.rates import _cuda_device
-    from tiermem.planner.runtime import _cuda_of
+    from tiermem.planner.planning import _cuda_of
     assert _cuda_of([NS(device="cpu"), NS(device="cuda:1"), NS(device="cuda:0")]) == "cuda:1"
     assert _cuda_of([NS(device="cpu")]) is None and _cuda_of([]) is None
     assert _cuda_device(False) is None and _cuda_device("cpu") is None
@@ -475,12 +475,12 @@ def test_a_profiled_cuda_step_is_timed_on_the_gpus_timeline(monkeypatch):
         loss = layers(x).sum()
     loss.backward()
     profiled_syncs = len(syncs)
-    profile = next(iter(off._placement.planner._profiles.values()), None)
+    profile = next(iter(tiermem.testing.planner_of(off)._profiles.values()), None)
     if profile is None:   # the plan is made when the next step starts
         with off:
             loss = layers(x).sum()
         loss.backward()
-        profile = next(iter(off._placement.planner._profiles.values()))
+        profile = next(iter(tiermem.testing.planner_of(off)._profiles.values()))
     packs = [r.pack_s for r in profile.records]
     assert packs == sorted(packs)
     # A stamp per pack and per first unpack at least, on the compute stream.

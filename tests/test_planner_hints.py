@@ -24,10 +24,11 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy as CP
 
 import tiermem
+import tiermem.testing
 import tiermem.runtime.hooks
 from helpers import compare_records, offloader, reference_steps, run_step, train_steps
 from models import make_case
-from tiermem.planner.runtime import KEPT_TOLERANCE
+from tiermem.planner.lifecycle import KEPT_TOLERANCE
 from tiermem.tiers.keep import Kept, KickKept
 from tiermem.tiers.recompute import RecomputeHandle
 
@@ -283,7 +284,7 @@ def test_the_callable_is_asked_only_off_the_plan_and_musts_hold_in_a_safe_step(
     assert spy.asked == [n, 0, 0, 0], spy.asked
     case = make_case("block")
     run_step(case.model, (torch.randn(3, 16, 32),), off)   # another batch size
-    assert spy.asked[-1] == n and off._placement.planner.plans.get(plan.keys) is plan
+    assert spy.asked[-1] == n and tiermem.testing.planner_of(off).plans.get(plan.keys) is plan
     want = {p.index: _MUST_TIER[CP[p.hint]] for p in plan.tensors if p.must}
     assert {k: spy.steps[-1][k] for k in want} == want
     off.close()
@@ -327,7 +328,7 @@ def test_hints_must_be_callable():
 def test_hints_with_auto_from_the_environment(monkeypatch):
     monkeypatch.setenv("TIERMEM_POLICY", "auto")
     off = tiermem.Offloader(hints=lambda info: None, min_offload_bytes=0)
-    assert off.hints is not None and off._placement.planner.hints is not None
+    assert off.hints is not None and tiermem.testing.planner_of(off).hints is not None
     off.close()
     a = tiermem.offload(hints=_musts)
     assert tiermem.offload(hints=_musts) is a and tiermem.offload() is not a

@@ -175,8 +175,8 @@ def _plan_after_first_backward(rank, nvme_dir, **settings) -> bool:
 
 def _worker(rank: int, world: int, port: int, nvme_dir: str) -> dict:
     init_gloo(rank, world, port)
-    import tiermem.planner.runtime as runtime
-    runtime.measure_rates = lambda nvme_store=None, cuda=False: _rates(rank)
+    import tiermem.planner.planning as planning
+    planning.measure_rates = lambda nvme_store=None, cuda=False: _rates(rank)
     records = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
@@ -447,5 +447,6 @@ def test_the_cost_model_rates_agree_too():
     a = agree.combine([_row(0, r0), _row(1, r1)])
     assert (a.rates.move_cpu, a.rates.move_fixed_cpu_s, a.rates.compute_threads,
             a.rates.disk_both, a.rates.link_both) == (1e9, 3e-5, 2.0, 0.2e9, None)
-    solver_fields = {f.name for f in dataclasses.fields(Rates)} - {"disk_engine"}
+    solver_fields = {f.name for f in dataclasses.fields(Rates)} - {"disk_engine",
+                                                                    "disk_probe_error"}
     assert solver_fields == set(agree._RATES_MIN + agree._RATES_MAX)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 import tiermem
+import tiermem.testing
 from helpers import offloader, train_steps
 from models import Case
 from tiermem.models import Block, GPTConfig, TinyGPT
@@ -61,7 +62,7 @@ def test_a_real_profile_gives_the_identical_blocks_one_time():
     tiermem.wrap_blocks(model, Block, checkpoint="auto")
     off = offloader("auto", device_budget="40%")
     train_steps(Case("gpt", model, (idx, idx), lambda loss: loss), lambda: off, 2)
-    (profile,) = off._placement.planner._profiles.values()
+    (profile,) = tiermem.testing.planner_of(off)._profiles.values()
     assert len(profile.blocks) == 4
     assert len({b.forward_s for b in profile.blocks}) == 1, [b.forward_s for b in profile.blocks]
     by_kind = {}

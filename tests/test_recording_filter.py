@@ -17,7 +17,7 @@ import torch.nn as nn
 
 import tiermem
 import tiermem.offloader
-import tiermem.planner.runtime as runtime
+import tiermem.planner.tracking_cost as runtime
 from helpers import assert_same_step, compare_records, offloader, reference_steps, run_step
 from models import make_case
 from tiermem.tracking.producers import ProducerMode

@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+import tiermem.testing
 from tiermem.planner.profile import BlockInput, BlockRecord, Profile, TensorRecord
 from tiermem.planner.rates import Rates
 from tiermem.planner.costs import BlockOption, options_of
@@ -345,7 +346,7 @@ def test_real_profiles_count_alike_and_never_cost_more(name, budget, nvme_dir):
     off = offloader("auto", device_budget="50%", nvme_dir=nvme_dir)
     train_steps(make_case(name), contextlib.nullcontext, steps=1)   # warm-up, no hooks
     train_steps(make_case(name), lambda: off, steps=2)
-    planner = off._placement.planner
+    planner = tiermem.testing.planner_of(off)
     profile = planner._profiles[off.plan.keys]
     kw = dict(has_nvme=True, cpu_budget_bytes=off._placement.cpu_budget_bytes,
               nvme_budget_bytes=None)

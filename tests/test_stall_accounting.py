@@ -1,6 +1,6 @@
 """``stats.stall_seconds`` counts the whole wait of an unpack that reads its
 tensor on demand: starting the read (a buffer, the submission) as well as
-waiting for it. The closed loop (NOTE [Closed loop] in planner/runtime.py)
+waiting for it. The closed loop (NOTE [Closed loop] in planner/lifecycle.py)
 compares this figure with the plan's predicted stall."""
 
 from __future__ import annotations

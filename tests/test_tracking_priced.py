@@ -12,11 +12,13 @@ import pytest
 import torch
 
 import tiermem
+import tiermem.testing
 import tiermem.tracking.producers as producers
 from tiermem.models import GPTConfig, TinyGPT
 from tiermem.planner.profile import Profile, TensorRecord
 from tiermem.planner.rates import Rates, measure_rates
-from tiermem.planner.runtime import _priced_plan, tracked_op_count, tracking_shares
+from tiermem.planner.tracking_cost import priced_plan as _priced_plan
+from tiermem.planner.tracking_cost import tracked_op_count, tracking_shares
 from tiermem.planner.solver import make_plan
 
 MB = 1_000_000
@@ -212,7 +214,7 @@ def test_the_profile_counts_ops_per_call_and_a_followed_step_tracks_what_was_pri
         with off:
             loss = model(idx, idx)
         loss.backward()
-    planner = off._placement.planner
+    planner = tiermem.testing.planner_of(off)
     plan = off.plan
     prof = planner._profiles[plan.keys]
     ops = prof.call_ops

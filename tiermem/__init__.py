@@ -13,7 +13,8 @@ from .blocks import BlockWrapping, wrap_blocks
 from .config import Config, env_table_markdown
 from .errors import ConfigError, TierMemError
 from .io import engine_info
-from .offloader import Offloader, OffloadContext, no_offload, offload
+from .offloader import Offloader, OffloadContext
+from .oneshot import no_offload, offload
 from .policy import TensorInfo, Tier
 from .telemetry import StepStats
 

@@ -41,7 +41,7 @@ from .policy import Tier, resolve_policy, tier_order
 from .tracking.modules import current_module
 from .tracking.modules import track_block, untrack_block
 
-__all__ = ["wrap_blocks", "BlockWrapping", "SELECTIVE_SAVE_OPS"]
+__all__ = ["wrap_blocks", "BlockWrapping", "BlockScope", "BLOCK_SCOPE", "SELECTIVE_SAVE_OPS"]
 
 _aten = torch.ops.aten
 
@@ -60,12 +60,15 @@ _CHECKPOINT_MODES = (False, True, "full", "selective", "auto")
 _in_backward = torch._C._current_graph_task_id   # -1 outside autograd's engine
 
 
-class _Scope(threading.local):
-    """Per thread: the tier orders of the wrapped blocks running, innermost
-    last; and the tiermem contexts entered (``OffloadContext``, innermost
-    last), whose ``planning`` a ``checkpoint="auto"`` block asks. (Attributes
-    set in ``__init__``, which runs once per thread: reading them costs no
-    failed lookup, and the pack hook reads ``stack`` for every tensor.)"""
+class BlockScope(threading.local):
+    """The ``wrap_blocks`` scope, per thread (a decider per block:
+    tiermem/deciders.py): ``stack``, the tier orders of the wrapped blocks
+    running, innermost last, which the pack hook takes before the step's
+    decider; ``contexts``, the tiermem contexts entered (``OffloadContext``,
+    innermost last), whose ``planning`` a ``checkpoint="auto"`` block asks.
+    The Offloader hands it to each step's pack hook. (Attributes set in
+    ``__init__``, which runs once per thread: reading them costs no failed
+    lookup, and the pack hook reads ``stack`` for every tensor.)"""
 
     def __init__(self) -> None:
         self.stack: list = []
@@ -76,7 +79,8 @@ class _Scope(threading.local):
         self.must_name: Optional[str] = None
 
 
-_scope = _Scope()
+#: The one :class:`BlockScope` (its attributes are per thread).
+BLOCK_SCOPE = BlockScope()
 
 #: Wrapped blocks whose policy may recompute: while any exists, Offloaders
 #: track producers while such a block runs (NOTE [Scoped tracking] in
@@ -133,7 +137,7 @@ class _BlockForward:
         stack = None
         tracked = ()
         if self.order is not None:
-            stack = _scope.stack
+            stack = BLOCK_SCOPE.stack
             stack.append(self.order)
             if getattr(self.order, "must", False) and self.order[0] is not Tier.RECOMPUTE:
                 _scope.must_entered += 1
@@ -170,7 +174,7 @@ class _BlockForward:
         planner/runtime.py); with none, or outside an auto Offloader, or in
         backward (a checkpoint regenerating an enclosing region), the block
         runs plainly."""
-        contexts = _scope.contexts
+        contexts = BLOCK_SCOPE.contexts
         planning = contexts[-1].planning if contexts else None
         if planning is None or _in_backward() != -1:
             return fn(*args, **kwargs)

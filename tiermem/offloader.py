@@ -1,5 +1,6 @@
-"""The public surface: :class:`Offloader`, :func:`offload`, :func:`no_offload`
-(attaching to a module: ``attach.py``).
+"""The public surface: :class:`Offloader` and the step it runs,
+:class:`OffloadContext` (the one-shot :func:`~tiermem.offload` and
+:func:`~tiermem.no_offload`: ``oneshot.py``; attaching to a module: ``attach.py``).
 
 How a saved tensor travels (each arrow owned by one module)::
 
@@ -33,11 +34,11 @@ from typing import Any, Callable, Optional
 import torch
 
 from .attach import Attachment, attach_module, detach_modules
-from .blocks import _scope as _block_scope
-from .blocks import blocks_need_full_tracking, blocks_need_producers
+from .blocks import BLOCK_SCOPE, blocks_need_full_tracking, blocks_need_producers
 from .config import Config
+from .deciders import check_hints, make_decider
 from .errors import ConfigError, TierMemError
-from .runtime.hooks import Packer, keep_pack, opaque, unpack
+from .runtime.hooks import Packer, opaque, unpack
 from .runtime.placement import Placement, default_cpu_budget_bytes, default_nvme_budget_bytes
 from .runtime.step import Step
 from .runtime.tailhold import TailHold
@@ -45,15 +46,14 @@ from .telemetry import StepStats
 from .tracking.modules import ModuleStack, TrackingScope
 from .tracking.producers import CallRecorder, ProducerMode, untracked_pack
 
-__all__ = ["Offloader", "OffloadContext", "offload", "no_offload", "default_cpu_budget_bytes",
-           "default_nvme_budget_bytes"]
+__all__ = ["Offloader", "OffloadContext", "hidden_hook"]
 
 _log = logging.getLogger("tiermem")
 
 _opaque_hooks: dict = {}
 
 
-def _hidden(name: str, fn):
+def hidden_hook(name: str, fn):
     """``fn`` hidden from torch.compile, made once per process."""
     hook = _opaque_hooks.get(name)
     if hook is None:
@@ -68,9 +68,9 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
     def __init__(self, offloader: "Offloader") -> None:
         self._off = offloader
         placement = offloader._placement
-        planner = placement.planner
-        #: policy="auto": this step's planning (profile, plan, or safe order).
-        self.planning = None if planner is None else planner.begin_step(unpack)
+        decider = offloader._decider
+        #: The decider's planning of this step (tiermem/deciders.py), or None.
+        self.planning = decider.begin_step(unpack)
         planning = self.planning
         #: Producer of each tensor of the forward (None unless the policy may
         #: recompute or is a callable that may read ``TensorInfo.op``).
@@ -87,12 +87,11 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         # that follows a plan or the safe order (NOTE [Recording only what
         # recipes use] in tracking/producers.py).
         op_names = (planning is None or must_blocks or planning.recorder is not None
-                    or planner.hints is not None or blocks_need_producers())
+                    or decider.reads_op_names or blocks_need_producers())
         #: A profiled step's namer of torch calls (NOTE [Tracking inside torch
         #: calls] in tracking/modules.py), entered with the producer mode.
         self._calls: Optional[CallRecorder] = None
-        if (placement.tracks_producers if planning is None else (
-                planning.tracks and names is None)) or must_blocks:
+        if decider.tracks_producers(planning) or must_blocks:
             profiled = planning is not None and planning.recorder is not None
             self.producers = ProducerMode(module_names=profiled, names=op_names)
             if profiled:
@@ -129,9 +128,9 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         if self.planning is None and limit != 0:   # NOTE [Tail hold] in runtime/tailhold.py
             self.step.tail = offloader._tail
             self.step.tail_hold_bytes = tail_hold_bytes
-        self._packer = Packer(self.step, placement)
+        self._packer = Packer(self.step, placement, BLOCK_SCOPE)
         self._modules = ModuleStack(on_root=self._packer.note_root, scope=self.tracking)
-        unpack_hook = _hidden("unpack", unpack)
+        unpack_hook = hidden_hook("unpack", unpack)
         if self.planning is not None:
             self.step.planning = self.planning
             self.planning.step = self.step
@@ -165,7 +164,7 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
             except BaseException:
                 super().__exit__(None, None, None)
                 raise
-            _block_scope.contexts.append(self)   # what checkpoint="auto" blocks ask
+            BLOCK_SCOPE.contexts.append(self)   # what checkpoint="auto" blocks ask
         except BaseException:
             self._modules.__exit__(None, None, None)
             raise
@@ -186,7 +185,7 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
             self._exit_hooks(exc_type, exc, tb)
 
     def _exit_hooks(self, exc_type, exc, tb) -> None:
-        contexts = _block_scope.contexts
+        contexts = BLOCK_SCOPE.contexts
         for i in range(len(contexts) - 1, -1, -1):
             if contexts[i] is self:
                 del contexts[i]
@@ -196,8 +195,7 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         _run_all(   # NOTE [Every exit step runs]
             lambda: torch.autograd.graph.saved_tensors_hooks.__exit__(self, exc_type, exc, tb),
             lambda: self._modules.__exit__(exc_type, exc, tb),
-            lambda: (planning is None or self._off._placement.planner.end_forward(
-                planning, self.stats, failed=failed)),
+            lambda: self._off._decider.end_step(planning, self.stats, failed),
             self.step.end_forward,
             self._packer.clear,
             lambda: self._off._exit(self, failed=failed))
@@ -264,7 +262,7 @@ class Offloader:
                  **settings: Any) -> None:
         self.config = Config.from_env(policy=policy, **settings)
         cfg = self.config
-        _check_hints(hints, cfg)
+        check_hints(hints, cfg)
         cfg.warn_unused_settings()   # NOTE [Settings a policy ignores] in config.py
         #: The planner's ``hints`` callable (``None``: none).
         self.hints = hints
@@ -278,7 +276,9 @@ class Offloader:
         self._attachments: list = []   # attach(): NOTE [Attaching] in attach.py
         if cfg.disable:
             return
-        self._placement = Placement(cfg, hints)
+        self._placement = Placement(cfg)
+        #: Who answers each step's orders (tiermem/deciders.py).
+        self._decider = make_decider(cfg, self._placement, hints)
         #: NOTE [Tail hold] in runtime/tailhold.py: the sources of the last moves.
         self._tail = TailHold()
         self.cpu_budget_bytes = self._placement.cpu_budget_bytes
@@ -296,7 +296,7 @@ class Offloader:
             raise TierMemError(
                 f"tiermem: this Offloader was made in process {self._pid}, before this "
                 "process was forked from it; its threads, pools and files are that "
-                "process's: make a new Offloader in this process (see NOTE [Fork])")
+                "process's: make a new Offloader in this process")
         if self.closed:
             raise TierMemError(
                 "tiermem: this Offloader was closed (its pools, files and threads are "
@@ -385,10 +385,10 @@ class Offloader:
         torch.distributed, before the second step begins: NOTE [Ranks agree
         once] in planner/agree.py), and for other policies. Read it after a backward: it settles the planner
         (plans from a finished profile, checks the last step; NOTE [Closed
-        loop] in planner/runtime.py)."""
-        if self.config.disable or self._placement.planner is None:
+        loop] in planner/lifecycle.py)."""
+        if self.config.disable:
             return None
-        return self._placement.planner.settle()
+        return self._decider.settle()
 
     @property
     def host_bytes_in_use(self) -> int:
@@ -436,24 +436,6 @@ class Offloader:
         return f"Offloader(policy={policy!r}, disabled={self.config.disable})"
 
 
-def _check_hints(hints: Any, cfg: Config) -> None:
-    """``ConfigError`` for a ``hints`` setting the Offloader cannot use."""
-    if hints is None:
-        return
-    if not callable(hints):
-        raise ConfigError(
-            f"tiermem: hints={hints!r} is not callable; pass a function (TensorInfo) -> "
-            "a CheckpointPolicy value, a tier name or list, or None (no opinion)")
-    if cfg.policy != "auto":
-        raise ConfigError(
-            f"tiermem: hints= is advice to the auto planner, but policy={cfg.policy!r} "
-            "(from the argument or TIERMEM_POLICY); use policy='auto', or answer with "
-            "CheckpointPolicy values from a callable policy (policy=fn)")
-
-
-_tls = threading.local()
-_CACHE_SIZE = 8
-
 # NOTE [Fork]
 # After os.fork() (multiprocessing's default start method on Linux, DataLoader
 # workers, some launchers) only the forking thread exists in the child. The
@@ -464,68 +446,3 @@ _CACHE_SIZE = 8
 # parent's), and offload()'s cache starts empty there. A C++ engine object kept
 # across the fork anyway is inert there (NOTE [Engine after fork], csrc/io_engine.h). A child that never uses
 # tiermem is not affected: the hooks only drop references.
-
-
-def _after_fork_in_child() -> None:
-    _tls.__dict__.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def offload(policy: Any = None, *, hints: Optional[Callable] = None,
-            **settings: Any) -> Offloader:
-    """One-shot form: ``with tiermem.offload(policy="cpu"): loss = model(x)``.
-
-    Returns an Offloader cached per thread and per resulting :class:`Config`
-    (and ``hints`` callable), so repeated calls with the same settings reuse
-    the same pools.
-    """
-    cfg = Config.from_env(policy=policy, **settings)
-    _check_hints(hints, cfg)
-    key = cfg if hints is None else (cfg, hints)
-    cache = getattr(_tls, "cache", None)
-    if cache is None:
-        cache = _tls.cache = {}
-        _tls.retired = []
-    _close_retired()
-    off = cache.get(key)
-    if off is not None and off.closed:   # closed by its user: make a fresh one
-        del cache[key]
-        off = None
-    if off is None:
-        if len(cache) >= _CACHE_SIZE:
-            # Evicted, but closed only once no graph of it may still unpack:
-            # closing earlier would lose saved tensors (NVMe files, buffers).
-            _tls.retired.append(cache.pop(next(iter(cache))))
-            _close_retired()
-        # The same arguments, not cfg's fields: a value from the environment
-        # stays named by its variable (NOTE [Setting names in messages]).
-        off = cache[key] = Offloader(policy, hints=hints, **settings)
-    return off
-
-
-def _close_retired() -> None:
-    """Close the evicted Offloaders of this thread that nothing uses any more."""
-    retired = _tls.retired
-    if retired:
-        keep = []
-        for off in retired:
-            if off.in_use:
-                keep.append(off)
-            else:
-                off.close()
-        retired[:] = keep
-
-
-class no_offload(torch.autograd.graph.saved_tensors_hooks):
-    """A region whose saved tensors stay where autograd puts them.
-
-    Nested inside an Offloader it wins (the innermost hooks apply). Tensors are
-    kept as plain autograd would keep them, with autograd's in-place check
-    preserved (see NOTE [In-place check]).
-    """
-
-    def __init__(self) -> None:
-        super().__init__(_hidden("keep", keep_pack), _hidden("unpack", unpack))

@@ -174,7 +174,9 @@ def planner_of(off):
     """The :class:`~tiermem.planner.Planner` of a ``policy="auto"`` Offloader
     (``profiles``: profiled steps so far; ``plans``: plans by step signature),
     ``None`` for other policies."""
-    return off._placement.planner
+    from .planner import Planner
+    decider = getattr(off, "_decider", None)
+    return decider if isinstance(decider, Planner) else None
 
 
 def tail_held_bytes(off) -> int:

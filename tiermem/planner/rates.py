@@ -107,6 +107,11 @@ class Rates:
     track_op_s: float = 0.0
     #: Seconds recording one torch call whole adds (module docstring).
     track_call_s: float = 0.0
+    #: Why the disk probe failed (``None``: it ran, or there is no nvme store):
+    #: the error and the room it needed, e.g. ``"[Errno 28] No space left on
+    #: device (8 MiB needed in /mnt/nvme/tiermem-1)"``. Rates with one are not
+    #: cached: the next call probes again.
+    disk_probe_error: Optional[str] = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -332,17 +337,21 @@ def measure_rates(nvme_store=None, cuda=False) -> Rates:
         if device is not None:
             d2h, h2d, link_both = _cuda_rates(device)
         disk = (None, None, None, 0.0, 0.0, None, None, 0.0)
+        failed = None
         if nvme_store is not None:
             try:
                 disk = _disk_rates(nvme_store)
-            except OSError:   # the tier will report its own errors; price it as absent
-                pass
+            except (OSError, RuntimeError) as e:   # priced as absent, said in the plan
+                failed = (f"{e} ({MOVE_PROBE_BUFFERS * PROBE_BYTES >> 20} MiB needed in "
+                          f"{key[1]})")
         rates = Rates(host_copy, pointwise, d2h, h2d, *disk[:5], time.perf_counter() - t0,
                       link_both=link_both, disk_both=disk[5], move_cpu=disk[6],
                       move_fixed_cpu_s=disk[7],
                       compute_threads=float(max(1, torch.get_num_threads())),
-                      track_op_s=track_op_s, track_call_s=track_call_s)
-        _cache[key] = rates
+                      track_op_s=track_op_s, track_call_s=track_call_s,
+                      disk_probe_error=failed)
+        if failed is None:
+            _cache[key] = rates
         return rates
 
 

@@ -125,7 +125,6 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ..blocks import _scope as _block_scope
 from ..policy import Tier, TensorInfo
 from ..tiers.keep import Kept, KickKept, check_version
 from ..tracking.modules import current_module
@@ -236,11 +235,14 @@ def _capturing() -> bool:
 
 
 class Packer:
-    """The pack hook of one step (``step``), placing through ``placement``."""
+    """The pack hook of one step (``step``), placing through ``placement``;
+    ``scope``: the ``wrap_blocks`` scope (its ``stack`` of tier orders, the
+    innermost block's first), asked before the step's decider."""
 
-    def __init__(self, step, placement) -> None:
+    def __init__(self, step, placement, scope) -> None:
         self.step = step
         self.placement = placement
+        self._scope = scope
         self.min_bytes = step.min_offload_bytes
         self._polls = tuple(s.poll for s in placement.movers)
         # Storages of the parameters and buffers of the modules run in this
@@ -307,7 +309,7 @@ class Packer:
             stats.small_count += 1
             stats.record(_KEEP, nbytes)
             return Kept(t, "")
-        scoped = _block_scope.stack
+        scoped = self._scope.stack
         scoped = scoped[-1] if scoped else None   # inside a block wrapped with a policy
         fixed = self.placement.fixed if scoped is None else scoped[0]
         if fixed is Tier.KEEP:

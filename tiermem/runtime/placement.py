@@ -4,9 +4,9 @@
 nvme when a directory is set), the policy (a fixed tier order for named
 policies, a callable asked per tensor otherwise) and the fallback loop: a
 tensor goes to the first tier of its order that takes it; a full tier passes
-it to the next, with one warning per tier. This is where the planner plugs
-in: placement asks "which tiers, in which order, for this tensor", and a
-policy or a plan answers.
+it to the next, with one warning per tier. Under ``policy="auto"`` the
+step's decider (tiermem/deciders.py) answers "which tiers, in which order"
+and passes the order in; placement never asks it.
 
 It is called by the pack hook (:mod:`tiermem.runtime.hooks`) and, for a recipe's
 inputs, by the step's recipe services (:meth:`tiermem.runtime.step.Step.store_input`)
@@ -99,10 +99,10 @@ class Placement:
     refuses.
     """
 
-    def __init__(self, cfg: Config, hints=None) -> None:
+    def __init__(self, cfg: Config) -> None:
         self.fixed_order, self.policy_fn = resolve_policy(cfg.policy, nvme_dir=cfg.nvme_dir)
         auto = self.policy_fn is AUTO
-        if auto:   # the planner answers (Step.planning), never a policy function
+        if auto:   # the step's decider answers (Step.planning), never a policy function
             self.policy_fn = None
         #: The first tier of a named policy (``None`` for a callable policy).
         self.fixed: Optional[Tier] = (self.fixed_order[0] if self.fixed_order is not None
@@ -133,11 +133,6 @@ class Placement:
         self.movers = tuple(s for s in self.stores.values()
                             if s.tier not in (Tier.KEEP, Tier.RECOMPUTE))
         self._warned: set = set()
-        #: The planner of ``policy="auto"`` (``None`` otherwise).
-        self.planner = None
-        if auto:
-            from ..planner import Planner
-            self.planner = Planner(self, cfg, hints)
 
     # -- choosing -----------------------------------------------------------------
     def order_for(self, info: TensorInfo) -> Tuple[Tier, ...]:
