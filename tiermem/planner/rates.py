@@ -318,7 +318,8 @@ def _round_trip(f, srcs: list) -> None:
 
 def measure_rates(nvme_store=None, cuda=False) -> Rates:
     """The rates of this process (measured once per (CUDA device, nvme
-    directory) and cached). ``nvme_store``: the nvme tier's store, if any (its
+    directory) and cached; not when the disk probe failed, which is then
+    named in ``Rates.disk_probe_error`` and run again at the next call). ``nvme_store``: the nvme tier's store, if any (its
     engine and directory are probed). ``cuda``: ``False``, else the CUDA
     device whose links to probe (``True``: the current one; a device or its
     name, ``"cuda:1"``: the device the model's tensors are on, which need not
