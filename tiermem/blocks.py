@@ -140,9 +140,9 @@ class _BlockForward:
             stack = BLOCK_SCOPE.stack
             stack.append(self.order)
             if getattr(self.order, "must", False) and self.order[0] is not Tier.RECOMPUTE:
-                _scope.must_entered += 1
+                BLOCK_SCOPE.must_entered += 1
                 hint = self.order.hint
-                _scope.must_name = hint.name if hint is not None else "a MUST policy"
+                BLOCK_SCOPE.must_name = hint.name if hint is not None else "a MUST policy"
             if Tier.RECOMPUTE in self.order:   # NOTE [Scoped tracking] in tracking/modules.py
                 tracked = track_block()
         try:
@@ -194,10 +194,10 @@ class _PlainRun:
         self.fn, self.args, self.kwargs, self.must_inside = fn, args, kwargs, None
 
     def __call__(self) -> Any:
-        before = _scope.must_entered
+        before = BLOCK_SCOPE.must_entered
         out = self.fn(*self.args, **self.kwargs)
-        if _scope.must_entered != before:
-            self.must_inside = _scope.must_name
+        if BLOCK_SCOPE.must_entered != before:
+            self.must_inside = BLOCK_SCOPE.must_name
         return out
 
 

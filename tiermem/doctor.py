@@ -27,7 +27,7 @@ from ._version import __version__
 from .config import Config
 from .errors import ConfigError
 from .memory.ranks import local_world_size, rank_label
-from .offloader import default_cpu_budget_bytes, default_nvme_budget_bytes
+from .runtime.placement import default_cpu_budget_bytes, default_nvme_budget_bytes
 from .runtime.placement import default_staging_bytes
 from .telemetry import format_bytes
 

@@ -37,9 +37,9 @@ from .attach import Attachment, attach_module, detach_modules
 from .blocks import BLOCK_SCOPE, blocks_need_full_tracking, blocks_need_producers
 from .config import Config
 from .deciders import check_hints, make_decider
-from .errors import ConfigError, TierMemError
+from .errors import TierMemError
 from .runtime.hooks import Packer, opaque, unpack
-from .runtime.placement import Placement, default_cpu_budget_bytes, default_nvme_budget_bytes
+from .runtime.placement import Placement
 from .runtime.step import Step
 from .runtime.tailhold import TailHold
 from .telemetry import StepStats
