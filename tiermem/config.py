@@ -242,7 +242,7 @@ class Config:
         "TIERMEM_TAIL_HOLD_BYTES", _size,
         "Fixed and callable policies: the sources of the last moved tensors, up to this many "
         "bytes in packing order, stay in memory after their move lands, so that backward's "
-        "first unpacks take them without a read (NOTE [Tail hold]); device memory from the "
+        "first unpacks take them without a read; device memory from the "
         "forward to those unpacks is higher by at most this. 0: off. Unset: the prefetch "
         "window (`prefetch_bytes`, else a quarter of the bytes moved so far, 16MiB to "
         "256MiB). Not used by steps that follow an auto plan.", default_doc="auto", minimum=0)
