@@ -257,8 +257,8 @@ class Agreement:
         elif profile is not None:
             parts.append("timeline: this rank's own"
                          + (f" ({self.timeline_note})" if self.timeline_note else ""))
-        return (f"planned from numbers agreed by {self.ranks} ranks (the smallest budgets and the slowest "
-                f"rates of them all): " + "; ".join(parts))
+        return (f"planned from numbers agreed by {self.ranks} ranks (the smallest "
+                f"budgets and the slowest rates of them all): " + "; ".join(parts))
 
 
 def _min_or_none(values) -> Optional[float]:
