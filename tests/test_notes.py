@@ -63,10 +63,6 @@ LONG_NOTES = {
     ("tiermem/planner/profile.py", "Profile times on a GPU"),
     ("tiermem/planner/profile.py", "Repeated layers share their timings"),
     ("tiermem/planner/rates.py", "A tracking price of 0"),
-    ("tiermem/planner/runtime.py", "Blocks the planner may checkpoint"),
-    ("tiermem/planner/runtime.py", "Following a plan"),
-    ("tiermem/planner/runtime.py", "Stall on the GPU's timeline"),
-    ("tiermem/planner/runtime.py", "Tracking priced"),
     ("tiermem/runtime/hooks.py", "Restores start with backward"),
     ("tiermem/runtime/hooks.py", "Sharded parameters"),
 }

@@ -56,8 +56,8 @@ __all__ = ["TensorRecord", "BlockInput", "BlockRecord", "Profile", "Recorder", "
            "signature_hash", "INPUT_KINDS", "pool_repeated"]
 
 #: What a checkpoint of an auto block would do with one of its tensor
-#: arguments (``BlockInput.kind``; rule 6 of NOTE [Blocks the planner may
-#: checkpoint] in planner/runtime.py): ``"movable"`` (the planner may keep it
+#: arguments (``BlockInput.kind``; NOTE [Checkpointed block inputs] in
+#: planner/runtime.py): ``"movable"`` (the planner may keep it
 #: or move it), ``"param"`` (a parameter or a leaf that requires grad: never
 #: moved, never counted), ``"small"`` / ``"unmovable"`` (kept by the pack
 #: hook, counted as kept), ``"before"`` (its storage was saved earlier in the
@@ -306,7 +306,7 @@ class Recorder:
         self._unpack = unpack
         self.records: List[TensorRecord] = []
         self.keys: list = []
-        #: Per pack position (NOTE [Following a plan] in planner/runtime.py):
+        #: Per pack position (NOTE [Planned keeps by position] in planner/runtime.py):
         #: ``i`` a new tensor of index ``i``; ``~i`` a dedup hit of index ``i``;
         #: ``None`` a dedup hit of a handle this step did not record.
         self.positions: list = []

@@ -382,8 +382,8 @@ class Packer:
             return handle
         module = current_module()
         if planning.in_checkpoint:
-            # A planned checkpoint's input, not an indexed tensor (rule 6 of
-            # NOTE [Blocks the planner may checkpoint]): kept, or moved as
+            # A planned checkpoint's input, not an indexed tensor (see
+            # NOTE [Checkpointed block inputs] in planner/runtime.py): kept, or moved as
             # the plan says, or a hit of a tensor the plan keeps (counted there).
             order = planning.checkpoint_inputs.get(key, _KEEP_ORDER)
             if order is None:
