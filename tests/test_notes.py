@@ -63,8 +63,6 @@ LONG_NOTES = {
     ("tiermem/planner/profile.py", "Profile times on a GPU"),
     ("tiermem/planner/profile.py", "Repeated layers share their timings"),
     ("tiermem/planner/rates.py", "A tracking price of 0"),
-    ("tiermem/runtime/hooks.py", "Restores start with backward"),
-    ("tiermem/runtime/hooks.py", "Sharded parameters"),
 }
 
 
