@@ -60,7 +60,6 @@ MAX_NOTE_LINES = 15
 LONG_NOTES = {
     ("tiermem/planner/profile.py", "Profile times on a GPU"),
     ("tiermem/planner/profile.py", "Repeated layers share their timings"),
-    ("tiermem/planner/rates.py", "A tracking price of 0"),
 }
 
 
