@@ -58,8 +58,6 @@ MAX_NOTE_LINES = 15
 # Notes still over MAX_NOTE_LINES, in files being changed elsewhere at the time of
 # writing. This list may only shrink: condense a note, then take it off.
 LONG_NOTES = {
-    ("tiermem/planner/profile.py", "Profile times on a GPU"),
-    ("tiermem/planner/profile.py", "Repeated layers share their timings"),
 }
 
 
