@@ -31,10 +31,8 @@ machine and cached per process.
   count; measured once per process, on one intra-op thread and by its CPU
   clock (NOTE [A tracking price of 0]). What the planner prices a plan's
   tracking with (NOTE [Tracking priced] in planner/runtime.py). It grows
-  with the tensors' size (15 µs per op at 64 KiB, 22-70 µs at 256 KiB
-  here, varying between processes), and in a TinyGPT forward a tracked op
-  cost about twice what this probe says
-  (benchmarks/results/2026-12-02-cpu-tracking-priced.md).
+  with the tensors' size and varies between processes; an approximation of
+  what tracking costs a real forward.
 - ``track_call_s``: seconds one torch call recorded whole (NOTE [Calls
   recorded whole] in tracking/producers.py) adds: the same chain under a
   :class:`~tiermem.tracking.modules.CallGate` that records the GELU and the add whole
@@ -45,8 +43,8 @@ machine and cached per process.
 Each figure is the best of :data:`REPEATS` runs (the machine is shared: the
 best run is the least disturbed one). The whole measurement stays under a
 second (a few hundredths without an nvme store), once PyTorch has set up its
-Python dispatch (the first dispatch mode of a process costs about a second
-here; the planner measures after its profiled step did that). All rates are bytes per
+Python dispatch (the first dispatch mode of a process is slow to set up; the
+planner measures after its profiled step did that). All rates are bytes per
 second; ``None`` when not measurable here (no GPU, no nvme store).
 """
 

@@ -113,9 +113,9 @@ def opaque(fn):
     # NOTE [Hooks under torch.compile]
     # Recent PyTorch traces the active saved-tensor hooks into a compiled
     # graph (AOTAutograd); ours are Python bookkeeping, not graph code, and
-    # tracing them fails (measured: BackendCompilerFailed on `_is_param`). Hidden
-    # from Dynamo they run eagerly when the compiled function saves its tensors,
-    # as PyTorch did before (cost: ~0.4 µs per call in eager).
+    # tracing them fails (BackendCompilerFailed on `_is_param`). Hidden from
+    # Dynamo they run eagerly when the compiled function saves its tensors, as
+    # PyTorch did before.
     """
     try:
         import torch._dynamo
