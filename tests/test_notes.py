@@ -57,19 +57,7 @@ MAX_NOTE_LINES = 15
 
 # Notes still over MAX_NOTE_LINES, in files being changed elsewhere at the time of
 # writing. This list may only shrink: condense a note, then take it off.
-LONG_NOTES = {
-    ("tiermem/planner/agree.py", "Ranks agree once"),
-    ("tiermem/planner/hints.py", "Planner hints"),
-    ("tiermem/planner/profile.py", "Profile times on a GPU"),
-    ("tiermem/planner/profile.py", "Repeated layers share their timings"),
-    ("tiermem/planner/rates.py", "A tracking price of 0"),
-    ("tiermem/planner/runtime.py", "Blocks the planner may checkpoint"),
-    ("tiermem/planner/runtime.py", "Following a plan"),
-    ("tiermem/planner/runtime.py", "Stall on the GPU's timeline"),
-    ("tiermem/planner/runtime.py", "Tracking priced"),
-    ("tiermem/runtime/hooks.py", "Restores start with backward"),
-    ("tiermem/runtime/hooks.py", "Sharded parameters"),
-}
+LONG_NOTES: set = set()
 
 
 def _note_lengths():
@@ -116,17 +104,7 @@ def test_long_notes_allowlist_is_current():
 
 # Public docstrings that still point into the source, in files being changed elsewhere at
 # the time of writing. This list may only shrink.
-DOCSTRINGS_WITH_NOTES = {
-    "Config",
-    "Config.setting_name",
-    "Config.unused_settings",
-    "Offloader",
-    "Offloader.plan",
-    "Offloader.store_stats",
-    "engine_info",
-    "no_offload",
-    "wrap_blocks",
-}
+DOCSTRINGS_WITH_NOTES: set = set()
 
 
 def _public_docstrings():

@@ -248,8 +248,7 @@ def wrap_blocks(model: nn.Module, blocks: Selector, *, checkpoint: Union[bool, s
       device). ``False``: no checkpointing. ``"auto"``: inside an
       ``Offloader(policy="auto")`` the planner chooses per block, from the
       profiled step, between checkpointing the whole block and per-tensor
-      tiers inside it (NOTE [Blocks the planner may checkpoint] in
-      planner/runtime.py; each block's choice and reason in ``off.plan``);
+      tiers inside it (each block's choice and reason in ``off.plan``);
       anywhere else (no Offloader, a fixed or callable policy, or a budget
       that fits) the block runs plainly, as unwrapped: without a budget
       there is nothing that checkpointing's extra forward would buy. Takes no
@@ -259,13 +258,12 @@ def wrap_blocks(model: nn.Module, blocks: Selector, *, checkpoint: Union[bool, s
       policy there (the rest of the model keeps the Offloader's policy).
       ``torch.utils.checkpoint.CheckpointPolicy`` values are taken too, alone
       or in such a list (``CheckpointPolicy.PREFER_RECOMPUTE``,
-      ``[CheckpointPolicy.MUST_RECOMPUTE, "nvme"]``), with the meaning of
-      NOTE [CheckpointPolicy answers] in policy.py: MUST_RECOMPUTE raises
+      ``[CheckpointPolicy.MUST_RECOMPUTE, "nvme"]``), with the meaning they
+      have as a callable policy's answers: MUST_RECOMPUTE raises
       ``TierMemError`` in the forward for a tensor of the block that cannot be
       recomputed.
       With ``recompute`` in it, an Offloader tracks producers while such a
-      block runs (only then, unless its own policy needs tracking; NOTE
-      [Scoped tracking] in tracking/modules.py): a tensor the block saves whose
+      block runs (only then, unless its own policy needs tracking): a tensor the block saves whose
       producer ran before the block (its inputs) has no recipe and goes to
       the next tier of the block's policy. With ``MUST_RECOMPUTE``, every
       Offloader tracks the whole forward while such a block exists (whether

@@ -252,7 +252,8 @@ class Offloader:
     signature whose answers the planner obeys (``CheckpointPolicy.MUST_*``) or
     weighs (``PREFER_*``, tier names); ``None`` from it is no opinion. It is
     asked only in profiled and safe-order steps, never while a step follows a
-    plan (NOTE [Planner hints] in planner/hints.py).
+    plan, so its answer must depend on the tensor, not on the step; a changed
+    answer takes effect when the step's shapes are profiled again.
 
     Raises :class:`ConfigError` for bad settings and :class:`TierMemError` at
     unpack when a saved tensor was modified in place (as autograd would).
@@ -382,10 +383,10 @@ class Offloader:
         follows (``str()`` a per-module table, ``.explain(i)``, ``.reasons``,
         ``.as_dict()``), with the last planned step's measurements written in.
         ``None`` before the first profiled step's backward has run (under
-        torch.distributed, before the second step begins: NOTE [Ranks agree
-        once] in planner/agree.py), and for other policies. Read it after a backward: it settles the planner
-        (plans from a finished profile, checks the last step; NOTE [Closed
-        loop] in planner/lifecycle.py)."""
+        torch.distributed, before the second step begins: the ranks agree on
+        the plan's inputs then), and for other policies. Read it after a
+        backward: it settles the planner (plans from a finished profile, checks
+        the last step against its plan's predictions)."""
         if self.config.disable:
             return None
         return self._decider.settle()
@@ -414,7 +415,7 @@ class Offloader:
         tier, its pool's bytes in use, held (in use + pooled idle) and buffers
         ever allocated (``host_*`` for cpu, ``staging_*`` for nvme), and
         ``pinned_returns``: pinned buffers dropped from a full pool, each a
-        device sync on CUDA (NOTE [Trimming pinned buffers] in memory/hostpool.py);
+        device sync on CUDA;
         for nvme also ``disk_used_bytes`` and ``disk_file_bytes`` (the arena
         file's size). ``{}`` when disabled."""
         return {} if self.config.disable else self._placement.store_stats()

@@ -78,7 +78,8 @@ class no_offload(torch.autograd.graph.saved_tensors_hooks):
 
     Nested inside an Offloader it wins (the innermost hooks apply). Tensors are
     kept as plain autograd would keep them, with autograd's in-place check
-    preserved (see NOTE [In-place check]).
+    preserved: autograd skips it while saved-tensor hooks are active, so the
+    unpack raises itself for a tensor modified in place since it was saved.
     """
 
     def __init__(self) -> None:

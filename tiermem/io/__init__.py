@@ -144,9 +144,8 @@ def engine_info(kind: Optional[str] = None) -> dict:
     str | None, "cuda": bool}``. ``"none"``: ``cpp`` was asked for and the
     C++ engine is unavailable (an Offloader with that setting raises; the
     reason carries the compiler's output). ``cuda``: the engine moves CUDA
-    tensors itself (the C++ engine built with CUDA, see NOTE [CUDA build of
-    the engine] in :mod:`tiermem.io.cpp`); ``reason`` then also says why it
-    does or does not.
+    tensors itself (the C++ engine built with CUDA); ``reason`` then also
+    says why it does or does not.
     """
     from . import cpp
 

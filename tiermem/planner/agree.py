@@ -1,4 +1,4 @@
-"""Every rank plans from the same numbers (issue 13 item 3): under
+"""Every rank plans from the same numbers: under
 ``torch.distributed`` an auto Offloader agrees once with the other ranks on the
 inputs of its plans, so that ranks fed the same step do not drift apart.
 
@@ -28,40 +28,34 @@ its backward before its second step began and all have the same structure;
 otherwise every rank plans from the agreed budgets and rates and its own
 timeline (alike, not identical). Later plans (a new shape, a closed-loop
 correction) are made by one rank alone, from the agreed budgets and rates
-and that rank's own profile, without a collective (NOTE [Ranks agree once]).
+and that rank's own profile, without a collective (NOTE [Ranks agree once])."""
 
 # NOTE [Ranks agree once]
-# A collective that only some ranks enter waits forever. Plans are made when
-# a rank's profile is finished, which depends on the rank's own data (a new
-# sequence length on one rank only profiles there), on the closed loop (which
-# fires on the rank whose measurement disagreed) and on when the user reads
-# ``off.plan``: no collective may run there. So the exchange runs at exactly
-# one point, fixed by a count rather than by state: the entry of each auto
-# Offloader's AGREE_AT_STEP-th step (``with off:`` or an attached forward),
-# before the forward runs (``Planner.begin_step``), and only when
-# ``agree_ranks`` is on, torch.distributed is initialised, the default group
-# has more than one rank and its backend takes the exchange's tensor (gloo
-# or MPI: on the CPU; NCCL: on the current CUDA device). Each condition is
-# the same on every rank of an SPMD job, and every rank enters its
-# Offloader's second step at the same point of its program (after the same
-# collectives of the previous step, before those of this forward), so every
-# rank enters the exchange, and in the same order relative to the program's
-# own collectives. The exchange is one all_gather of a fixed-size row; a
-# broadcast of the timeline follows only when the gathered table, the same on
-# every rank, says so. A rank whose first profile is not finished (its
-# forward raised, or forwards ran ahead of backwards) still takes part, with
-# no figures (neutral in every minimum), and so does a rank whose own
-# measurement raised (``Planner._agree`` guards it: a failure there must
-# not keep one rank out of the exchange). Nothing after that step runs a
-# collective: later plans reuse the agreed numbers, and ``off.plan`` read
-# before the exchange gives ``None`` (the first plan waits for it).
-# What breaks this, and needs ``agree_ranks=False`` (TIERMEM_AGREE_RANKS=0):
-# an auto Offloader on only some ranks of the default group (a pipeline stage
-# of its own, a sub-mesh), or a different number of entries before the second
-# step on some ranks (an extra forward under it on rank 0 only). The default
-# group is always the one used: all ranks of the job agree, whatever meshes
-# or subgroups the model uses.
-"""
+# A collective that only some ranks enter waits forever. Plans are made when a
+# rank's profile finishes, which depends on its own data, on the closed loop
+# and on when the user reads ``off.plan``: no collective may run there. So the
+# exchange runs at one point, fixed by a count rather than by state: the entry
+# of each auto Offloader's AGREE_AT_STEP-th step, before its forward
+# (``Planner.begin_step``), when ``agree_ranks`` is on, torch.distributed is
+# initialised, the default group has more than one rank and its backend takes
+# the exchange's tensor (gloo or MPI: CPU; NCCL: the current CUDA device).
+# Each condition is the same on every rank of an SPMD job, and all enter that
+# step at the same point of their programs, so all enter the exchange, in the
+# same order relative to the program's own collectives: one all_gather of a
+# fixed-size row, then a broadcast of the timeline only when the gathered
+# table (the same everywhere) says so. No collective runs later: later plans
+# reuse the agreed numbers; ``off.plan`` before the exchange is ``None``.
+
+# NOTE [Every rank enters the exchange]
+# A rank whose first profile is not finished (its forward raised, or forwards
+# ran ahead of backwards) still takes part, with no figures (neutral in every
+# minimum), and so does a rank whose own measurement raised (``Planner._agree``
+# guards it). What breaks NOTE [Ranks agree once], and needs
+# ``agree_ranks=False`` (TIERMEM_AGREE_RANKS=0): an auto Offloader on only some
+# ranks of the default group (a pipeline stage of its own, a sub-mesh), or a
+# different number of entries before the exchange's step on some ranks (an
+# extra forward under it on rank 0 only). The default group is always the one
+# used: all ranks of the job agree, whatever meshes or subgroups the model uses.
 
 from __future__ import annotations
 

@@ -4,44 +4,35 @@
 answers as a policy does (a ``CheckpointPolicy`` member, a tier name, a list of
 these; NOTE [CheckpointPolicy answers] in policy.py) or with ``None``: no
 opinion. :class:`Hints` asks it and parses the answer; the solver
-(``solver.make_plan``) obeys or weighs it.
+(``solver.make_plan``) obeys or weighs it."""
 
 # NOTE [Planner hints]
-# 1. Where ``fn`` is asked: once per tensor that reaches the planner, in a
-#    profiled step and in steps under the safe order (no plan yet, or the
-#    step left its plan). A step that follows a plan never calls it: the
-#    profile records each answer at its pack index and the plan bakes it into
-#    that index's tier order, so the hot path is the plan lookup as before
-#    (NOTE [Following a plan] in planner/runtime.py). Hence an answer must
-#    depend on the tensor (its module, op, shape, index), not on the step: a
-#    changed answer takes effect when the step's shapes are profiled again.
-#    (``TensorInfo.op`` is ``None`` in a safe-order step that does not track
-#    producers: one whose plan recomputed nothing and which left it.)
-# 2. MUST_* answers are constraints, in every step, profiled ones included (a
-#    constraint is never broken to measure another choice): MUST_SAVE keeps
-#    the tensor; MUST_RECOMPUTE recomputes it (``TierMemError`` in the
-#    forward where the recompute tier cannot take it, as under a callable
-#    policy), its recipe's inputs going where the safe order sends what it
-#    does not recompute; MUST_CPU_OFFLOAD is cpu, then keep (its fallback).
-#    The solver never places these tensors otherwise and counts what they
-#    keep against the budget (on the CPU the cpu tier holds a CPU tensor in
-#    the same RAM: counted as kept); a budget they put out of reach is said
-#    in the plan's notes.
-# 3. Any other answer (PREFER_*, tier names, lists) is a hint, followed only
-#    while the budget needs bytes (when everything fits nothing moves):
-#    - a move hint (first tier recompute, cpu or nvme): these tensors are
-#      moved before the unhinted ones, and each tries its hinted tiers first,
-#      in the answer's order, then its other options by price. Overridden
-#      where the budget is met without moving it, or where the hinted tier
-#      cannot free its memory here (not recomputable; a CPU tensor's cpu tier;
-#      no nvme_dir) or is full.
-#    - a keep hint (PREFER_SAVE, "keep"): moved only after every tensor
-#      without one, when the budget cannot be met otherwise.
-#    The profile ignores hints (its safe order measures every option, which
-#    is what lets the solver weigh them). Each tensor's reason ends with what
-#    became of its hint: "followed", "overridden: <why>" or "not followed:
-#    <why>".
-"""
+# 1. ``fn`` is asked only off the plan (NOTE [Hints asked off the plan]), so an
+#    answer must depend on the tensor (module, op, shape, index), not the step.
+# 2. MUST_* answers are constraints in every step, profiled ones included:
+#    MUST_SAVE keeps the tensor; MUST_RECOMPUTE recomputes it (``TierMemError``
+#    in the forward where the recompute tier cannot take it), its recipe's
+#    inputs going where the safe order sends them; MUST_CPU_OFFLOAD is cpu,
+#    then keep. The solver never places them otherwise and counts what they
+#    keep against the budget (a CPU tensor on the cpu tier: kept); a budget
+#    they put out of reach is said in the plan's notes.
+# 3. Other answers (PREFER_*, tier names, lists) are hints, followed only while
+#    the budget needs bytes: a move hint's tensor moves before unhinted ones,
+#    its hinted tiers first, unless the tier cannot free its memory here or is
+#    full; a keep hint's moves only after every unhinted one. Each reason ends
+#    "followed", "overridden: <why>" or "not followed: <why>".
+
+# NOTE [Hints asked off the plan]
+# ``fn`` is asked once per tensor that reaches the planner in a profiled step
+# and in steps under the safe order (no plan yet, or the step left its plan).
+# A step that follows a plan never calls it: the profile records each answer
+# at its pack index and the plan bakes it into that index's tier order, so the
+# hot path stays the plan lookup (NOTE [Following a plan] in
+# planner/runtime.py), and a changed answer takes effect only when the step's
+# shapes are profiled again. The profile ignores hints: its safe order
+# measures every option, which is what lets the solver weigh them.
+# ``TensorInfo.op`` is ``None`` in a safe-order step that does not track
+# producers (one whose plan recomputed nothing and which left it).
 
 from __future__ import annotations
 

@@ -11,29 +11,23 @@ this: other steps use the plain unpack hook.
 
 Times are ``time.perf_counter()`` seconds from the step's start (the context's
 entry), on CUDA read once the compute stream is done: NOTE [Profile times on
-a GPU].
+a GPU]."""
 
-NOTE [Profile times on a GPU]
-  On CUDA the host runs ahead of the kernels: a pack's host time is when its
-  op was *launched*, a regeneration's host time only its launches, and a
-  restore's wait a stream wait the host never sees. Priced on host times,
-  recompute looked free and windows were the host's, not the GPU's. So once
-  a profiled step has seen a CUDA tensor, each of its time stamps (a pack,
-  a first unpack and the end of its regeneration or restore, a leaf's use,
-  the end of the forward) first synchronizes the current stream of that
-  tensor's device (the compute stream: ``torch.cuda.current_stream``, not
-  the copy side streams, whose moves would otherwise be timed as if they
-  blocked; in backward, autograd's stream): the stamp is when the GPU has
-  done the work before it. The step starts with the current device's stream
-  synchronized when CUDA is initialised (the last step's optimizer kernels
-  are not this step's). The price: one profiled step (per signature) waits
-  for the GPU at each saved tensor, and the GPU idles while the host
-  launches the next kernels, so its timeline is the GPU's stretched by the
-  launch time (windows a little longer, regeneration a little dearer: both
-  on the safe side). Blocks' forward times are CUDA events as before. Steps
-  that follow a plan have no recorder and no such wait. Not yet run on a
-  GPU.
-"""
+# NOTE [Profile times on a GPU]
+# On CUDA the host runs ahead of the kernels: a pack's host time is when its op
+# was *launched*, a regeneration's host time only its launches, and a restore's
+# wait a stream wait the host never sees. So once a profiled step has seen a
+# CUDA tensor, each of its time stamps (a pack, a first unpack and the end of
+# its regeneration or restore, a leaf's use, the end of the forward) first
+# synchronizes the current stream of that tensor's device (the compute stream,
+# not the copy side streams, whose moves would otherwise be timed as blocking;
+# in backward, autograd's stream): the stamp is when the GPU has done the work
+# before it. The step starts with the current device's stream synchronized when
+# CUDA is initialised (the last step's optimizer kernels are not this step's).
+# The GPU then idles while the host launches, so the timeline is the GPU's
+# stretched by launch time: windows a little longer, regeneration a little
+# dearer, both on the safe side. Only profiled steps wait; blocks' forward
+# times are CUDA events.
 
 from __future__ import annotations
 
@@ -56,8 +50,8 @@ __all__ = ["TensorRecord", "BlockInput", "BlockRecord", "Profile", "Recorder", "
            "signature_hash", "INPUT_KINDS", "pool_repeated"]
 
 #: What a checkpoint of an auto block would do with one of its tensor
-#: arguments (``BlockInput.kind``; rule 6 of NOTE [Blocks the planner may
-#: checkpoint] in planner/runtime.py): ``"movable"`` (the planner may keep it
+#: arguments (``BlockInput.kind``; NOTE [Checkpointed block inputs] in
+#: planner/runtime.py): ``"movable"`` (the planner may keep it
 #: or move it), ``"param"`` (a parameter or a leaf that requires grad: never
 #: moved, never counted), ``"small"`` / ``"unmovable"`` (kept by the pack
 #: hook, counted as kept), ``"before"`` (its storage was saved earlier in the
@@ -98,22 +92,19 @@ def signature_hash(keys) -> str:
 
 # NOTE [Repeated layers share their timings]
 # A profile times each auto block's forward and each recomputed tensor's
-# regeneration once, in one step, on a host that may be busy with other work:
-# the four identical blocks of the demo's TinyGPT measured 56, 117, 82 and
-# 53 ms in one profile (2026-12-02, loaded machine), and the plan
-# checkpointed blocks 0 and 3 for it; another run would have picked others.
-# Repeated layers do the same work, so ``Recorder.finish`` gives each such
-# time the median of the times of its kind (``pool_repeated``):
-# - blocks: the same module path once layer indexes are removed
-#   (``blocks.3`` -> ``blocks.#``), the same saved tensors (shape, dtype, op,
-#   in order; not the op of a saved argument: it ran before the block) and
-#   the same arguments (shape, dtype, kind);
+# regeneration once, on a host that may be busy, so one noisy time could
+# decide which of several identical layers a plan checkpoints. Repeated layers
+# do the same work, so ``Recorder.finish`` gives each such time the median of
+# its kind (``pool_repeated``):
+# - blocks: the same module path without layer indexes (``blocks.3`` ->
+#   ``blocks.#``), the same saved tensors (shape, dtype, op, in order; not a
+#   saved argument's op: it ran before the block) and the same arguments
+#   (shape, dtype, kind);
 # - recomputed tensors: the same module path without indexes, op, shape,
 #   dtype, recipe ops (paths without indexes) and recipe input bytes kept.
-# Only these durations are pooled, the costs the solver compares; the
-# timeline (``pack_s``, ``first_use_s``, ``start_s``) and every byte count
-# stay as measured. A kind seen once keeps its own time. Exactness does not
-# depend on it: a time only decides which option a tensor or block gets.
+# Only these durations, the costs the solver compares, are pooled; the
+# timeline (``pack_s``, ``first_use_s``, ``start_s``) and byte counts stay as
+# measured, and a kind seen once keeps its own time.
 _LAYER_INDEX = re.compile(r"\.\d+(?=\.|$)")
 
 
@@ -188,13 +179,13 @@ class TensorRecord:
     #: Seconds its first unpack took in the profile (its read's wait, its
     #: regeneration), when no other unpack was running (``None``: inside
     #: another tensor's regeneration, or never unpacked): the profile's
-    #: backward timeline less these is the compute's (NOTE [Planner cost
-    #: model], 4, in planner/solver.py).
+    #: backward timeline less these is the compute's (see e of
+    #: NOTE [Predicted restores] in planner/timeline.py).
     unpack_s: Optional[float] = None
     #: When a regeneration first read it as its recipe's input, if that came
     #: before its ``first_use_s`` (``None``: it did not), and the index of the
     #: tensor being regenerated: a followed step that recomputes that tensor
-    #: needs this one then (NOTE [Planner cost model], 4e).
+    #: needs this one then (NOTE [Predicted restores], e, in planner/timeline.py).
     leaf_use_s: Optional[float] = None
     leaf_reader: Optional[int] = None
     #: The ``hints`` callable's answer, ``(TierOrder, name)``, or ``None``
@@ -306,7 +297,7 @@ class Recorder:
         self._unpack = unpack
         self.records: List[TensorRecord] = []
         self.keys: list = []
-        #: Per pack position (NOTE [Following a plan] in planner/runtime.py):
+        #: Per pack position (NOTE [Planned keeps by position] in planner/runtime.py):
         #: ``i`` a new tensor of index ``i``; ``~i`` a dedup hit of index ``i``;
         #: ``None`` a dedup hit of a handle this step did not record.
         self.positions: list = []

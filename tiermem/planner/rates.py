@@ -31,10 +31,8 @@ machine and cached per process.
   count; measured once per process, on one intra-op thread and by its CPU
   clock (NOTE [A tracking price of 0]). What the planner prices a plan's
   tracking with (NOTE [Tracking priced] in planner/runtime.py). It grows
-  with the tensors' size (15 µs per op at 64 KiB, 22-70 µs at 256 KiB
-  here, varying between processes), and in a TinyGPT forward a tracked op
-  cost about twice what this probe says
-  (benchmarks/results/2026-12-02-cpu-tracking-priced.md).
+  with the tensors' size and varies between processes; an approximation of
+  what tracking costs a real forward.
 - ``track_call_s``: seconds one torch call recorded whole (NOTE [Calls
   recorded whole] in tracking/producers.py) adds: the same chain under a
   :class:`~tiermem.tracking.modules.CallGate` that records the GELU and the add whole
@@ -45,8 +43,8 @@ machine and cached per process.
 Each figure is the best of :data:`REPEATS` runs (the machine is shared: the
 best run is the least disturbed one). The whole measurement stays under a
 second (a few hundredths without an nvme store), once PyTorch has set up its
-Python dispatch (the first dispatch mode of a process costs about a second
-here; the planner measures after its profiled step did that). All rates are bytes per
+Python dispatch (the first dispatch mode of a process is slow to set up; the
+planner measures after its profiled step did that). All rates are bytes per
 second; ``None`` when not measurable here (no GPU, no nvme store).
 """
 
@@ -156,28 +154,17 @@ def _tracking_cost() -> tuple:
     initialised), no generator drawn from.
 
     # NOTE [A tracking price of 0]
-    # Tracking adds a few tens of microseconds per op, a fraction of the
-    # chain's time, and on a loaded machine one lucky run can make a way's
-    # best time come under the plain chain's: the price then read 0 (seen for
-    # track_call_s, torch 2.11, in a process whose track_op_s read 313 µs),
-    # which makes tracking free to the planner. Tracking is never faster than
-    # not tracking, so a difference at or below 0 is a disturbed measurement,
-    # not a price: the runs go on (up to TRACK_PROBE_ATTEMPTS times as many,
-    # the bests taken over all of them) until both differences are positive;
-    # still not, the price reads 0. (Medians of paired differences, tried as
-    # well, were no steadier here under load: with 1 or 2 busy processes on
-    # the 2 cores, either estimate read anything from below 0 to 700 µs per
-    # op, and the bests once 6.7 ms.) Two things make it rarer: the probe
-    # runs on one thread and is timed by that thread's CPU clock
-    # (``time.thread_time``: time the thread was descheduled, the main way a
-    # busy machine disturbs a run, is not counted; with one intra-op thread
-    # every kernel runs on it), and a call price still not positive after the
-    # attempts reads the op price (a call recorded whole costs about what the
-    # mode costs its op: rough, but never free); the op price still not
-    # positive reads 0.
-    # Seen, one busy process beside the probe on the 2 cores, 4 processes
-    # each way: wall clock, op 36-146 µs and call 40-236 µs; one thread and
-    # its CPU clock, op 44-62 µs and call 15-95 µs.
+    # Tracking is never faster than not tracking, so a way's best time at or
+    # below the plain chain's is a disturbed measurement (one lucky run on a
+    # loaded machine), not a price; read as 0 it would make tracking free to
+    # the planner. So the runs go on (up to TRACK_PROBE_ATTEMPTS times as many,
+    # the bests taken over all of them) until both differences are positive.
+    # The probe runs on one thread, timed by that thread's CPU clock
+    # (``time.thread_time``: time descheduled, the main way a busy machine
+    # disturbs a run, is not counted; with one intra-op thread every kernel
+    # runs on it). A call price still not positive reads the op price (a call
+    # recorded whole costs about what the mode costs its op: rough, but never
+    # free); an op price still not positive reads 0.
     """
     if _track_cache:
         return _track_cache[0]

@@ -1,7 +1,7 @@
 """``policy="auto"`` inside a step: :class:`StepPlanning` answers the pack
 hook (profile, follow a plan, or the safe order) and runs the
 ``checkpoint="auto"`` blocks. Which step profiles and which plan it starts
-with is the per-signature state machine's (planner/lifecycle.py).
+with is the per-signature state machine's (planner/lifecycle.py)."""
 
 # NOTE [Profile under the safe order]
 # A step with no plan for its shapes is profiled under the *safe* order:
@@ -13,7 +13,7 @@ with is the per-signature state machine's (planner/lifecycle.py).
 # out of memory where the plan fits). The price: that one step pays for
 # producer tracking, recomputes and moves, and its timeline (the windows the
 # plan reads) is the timeline of that placement.
-#
+
 # NOTE [Steps that never reach backward]
 # A forward whose backward never runs (a skipped non-finite loss, a warm-up
 # with grad on) or that raises must not steer the planner:
@@ -24,162 +24,93 @@ with is the per-signature state machine's (planner/lifecycle.py).
 # 2. A step following a plan that raised stopped early: its tensors say
 #    nothing of the signature, so plans and requests are left as they are.
 #    A step that left its plan before it raised has asked already.
-#
+
 # NOTE [Following a plan]
 # A plan is a tier order per pack index (``TensorInfo.index``), valid for one
 # step signature: the (shape, dtype, device) of each tensor in pack order.
-# The pack hook checks each tensor's key against the plan's at its index
-# (one tuple comparison) and takes the plan's order. On the first tensor that
-# differs (another sequence length, another branch), the plans cached for
-# other signatures are searched for one that agrees with the step so far
-# and with this tensor; if one does the step follows it (plans are cached per
-# signature: an old shape reuses its plan, no new profile), else the rest of
-# the step goes to the safe order and the next step profiles. Every order is
-# a valid placement, so a step off its plan is still exact; only its budget
-# is not planned.
-# The hot path (measured: bench_overhead, benchmarks/results/
-# 2026-12-01-cpu-overhead-auto.md). Most tensors of most plans are kept, and
-# a kept tensor needs no dedup key (kept tensors are never deduplicated: NOTE
-# [Pack order of checks] in runtime/hooks.py). So the profile also records each *pack
-# position* (every tensor that reaches the plan, dedup hits included): the
-# new tensor of index i, or a dedup hit of index i. ``Plan.kept_at`` maps a
-# position to (i, shape, dtype, device) (new, planned keep) or (~i, ...) (a
-# hit of i, planned keep), with the key of i, else None. The pack hook reads
-# ``kept_at[pos]``; where it names a kept tensor whose (shape, dtype, device)
-# match (three comparisons, no tuple built) and, for a new tensor, the step's
-# index is i, the tensor is kept at once, as the fixed keep tier keeps it
-# (no module name in its handle, no dedup key, no dedup entry, no TensorInfo;
-# the entry is made only when producers are tracked, for the recipes that
-# look their inputs up). The device check stands for the pack hook's
-# movable-tensor check, which costs more (a plan holds cpu and cuda tensors
-# only). A position that was a hit in the
-# profile is not counted as an index, as in the profile. Anything else takes
-# the general path above (dedup lookup, index, key check). Exactness never
-# rests on the table: a kept tensor is a valid placement whatever else the
-# step saved (a storage kept twice costs nothing); what a wrong guess could
-# cost is only memory (a tensor kept that this step's dedup would have shared
-# with a moved one), which the closed loop measures.
-#
+# The pack hook compares each tensor's key with the plan's at its index and
+# takes the plan's order. On the first tensor that differs (another sequence
+# length, another branch) the step follows a cached plan of another signature
+# that agrees with the step so far and with this tensor, if one does (an old
+# shape reuses its plan, no new profile); else the rest of the step takes the
+# safe order and the next step profiles. Every order is a valid placement, so
+# a step off its plan is still exact; only its budget is not planned.
+# Planned keeps take a shorter path: NOTE [Planned keeps by position].
+
+# NOTE [Planned keeps by position]
+# Most tensors of most plans are kept, and a kept tensor needs no dedup key
+# (NOTE [Pack order of checks] in runtime/hooks.py). So the profile records
+# each pack position (every tensor reaching the plan, dedup hits included) and
+# ``Plan.kept_at[pos]`` is (i, shape, dtype, device) for a new tensor of index
+# i planned kept, (~i, ...) for a dedup hit of i, else None. Where it matches
+# (three comparisons; the device check stands for the movable-tensor check: a
+# plan holds cpu and cuda tensors only) and a new tensor's index is i, the
+# tensor is kept at once as the keep tier keeps it: no dedup key or entry, no
+# TensorInfo unless producers are tracked. A hit takes no index, as in the
+# profile; anything else takes the general path. Exactness never rests on the
+# table: a kept tensor is a valid placement (a storage kept twice costs
+# nothing); a wrong guess costs only memory, which the closed loop measures.
+
 # NOTE [Stall on the GPU's timeline]
-# The closed loop compares a measured stall with the plan's prediction, which
-# on CUDA is made on the GPU's timeline (NOTE [Profile times on a GPU] in
-# planner/profile.py). The host's waits (``stats.stall_seconds``) are not that
-# stall there: a restore from the cpu tier makes the consumer's stream wait
-# for the copy's event and the host goes on (a few µs whatever the GPU
-# waits), and a read from disk blocks the host while the GPU may still run
-# queued work. So the first step that follows a plan (the one the check
-# reads) times each restore's wait on the consumer's stream: a timing event
-# recorded before the unpack starts or waits for the restore and one after
-# its stream is ordered after the copy (``Step.gpu_wait_start`` /
-# ``gpu_wait_end``, from the moving tiers' unpack); the time between them is
-# how long that stream sat idle for the restore (the host's own wait
-# included, when the GPU ran dry meanwhile). Their sum is the measured stall
-# of a CUDA step, read when the check runs (the next step's start: one host
-# wait for the last event, once per plan). On the CPU, and where no restore
-# was timed, the host's waits are the stall, as before.
-#
+# On CUDA the closed loop compares the plan's predicted stall, made on the
+# GPU's timeline (NOTE [Profile times on a GPU] in planner/profile.py), with
+# a stall measured on that timeline, not with the host's waits
+# (``stats.stall_seconds``): a restore from the cpu tier makes the consumer's
+# stream wait for the copy's event while the host goes on, and a disk read
+# blocks the host while the GPU may still run queued work. So the first step
+# following a plan times each restore's wait on the consumer's stream: timing
+# events before the unpack waits and after its stream is ordered after the
+# copy (``Step.gpu_wait_start`` / ``gpu_wait_end``); their sum is the step's
+# stall, read when the check runs (the next step's start: one host wait per
+# plan). On the CPU, and where no restore was timed, the host's waits are the
+# stall.
+
 # NOTE [Tracking priced]
-# A step that follows a plan recomputing something tracks producers in the
-# (module, torch call) pairs its recipes ran in (NOTE [Tracking inside torch
-# calls] in tracking/modules.py): every aten op there goes through the producer mode's
-# Python handler, which costs the forward ``Rates.track_op_s`` per op
-# (measured: rates.py; a scaled_dot_product_attention call runs 34 aten ops
-# on CPU, so recomputing a tensor made inside it costs more in tracking than
-# its regeneration). So the planner prices it:
-# 1. The profiled step counts the ops its mode handles per (innermost module,
-#    outermost call) (``Profile.call_ops``); a recipe's pair with no call
-#    (an op outside every torch call) stands for all of that module's ops,
-#    and a recipe without recorded modules for every op of the forward, as
-#    the step would track them.
-# 2. Each tensor's recompute option carries a share of the tracking its
-#    recipe needs: each pair's ops x ``track_op_s`` (a pair whose calls each
-#    ran one recomputable op: x ``track_call_s``, NOTE [Calls recorded whole]
-#    in tracking/producers.py), divided among the
-#    recomputable tensors whose recipes need that pair (a pair is paid once
-#    per step however many recipes use it). The solver ranks it with the
-#    regeneration time (NOTE [Planner cost model]).
-# 3. The share assumes every user of a pair is recomputed; a plan that
-#    recomputes fewer pays more. So the plan's own tracking
-#    (``Plan.predicted_tracking_s``: the ops of the pairs it tracks x
-#    ``track_op_s``, plus the calls it records whole, ``Plan.direct_calls``,
-#    x ``track_call_s``) is compared with the plan made with no recompute but
-#    what hints ask for (two solves): the latter is taken when it meets the
-#    budget and its predicted step cost (stall, CPU charge, recompute,
-#    tracking) is lower. A plan's notes say what its tracking costs, and
-#    why it recomputes or declined to.
-# Not priced: the module hooks and the call gate of a scoped step (a torch
-# function mode, one Python call per torch call in the scoped modules). A
-# per-op price is an approximation: most of what a dispatch mode costs a
-# real forward on the CPU is its kernels running 3-10% longer while it is
-# active (benchmarks/results/2026-12-02-cpu-tracking-untracked-pack.md), a
-# cost that scales with the tracked calls' time rather than their op count;
-# plans under-price tracking most where they track few ops.
+# A step following a plan that recomputes tracks producers in the (module,
+# torch call) pairs its recipes ran in (NOTE [Tracking inside torch calls] in
+# tracking/modules.py), at ``Rates.track_op_s`` per aten op there: that can
+# cost more than the regeneration it enables, so the planner prices it:
+# 1. The profile counts handled ops per (innermost module, outermost call)
+#    (``Profile.call_ops``); a pair with no call stands for all the module's
+#    ops, a recipe without recorded modules for every op of the forward.
+# 2. A recompute option carries a share of each pair it needs: ops x
+#    ``track_op_s`` (calls recorded whole: x ``track_call_s``, see
+#    NOTE [Calls recorded whole] in tracking/producers.py), split among the
+#    tensors needing the pair (paid once per step), ranked with regeneration.
+# 3. Shares assume every user of a pair is recomputed, so the plan's own
+#    tracking (``Plan.predicted_tracking_s``) is checked against a second
+#    solve recomputing only what hints ask: the cheaper plan in budget wins.
 
 # NOTE [Blocks the planner may checkpoint]
-# ``wrap_blocks(model, Block, checkpoint="auto")`` gives the planner one more
-# option per block call: checkpoint the whole block. The rules:
-# 1. Only outermost auto blocks are options, counted in call order within
-#    the step's forward (``StepPlanning.blocks_seen``); an auto block inside
-#    one, or run in backward (an enclosing checkpoint regenerating), runs as
-#    its enclosing region decides: plainly.
-# 2. The profiled step runs every auto block plainly and records, per block
-#    (``BlockRecord``), the pack indexes and positions its saved tensors took,
-#    its entry time, its forward time and its tensor arguments (what a
-#    checkpoint of it saves instead; ``BlockInput``, rule 6).
-# 3. The solver prices the block like a tensor option (NOTE [Planner cost
-#    model] in solver.py): it frees the block's saved bytes less the bytes
-#    of the inputs it keeps, and costs one more forward of the block in
-#    backward, plus the moves of the inputs it moves (rule 6).
-# 4. A step that follows a plan checkpointing block b packs something else
-#    there: the checkpoint's inputs instead of the block's tensors (the
-#    block's own saves happen only in the recompute, in backward, under
-#    PyTorch's checkpoint hooks or inside autograd's engine, where tiermem
-#    keeps them without an index: NOTE [Pack order of checks] in runtime/hooks.py).
-#    So at the block's entry the step must stand where the profile stood
-#    (same block name, pack index ``start`` and position ``start_pos``;
-#    else the block runs plainly and the plan's keys decide as for any
-#    tensor); inside it the checkpoint's inputs take no pack index: each
-#    goes where the plan's ``PlannedBlock.inputs`` say (rule 6), matched by
-#    argument position and (shape, dtype, device), else kept; and on
-#    its exit the step's pack index and position jump to the profile's
-#    ``end`` and ``end_pos``. The rest of the step is thus numbered as in the
-#    profile, checked against the same keys and fast table, and is
-#    recognised as following the plan: no new profile, the closed loop
-#    measures it (NOTE [Closed loop] in planner/lifecycle.py).
-# 5. A position after a checkpointed block that was, in the profile, a dedup
-#    hit of a tensor saved inside it (a block whose last op saves its output,
-#    ReLU, tanh, saved again by the next op) is a new tensor in a step that
-#    checkpoints that block: it is kept without taking a pack index
-#    (``Plan.revived_at``, counted in the plan's kept bytes), so the rest of
-#    the step stays numbered as in the profile.
-# 6. A checkpointed block's inputs (its tensor arguments, which the
-#    checkpoint saves at the block's entry and unpacks when backward starts
-#    the block's recompute: in the profile's timeline, the first unpack of a
-#    tensor saved inside the block) are kept, or moved to cpu (CUDA inputs)
-#    or nvme, each priced like a tensor's move over that window (solver.py).
-#    The options of a block are thus "checkpoint, inputs kept" and
-#    "checkpoint, inputs moved to T", ranked by price per freed byte; once a
-#    block is checkpointed with its inputs kept, moving each of them is one
-#    more option, so a budget below what the kept inputs need is still
-#    reached. Never recompute: an input is where the recompute starts;
-#    regenerating it means regenerating its producer, i.e. a larger
-#    checkpointed region (wrap that instead), and its producer is usually
-#    in the block before, itself checkpointed. Dedup (NOTE [Dedup] in
-#    runtime/step.py) decides what is one storage, per input (``BlockInput.kind``,
-#    recorded at the block's entry in the profile): a parameter stays as
-#    the pack hook keeps it (not counted); a small or unmovable one is kept;
-#    one whose storage an earlier tensor #j saved (``"before"``: a block
-#    after one ending in ReLU) shares #j's handle, counted there, or, where
-#    #j is not remembered (a kept tensor on the fast path), is kept and
-#    counted as a dedup hit (no bytes); if #j is inside a checkpointed block
-#    it is new and kept, counted; one the rest of the step saves again after
-#    the block (``"after"``) is kept, and that later save is a dedup hit of
-#    it (rule 5 does not count it again). Only ``"movable"`` inputs move, so
-#    a storage is moved at most once and counted once, by the plan and by
-#    the step's stats alike (the closed loop compares them).
-# Checkpointing preserves the RNG state (torch.utils.checkpoint's default),
-# so dropout inside a checkpointed block draws the same bits: exact.
-"""
+# An auto block call is one more option: checkpoint it whole (RNG preserved).
+# 1. Options are the outermost auto blocks of the forward, counted in call
+#    order (``blocks_seen``); nested ones and ones run in backward run plainly.
+# 2. The profile runs them plainly and records each (``BlockRecord``): its pack
+#    indexes and positions, entry and forward time, tensor arguments.
+# 3. The solver frees the block's saved bytes less its kept inputs' and charges
+#    one more forward of it in backward plus its inputs' moves.
+# 4. A step following the plan checkpoints a block only where the profile
+#    entered it (name, ``start``, ``start_pos``; else plainly); inside it only
+#    its inputs are packed, with no index, and on exit index and position jump
+#    to ``end`` / ``end_pos``: the rest of the step lines up with the profile.
+# 5. A position that was a dedup hit of a tensor saved inside the block is new
+#    then: kept with no index (``Plan.revived_at``), counted in the kept bytes.
+# 6. Its inputs are kept or moved: NOTE [Checkpointed block inputs].
+
+# NOTE [Checkpointed block inputs]
+# A checkpointed block's tensor arguments are saved at its entry and unpacked
+# when backward starts its recompute (in the profile's timeline: the first
+# unpack of a tensor saved inside the block). Each is kept, or moved to cpu
+# (CUDA inputs) or nvme, priced like a tensor's move over that window; once a
+# block is checkpointed with inputs kept, moving each is one more option.
+# Never recomputed: regenerating an input means a larger checkpointed region.
+# Each storage is counted once, by ``BlockInput.kind`` (recorded at the
+# block's entry; NOTE [Dedup] in runtime/step.py): a parameter stays as the
+# pack hook keeps it; a small or unmovable one is kept; ``"before"`` (saved
+# earlier as #j) shares #j's handle, or is kept as a hit where #j is not
+# remembered, or new and kept where #j is inside a checkpointed block;
+# ``"after"`` (saved again after the block) is kept, that save a hit of it.
+# Only ``"movable"`` inputs move, so plan and step stats count them alike.
 
 from __future__ import annotations
 
@@ -250,7 +181,7 @@ class StepPlanning:
         self.in_checkpoint = False
         #: While ``in_checkpoint``: dedup key -> tier order of the planned
         #: checkpoint's inputs (None: counted with the tensor it shares;
-        #: rule 6); an input not in it is kept.
+        #: NOTE [Checkpointed block inputs]); an input not in it is kept.
         self.checkpoint_inputs: dict = {}
         #: The modules to track in (NOTE [Scoped tracking] in tracking/modules.py), or
         #: ``None``: the whole forward (when ``tracks``). With hints, the whole
@@ -400,8 +331,8 @@ def _input_orders(pb, args: tuple, key_of, resized: Optional[bool] = None) -> di
     """Dedup key -> tier order (``None``: a dedup hit counted with its saver)
     of the planned inputs of checkpointed block ``pb`` that are moved or
     shared, for the arguments ``args`` that match the plan's (shape, dtype,
-    device); every other input is kept (rule 6 of NOTE [Blocks the planner
-    may checkpoint]). ``resized``: ``None`` for the plan made for these
+    device); every other input is kept (NOTE [Checkpointed block
+    inputs]). ``resized``: ``None`` for the plan made for these
     sizes; for a resized view of it (NOTE [Plans across sizes] in planner/lifecycle.py) an argument
     of the same rank matches, of any size with a percentage budget
     (``True``), of no more elements than planned with a size budget

@@ -6,15 +6,15 @@ for a tier order and hands the tensor to :class:`~tiermem.runtime.placement.Plac
 Unpack (:func:`unpack`, one function for every handle kind) checks a kept
 tensor's version, or takes a tier's handle through the step's prefetcher
 (count the use, take the restore, top the window up) and waits outside its
-lock. Nothing else lives here.
+lock. Nothing else lives here."""
 
 # NOTE [Pack order of checks]
 # The pack hook runs for every saved tensor, so its checks are ordered from
 # cheapest to dearest and stop at the first that decides: non-strided tensors,
 # parameters/buffers (before size, so that stats never count a parameter as an
 # activation), small tensors, a fixed "keep" policy, a tensor an auto plan keeps
-# (NOTE [Following a plan] in planner/runtime.py), unmovable tensors, then the
-# dedup lookup, and only then the policy (a callable policy gets a TensorInfo;
+# (NOTE [Planned keeps by position] in planner/runtime.py), unmovable tensors, then
+# the dedup lookup, and only then the policy (a callable policy gets a TensorInfo;
 # a named one needs none). Kept tensors are never deduplicated: keeping a
 # tensor twice costs nothing.
 #
@@ -23,99 +23,66 @@ lock. Nothing else lives here.
 # at once and is never offloaded again.
 
 # NOTE [Sharded parameters]
-# Under FSDP2 (``fully_shard``) a module's registered parameters are DTensors
-# holding this rank's shard. Before a block's forward FSDP2 all-gathers each
-# into an *unsharded* parameter (a plain ``nn.Parameter``, set on the module
-# for the forward), frees that storage with ``storage.resize_(0)`` after the
-# forward (``reshard_after_forward``) and, in backward, reallocates and
-# refills the *same* storage object, with the version counter preserved.
-# The rules:
-# 1. The root's parameters are noted through their local tensors (a wrapper
-#    subclass's inner tensors), never through the DTensor, whose storage
-#    Python cannot see.
-# 2. Unsharded parameters, and views of them (``weight.t()``), are kept by
-#    type (parameter, or leaf that requires grad), never moved and never
-#    entered in the dedup table. The kept handle shares the storage, so a
-#    saved view reads what FSDP2 gathered again for backward; the in-place
-#    check passes because FSDP2 preserves the version.
-# 3. A recipe input whose storage was resized since its op ran (data pointer
-#    moved or null: freed, or freed and gathered again) counts as gone
-#    (``producers.Ref.alive``): the recipe is not planned on it.
-# 4. When the model is sharded (a DTensor parameter, or an FSDPModule in
-#    it), recipes hold no parameter as it is (``Step.is_stable_param``):
-#    FSDP2 may free it before backward needs it, or refill it during the
-#    forward when the block runs twice (and a snapshot of NOTE [Writes to
-#    recipe inputs] would then copy memory not yet filled). Small ones are
-#    copied; others are stored like any input, usually making the tensor
-#    not worth recomputing.
-# 5. A saved tensor that shares an unsharded parameter's storage without
-#    being a parameter or a view of one (``weight.detach()``, ``.data``) is
-#    not recognised by rule 2 and may be moved; FSDP2 frees that storage
-#    with ``resize_(0)`` after the forward, whatever holds it. So, when the
-#    model's parameters may be freed, every move out guards its source
-#    (``MovingStore._guard_freed_source``): on CUDA the source's block is
-#    ``record_stream``-ed on the copy's side stream (freed, it is not reused
-#    before the copy; an exception to rule 1 of NOTE [Stream lifetime]); on
-#    the CPU the copy is waited for at launch, before the forward goes on.
-#    A launch after the free finds a storage of size 0: the move fails and
-#    the tensor is kept, refilled by FSDP2 for backward (exact either way).
-#    Such an alias has its parameter's dedup key: the pack hook's dedup
-#    takes only a hit of the very storage object (NOTE [Dedup] in runtime/step.py),
-#    a recipe never takes an alias's saved handle for a parameter argument
-#    (``Step.lookup``; rule 4 applies), and a dropped tensor still alive is
-#    returned as it is only while its storage still has its memory
-#    (``RecomputeHandle.data_ptr``). Without these, tests/test_fsdp.py's
-#    param-alias case gave wrong losses (nvme, cpu) and crashed (recompute:
-#    a recipe read the freed memory in backward).
-# Saved tensors that are themselves DTensors (tensor parallelism) are kept as
-# they are (counted in ``stats.unsupported_count``): no tier moves a tensor
-# subclass.
-#
+# Under FSDP2 a module's parameters are DTensor shards; before a block's forward
+# each is all-gathered into an *unsharded* ``nn.Parameter`` whose storage is freed
+# (``resize_(0)``) after it and refilled, same storage and version, in backward:
+# 1. The root's parameters are noted through their local tensors, never through
+#    the DTensor, whose storage Python cannot see.
+# 2. Unsharded parameters and their views are kept by type, never moved nor
+#    deduplicated: the kept handle shares the storage, so it reads what FSDP2
+#    gathers again, and the in-place check passes (version preserved).
+# 3. A recipe input whose storage was resized since its op ran counts as gone
+#    (``producers.Ref.alive``): no recipe is planned on it.
+# 4. In a sharded model recipes hold no parameter as it is (``Step.is_stable_param``):
+#    FSDP2 may free it, or refill it mid-forward; small ones are copied, others stored.
+# 5. Aliases that are not parameters: NOTE [Aliases of unsharded parameters].
+# Saved DTensors (tensor parallelism) are kept as they are: no tier moves a subclass.
+
+# NOTE [Aliases of unsharded parameters]
+# A saved tensor sharing an unsharded parameter's storage without being a
+# parameter or a view of one (``weight.detach()``, ``.data``) may be moved,
+# and FSDP2 frees that storage after the forward whatever holds it. So when
+# parameters may be freed every move out guards its source
+# (``MovingStore._guard_freed_source``): on CUDA its block is ``record_stream``-ed
+# on the copy's side stream (an exception to rule 1 of NOTE [Stream lifetime]);
+# on the CPU the copy is waited for at launch. A launch after the free finds a
+# storage of size 0: the move fails and the tensor is kept, refilled for
+# backward. Such an alias has its parameter's dedup key, but dedup takes only a
+# hit of the very storage object (NOTE [Dedup] in runtime/step.py), recipes
+# never take an alias's handle for a parameter argument (``Step.lookup``), and
+# a dropped tensor still alive is returned as it is only while its storage
+# still has its memory (``RecomputeHandle.data_ptr``).
+
 # NOTE [Restores start with backward]
-# The prefetcher advances on unpacks of moved tensors, so without help the
-# first moved tensor backward needs is read on demand: measured, 91-99% of
-# the auto plans' unpredicted stall (benchmarks/results/
-# 2026-12-01-cpu-costmodel-before.md). Backward usually unpacks kept tensors
-# first (the plan keeps what backward needs first), and a kept unpack is the
-# hot path: it must not look at the prefetcher. So a step that follows a plan
-# packs ONE tensor differently: the kept tensor its profile saw unpacked
-# first, before every moved one (``Plan.kick_index``, chosen by the solver),
-# gets a :class:`~tiermem.tiers.keep.KickKept`. Its first unpack calls
-# ``Prefetcher.kick``: restores start from the last packed moved tensor down,
-# within the window, exactly as an unpack just above them would; then it
-# returns the tensor as ``Kept`` does (same in-place check). Why this and not
-# the end of the forward: several forwards may run before their backwards
-# (gradient accumulation, 1F1B: tests/test_multi_forward.py); a kick from
-# inside the step's own graph fires only when that step's backward runs.
-# Rules: (1) only autograd holds the KickKept; the dedup table and recipes
-# hold its inner Kept (a dedup hit of it is a plain Kept). (2) It kicks once
-# per step, and only if no moved tensor was unpacked before (then advance
-# already leads). (3) A restore whose move out has not landed stops the
-# kick as it stops advance; the next moved unpack resumes. (4) A step that
-# leaves its plan drops the kick (the index no longer names that tensor).
-# (5) A step that follows no plan (a fixed or callable policy) has no
-# profile to say which kept tensor backward needs first. So once it has
-# moved a tensor (``Packer.kick_armed``), every later kept pack gets a
-# KickKept: backward unpacks roughly in reverse packing order, so the kept
-# tensors packed after the last move are unpacked before it, and whichever
-# of them comes first kicks (all of them, not only the first after each
-# move: one node may unpack a moved input before a kept tensor saved after
-# it); the others find restores started (``Prefetcher.started``, no lock)
-# and only unpack, at the cost of one more type test and a call. A KickKept
-# kicks from where it was packed, not from the top: restores start with the
-# moved tensors packed before it, so a backward that begins mid-graph (a
-# loss taken halfway, ``autograd.grad`` of an intermediate) restores what it
-# needs next, not the step's last tensors. Kept packs before the
-# first move, and every kept unpack of a step that moves nothing, stay
-# plain Kept. When backward needs a moved tensor before any kept one (a
-# loss whose first node saves a moved tensor: cross-entropy's log-softmax
-# output), nothing of the step's graph runs before that unpack: it is read
-# on demand and leads the rest, as without a kick (measured:
-# benchmarks/results/2026-12-01-cpu-fixed-kick.md), unless its source is
-# still held by the tail hold (NOTE [Tail hold] in runtime/tailhold.py), which such
-# steps have by default: then it is taken from memory and its unpack leads.
-# Exactness does not depend on any of it: a kick only starts restores earlier.
-"""
+# The prefetcher advances on unpacks of moved tensors, and backward usually
+# unpacks kept tensors first, whose unpack must not look at the prefetcher; so
+# the first moved tensor backward needs would be read on demand. Instead a step
+# following a plan packs the kept tensor its profile saw unpacked first, before
+# every moved one (``Plan.kick_index``), as a :class:`~tiermem.tiers.keep.KickKept`:
+# its first unpack calls ``Prefetcher.kick``, starting restores from the moved
+# tensors packed before it down, within the window, as an unpack just above them
+# would, then returns the tensor as ``Kept`` does. Being in the step's own graph,
+# it fires when that step's backward runs, whatever forwards ran between (1F1B).
+# (1) Only autograd holds the KickKept; dedup and recipes hold its inner Kept.
+# (2) It kicks once per step, only if no moved tensor was unpacked before.
+# (3) A restore whose move out has not landed stops the kick, as it stops advance.
+# (4) A step that leaves its plan drops the kick. (5) Steps following no plan:
+# NOTE [Kicks without a plan]. A kick only starts restores earlier: exact.
+
+# NOTE [Kicks without a plan]
+# A step following no plan (a fixed or callable policy) has no profile to say
+# which kept tensor backward unpacks first. So once it has moved a tensor
+# (``Packer.kick_armed``) every later kept pack is a KickKept: backward unpacks
+# roughly in reverse packing order, so kept tensors packed after the last move
+# come before it, and whichever unpacks first kicks (all of them, since one node
+# may unpack a moved input before a kept tensor saved after it); the others see
+# ``Prefetcher.started`` (no lock) and only unpack. Kept packs before the first
+# move, and a step that moves nothing, stay plain Kept. Kicking from where it
+# was packed, a backward that begins mid-graph (``autograd.grad`` of an
+# intermediate) restores what it needs next. When backward needs a moved tensor
+# before any kept one (cross-entropy's log-softmax output) it is read on demand
+# and leads, unless the tail hold still has its source (NOTE [Tail hold] in
+# runtime/tailhold.py): then it is taken from memory.
 
 from __future__ import annotations
 
@@ -146,9 +113,9 @@ def opaque(fn):
     # NOTE [Hooks under torch.compile]
     # Recent PyTorch traces the active saved-tensor hooks into a compiled
     # graph (AOTAutograd); ours are Python bookkeeping, not graph code, and
-    # tracing them fails (measured: BackendCompilerFailed on `_is_param`). Hidden
-    # from Dynamo they run eagerly when the compiled function saves its tensors,
-    # as PyTorch did before (cost: ~0.4 µs per call in eager).
+    # tracing them fails (BackendCompilerFailed on `_is_param`). Hidden from
+    # Dynamo they run eagerly when the compiled function saves its tensors, as
+    # PyTorch did before.
     """
     try:
         import torch._dynamo
@@ -250,7 +217,7 @@ class Packer:
         self.param_storages: set = set()
         self._seen_roots: set = set()
         #: A tensor of this step, which follows no plan, went to a moving tier:
-        #: later kept packs get a KickKept (NOTE [Restores start with backward], 5).
+        #: later kept packs get a KickKept (NOTE [Kicks without a plan]).
         self.kick_armed = False
 
     def note_root(self, module: torch.nn.Module) -> None:
@@ -275,7 +242,7 @@ class Packer:
 
     def __call__(self, t: torch.Tensor) -> Any:
         """NOTE [Pack order of checks]."""
-        if self.kick_armed:   # NOTE [Restores start with backward], 5
+        if self.kick_armed:   # NOTE [Kicks without a plan]
             return self._pack_after_move(t)
         if _in_backward() != -1:
             # Saved by backward itself (a checkpoint regenerating its region,
@@ -382,8 +349,8 @@ class Packer:
             return handle
         module = current_module()
         if planning.in_checkpoint:
-            # A planned checkpoint's input, not an indexed tensor (rule 6 of
-            # NOTE [Blocks the planner may checkpoint]): kept, or moved as
+            # A planned checkpoint's input, not an indexed tensor (see
+            # NOTE [Checkpointed block inputs] in planner/runtime.py): kept, or moved as
             # the plan says, or a hit of a tensor the plan keeps (counted there).
             order = planning.checkpoint_inputs.get(key, _KEEP_ORDER)
             if order is None:
@@ -440,6 +407,6 @@ class Packer:
         if type(handle) is not Kept or step.producers is not None:
             step.remember(t, key, handle)
         if (not self.kick_armed and step.planning is None
-                and step.prefetcher.scheduled):   # NOTE [Restores start with backward], 5
+                and step.prefetcher.scheduled):   # NOTE [Kicks without a plan]
             self.kick_armed = True
         return handle
