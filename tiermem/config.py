@@ -189,8 +189,7 @@ class Config:
     Under a distributed launch every rank reads its own Config: an explicit
     budget (``cpu_budget``, ``nvme_budget``, ``prefetch_bytes``) is per rank; a
     default derived from the node's RAM or disk is divided by
-    ``LOCAL_WORLD_SIZE``, so that the ranks of one node together stay within
-    the node's defaults.
+    ``LOCAL_WORLD_SIZE`` (the node's ranks together stay within its defaults).
     """
 
     policy: Union[str, Callable, None] = _setting(
@@ -325,8 +324,7 @@ class Config:
     def setting_name(self, name: str) -> str:
         """How the user gave setting ``name``, for a message about its value: the
         argument (``nvme_dir``) when it came from a keyword argument, else its
-        variable (``TIERMEM_NVME_DIR``), so that the message sends the user to
-        their code or to their launch script."""
+        variable (``TIERMEM_NVME_DIR``): the message names what the user wrote."""
         if name in self._arguments:
             return name
         for f in dataclasses.fields(self):
@@ -336,9 +334,8 @@ class Config:
 
     def unused_settings(self) -> list:
         """``[(name, value)]``: settings set to other than their default that do nothing
-        under this policy (``device_budget`` and ``agree_ranks`` outside ``auto``;
-        ``nvme_dir`` and ``nvme_budget`` under a named policy without nvme), named
-        as given."""
+        under this policy (``device_budget``, ``agree_ranks`` outside ``auto``; ``nvme_dir``,
+        ``nvme_budget`` under a named policy without nvme), named as given."""
         tiers = None if self.policy is None or callable(self.policy) else self.policy.split(",")
         unused = [] if self.policy == "auto" else ["device_budget", "agree_ranks"]
         if tiers is not None and "auto" not in tiers and "nvme" not in tiers:
