@@ -47,10 +47,10 @@ class Case:
         self.profile, self.rates, self.budget = profile, rates, budget
         self.has_nvme, self.cpu_budget, self.nvme_budget = has_nvme, cpu_budget, nvme_budget
 
-    def plan(self, improve=True):
+    def plan(self, improve=True, **kw):
         return make_plan(self.profile, self.rates, self.budget, "test", has_nvme=self.has_nvme,
                          cpu_budget_bytes=self.cpu_budget,
-                         nvme_budget_bytes=self.nvme_budget, improve=improve)
+                         nvme_budget_bytes=self.nvme_budget, improve=improve, **kw)
 
     def model(self):
         """The priced options, as the cost model gives them (lone prices)."""
@@ -329,6 +329,25 @@ def test_random_instances_are_solved_to_the_optimum():
         greedy_worse += g_freed >= case.need() and g_cost > best[0] + 1e-12
     assert reachable >= 100 and greedy_worse >= 20 and greedy_missed >= 1, (
         reachable, greedy_worse, greedy_missed)
+
+
+def test_the_choice_does_not_depend_on_the_wall_clock():
+    # NOTE [Same plan on every rank]: the search is bounded by nodes, so a
+    # generous or a tight-but-sufficient wall clock gives the same plan; a
+    # clock that binds is said in the plan (ranks may then differ), and the
+    # greedy's choice is still the floor.
+    rng = random.Random(7)
+    said = 0
+    for _ in range(25):
+        case = random_case(rng)
+        tiers = lambda p: [t.tier for t in p.tensors]   # noqa: E731
+        roomy, tight = case.plan(time_limit_s=100.0), case.plan(time_limit_s=1.0)
+        assert tiers(roomy) == tiers(tight)
+        assert not any("wall-clock" in n for n in roomy.notes), roomy.notes
+        stopped, greedy = case.plan(time_limit_s=0.0), case.plan(improve=False)
+        said += any("wall-clock limit" in n for n in stopped.notes)
+        assert stopped.priced_cost_s <= greedy.priced_cost_s + 1e-12
+    assert said >= 10, said
 
 
 # -- real profiles -----------------------------------------------------------------------

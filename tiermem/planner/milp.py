@@ -13,9 +13,14 @@
 # held at once). MUST answers are fixed before the model; PREFER hints rank by
 # preference (NOTE [Planner hints]), so hinted tensors and blocks are fixed at the
 # greedy's choice. Objective: the sum of the options' prices (costs.py); an
-# unreachable budget frees the most bytes first, then at the least cost. HiGHS is
-# deterministic for a given model, so ranks planning the same agreed profile
-# choose alike unless the time limit cuts one short (that one keeps the greedy's).
+# unreachable budget frees the most bytes first, then at the least cost.
+
+# NOTE [Same plan on every rank]
+# HiGHS is deterministic for a given model, and its search is bounded by a node
+# count (NODE_LIMIT), which is the same on every rank: ranks planning the same
+# agreed profile choose alike however loaded each is. The wall-clock limit
+# (TIME_LIMIT_S) is a safety only: where it binds (``Model.clock_bound``) the
+# plan says so, since another rank may have gone further.
 
 from __future__ import annotations
 
@@ -30,10 +35,13 @@ from scipy.sparse import coo_matrix
 
 from ..policy import Tier
 
-__all__ = ["Model", "TIME_LIMIT_S"]
+__all__ = ["Model", "NODE_LIMIT", "TIME_LIMIT_S"]
 
-#: Seconds HiGHS may take per plan (both phases together).
-TIME_LIMIT_S = 0.2
+#: Branch-and-bound nodes HiGHS may explore per solve: the deterministic bound
+#: (NOTE [Same plan on every rank]). Measured profiles take 0 or 1 node.
+NODE_LIMIT = 200
+#: Wall-clock seconds HiGHS may take per plan (both phases together): a safety.
+TIME_LIMIT_S = 1.0
 _ROOM_TIERS = (Tier.CPU, Tier.NVME)
 _MIB = float(1 << 20)
 _SCALE_S = 1e6   # the objective in microseconds (HiGHS' absolute gap is 1e-6)
@@ -51,6 +59,8 @@ class Model:
     def __init__(self, records, options: dict, blocks, need: int, room: dict,
                  must_ids: set) -> None:
         self.need, self.room = need, room
+        #: A solve was stopped by the wall clock, not by NODE_LIMIT or optimality.
+        self.clock_bound = False
         self._records = records
         self.vars: List[tuple] = []
         self.freed: List[int] = []
@@ -179,7 +189,8 @@ class Model:
         for v, on in self.fixed.items():
             lb[v] = ub[v] = float(on)
         bounds = Bounds(lb, ub)
-        options = {"time_limit": time_limit_s, "presolve": True, "mip_rel_gap": 0.0}
+        options = {"time_limit": time_limit_s, "node_limit": NODE_LIMIT, "presolve": True,
+                   "mip_rel_gap": 0.0}
         target = self.need if reach is None else reach
         A = coo_matrix((d_, (r_, c_)), shape=(len(lo), total)).tocsr()
         lo_arr, hi_arr = np.array(lo), np.array(hi)
@@ -208,6 +219,8 @@ class Model:
     def _run(self, c, A, lo, hi, integrality, bounds, options) -> Optional[set]:
         res = milp(c, integrality=integrality, bounds=bounds,
                    constraints=LinearConstraint(A, lo, hi), options=options)
+        if res.status == 1 and "time limit" in res.message.lower():
+            self.clock_bound = True
         if res.x is None:
             return None
         n = len(self.vars)
