@@ -264,19 +264,29 @@ def test_a_greedy_choice_that_is_optimal_is_unchanged():
     assert not any(n.startswith("choice:") for n in improved.notes), improved.notes
 
 
-def test_hinted_tensors_keep_the_greedys_choice():
-    # The same instance as the overshoot case, with a PREFER hint on A: hints
-    # rank by preference (NOTE [Planner hints]), so A stays as the greedy took it.
+def test_hinted_moves_come_first_and_the_solver_prices_among_them():
+    # NOTE [Hints in the program]. Both large tensors are hinted PREFER_RECOMPUTE,
+    # the small one is not and is by far the cheapest. 20 MB are needed: hinted
+    # moves come first, so the unhinted one stays kept; among the hinted ones
+    # the greedy takes the 100 MB one (cheaper per byte, 5 ms), the program the
+    # 20 MB one (1.2 ms), which is enough.
     from torch.utils.checkpoint import CheckpointPolicy
     from tiermem.policy import TierOrder
-    recs = [_rec(0, 100 * MB, 0.0, 1.5, recompute_s=0.010),
-            _rec(1, 10 * MB, 0.1, 1.4, recompute_s=0.002)]
-    recs[0].hint = (TierOrder([Tier.RECOMPUTE], hint=CheckpointPolicy.PREFER_RECOMPUTE),
-                    "PREFER_RECOMPUTE")
-    case = Case(_profile(recs), _rates(), 100 * MB, has_nvme=False)
-    plan = case.plan()
-    assert [p.tier for p in plan.tensors] == ["recompute", "keep"]
-    assert "hint PREFER_RECOMPUTE followed" in plan.tensors[0].reason
+    hint = (TierOrder([Tier.RECOMPUTE], hint=CheckpointPolicy.PREFER_RECOMPUTE),
+            "PREFER_RECOMPUTE")
+    recs = [_rec(0, 100 * MB, 0.0, 1.5, recompute_s=0.005),
+            _rec(1, 20 * MB, 0.1, 1.4, recompute_s=0.0012),
+            _rec(2, 30 * MB, 0.2, 1.3, recompute_s=0.0001)]
+    recs[0].hint = recs[1].hint = hint
+    case = Case(_profile(recs), _rates(), 130 * MB, has_nvme=False)
+    greedy, plan = case.plan(improve=False), case.plan()
+    assert [p.tier for p in greedy.tensors] == ["recompute", "keep", "keep"]
+    assert [p.tier for p in plan.tensors] == ["keep", "recompute", "keep"]
+    assert plan.priced_cost_s == pytest.approx(0.0012)
+    assert "hint PREFER_RECOMPUTE followed" in plan.tensors[1].reason
+    # Without the hints the unhinted one, cheapest, is taken alone.
+    recs[0].hint = recs[1].hint = None
+    assert [p.tier for p in case.plan().tensors] == ["keep", "keep", "recompute"]
 
 
 # -- seeded random instances ---------------------------------------------------------

@@ -286,7 +286,7 @@ def _solve(records, options, blocks, need: int, freed0: int, room0: dict, greedy
     extra kept bytes, priced cost of the choice, priced cost of the greedy's)."""
     model = Model(records, options, blocks, need - freed0, room0, must_ids)
     greedy = model.taken_of(costs, checkpointed, blocks)
-    model.fix(greedy)
+    model.follow_rank(greedy)
     got, greedy_priced = model.evaluate(greedy)
     if got != greedy_freed - freed0:
         notes.append("choice: the greedy's: the model counted it otherwise than the greedy "
