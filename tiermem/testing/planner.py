@@ -5,7 +5,8 @@ cost model and rank agreement that tests check one by one."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+import types
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from ._patch import patched
 
@@ -22,6 +23,7 @@ __all__ = [
     "agreed_timeline",
     "agreed_rate_fields",
     "agreement_row",
+    "set_use_times",
 ]
 
 
@@ -44,11 +46,11 @@ def solver_finds_nothing() -> Iterator[None]:
         yield
 
 
-def kept_profiles(off) -> Dict[tuple, Any]:
+def kept_profiles(off) -> Mapping[tuple, Any]:
     """The profiles the planner of ``off`` keeps, by step signature (a plan's
-    ``keys``): a new dict of the planner's own
+    ``keys``): a read-only live view of the planner's own
     :class:`~tiermem.planner.profile.Profile` objects."""
-    return dict(planner_of(off)._profiles)
+    return types.MappingProxyType(planner_of(off)._profiles)
 
 
 def plan_for(off, profile, target_bytes: int):
@@ -128,3 +130,15 @@ def agreement_row(row: List[float]) -> Dict[str, float]:
     ``structure_hash`` (NaN: the rank has no figure)."""
     from ..planner import agree
     return {"rank": row[agree._RANK], "structure_hash": row[agree._HASH]}
+
+
+def set_use_times(profile) -> None:
+    """Give each record of ``profile`` the time of use the cost model prices
+    it by, as :func:`~tiermem.planner.solver.make_plan` does first: its
+    ``first_use_s``, or the backward's start if backward never read it (what
+    :func:`~tiermem.planner.costs.options_of` needs set)."""
+    bwd = profile.backward_start_s
+    if bwd is None:
+        bwd = profile.forward_end_s
+    for r in profile.records:
+        r._use = r.first_use_s if r.first_use_s is not None else bwd
