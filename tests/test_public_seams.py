@@ -6,7 +6,7 @@ module's ``_forward_hooks``) is not tiermem's and stays allowed, and so do the
 private helpers a test file defines for itself.
 
 Where a test truly needs to look inside, add a small function to
-``tiermem/testing.py`` named for what the test needs to know.
+``tiermem/testing/`` (its ``__all__``) named for what the test needs to know.
 """
 
 import ast
@@ -23,6 +23,10 @@ FOREIGN_ATTRS = frozenset({
     "_neg_view", "_version", "_base", "_cdata",                  # Tensor
     "_exit",                                                     # os
 })
+
+#: Private names of other projects' objects, by test file, that a scan cannot
+#: tell from tiermem's: the benchmark suite's own method.
+NOT_TIERMEM = {"test_bench_fit.py": frozenset({"_fit_interleaving"})}
 
 _PRIVATE = re.compile(r"^_[A-Za-z0-9]\w*$")
 _DUNDER = re.compile(r"^__\w+__$")
@@ -44,8 +48,9 @@ def _root(node):
     return node.id if isinstance(node, ast.Name) else None
 
 
-def private_uses(source: str, filename: str = "<test>"):
-    """``(line, what)`` for each private tiermem name ``source`` reads or imports."""
+def private_uses(source: str, filename: str = "<test>", allowed=frozenset()):
+    """``(line, what)`` for each private tiermem name ``source`` reads or
+    imports (``allowed``: private attribute names known not to be tiermem's)."""
     tree = ast.parse(source, filename)
     foreign, tiermem_names, own = set(), set(), set()
     found = []
@@ -73,7 +78,8 @@ def private_uses(source: str, filename: str = "<test>"):
             root = _root(node.value)
             if root in foreign:
                 continue
-            if root not in tiermem_names and (node.attr in own or node.attr in FOREIGN_ATTRS):
+            if root not in tiermem_names and (node.attr in own or node.attr in FOREIGN_ATTRS
+                                              or node.attr in allowed):
                 continue
             found.append((node.lineno, f".{node.attr}"))
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
@@ -95,9 +101,10 @@ def test_tests_use_public_seams_only():
         if name.endswith(".py") and name != me:
             path = os.path.join(HERE, name)
             with open(path) as f:
-                bad += [f"tests/{name}:{line}: {what}" for line, what in private_uses(f.read(), path)]
+                found = private_uses(f.read(), path, NOT_TIERMEM.get(name, frozenset()))
+            bad += [f"tests/{name}:{line}: {what}" for line, what in found]
     assert not bad, ("tests read tiermem's private names (use the public API, or add a "
-                     "function to tiermem/testing.py):\n" + "\n".join(bad))
+                     "function to tiermem/testing/):\n" + "\n".join(bad))
 
 
 def _scan(snippet):
@@ -105,7 +112,7 @@ def _scan(snippet):
 
 
 def test_scanner_finds_private_reads_and_imports():
-    assert _scan("""
+    assert sorted(_scan("""
         import tiermem
         from tiermem.tiers import moving
         from tiermem.tiers.recompute import _Node
@@ -117,9 +124,16 @@ def test_scanner_finds_private_reads_and_imports():
         tiermem.testing.planner_of(off)._profiles
         monkeypatch.setattr("tiermem.memory.cgroup._CGROUP_ROOT", "/")
         monkeypatch.setattr(moving.MovingStore, "_restore", None)
-    """) == ["'_restore'", "'tiermem.memory.cgroup._CGROUP_ROOT'", "._DYING", "._placement",
-             "._profiles", "from tiermem._version import __version__",
-             "from tiermem.tiers.recompute import _Node", "import tiermem._version"]
+        getattr(off, "_decider")
+        from tiermem import _version as v
+
+        class Mine(moving.MovingStore):
+            def f(self):
+                return self._unlaunched
+    """)) == ["'_decider'", "'_restore'", "'tiermem.memory.cgroup._CGROUP_ROOT'", "._DYING",
+              "._placement", "._profiles", "._unlaunched",
+              "from tiermem import _version", "from tiermem._version import __version__",
+              "from tiermem.tiers.recompute import _Node", "import tiermem._version"]
 
 
 def test_scanner_allows_torch_dunders_and_own_helpers():

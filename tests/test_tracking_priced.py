@@ -213,7 +213,6 @@ def test_the_profile_counts_ops_per_call_and_a_followed_step_tracks_what_was_pri
         with off:
             loss = model(idx, idx)
         loss.backward()
-    planner = tiermem.testing.planner_of(off)
     plan = off.plan
     prof = tiermem.testing.kept_profiles(off)[plan.keys]
     ops = prof.call_ops
