@@ -16,6 +16,11 @@ import textwrap
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
+#: The test suite's own modules (helpers.py, models.py, ...): what they hand
+#: out may be tiermem's, so names imported from them are not foreign.
+LOCAL_MODULES = frozenset(f[:-3] for f in os.listdir(HERE)
+                          if f.endswith(".py") and not f.startswith("test_"))
+
 #: Private attributes of torch (and standard library) objects that tests read
 #: on values whose type a scan cannot see: never tiermem's names.
 FOREIGN_ATTRS = frozenset({
@@ -41,6 +46,11 @@ def _tiermem_module(module: str) -> bool:
     return module == "tiermem" or module.startswith("tiermem.")
 
 
+def _foreign_module(module: str) -> bool:
+    top = module.split(".")[0]
+    return bool(top) and top != "tiermem" and top not in LOCAL_MODULES
+
+
 def _root(node):
     """The name an attribute chain starts from (``a`` of ``a.b().c[0].d``)."""
     while isinstance(node, (ast.Attribute, ast.Call, ast.Subscript)):
@@ -58,14 +68,20 @@ def private_uses(source: str, filename: str = "<test>", allowed=frozenset()):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 bound = alias.asname or alias.name.split(".")[0]
-                (tiermem_names if _tiermem_module(alias.name) else foreign).add(bound)
+                if _tiermem_module(alias.name):
+                    tiermem_names.add(bound)
+                elif _foreign_module(alias.name):
+                    foreign.add(bound)
                 if _tiermem_module(alias.name) and any(map(_private, alias.name.split("."))):
                     found.append((node.lineno, f"import {alias.name}"))
         elif isinstance(node, ast.ImportFrom):
             module = node.module or ""
             ours = _tiermem_module(module) and not node.level
             for alias in node.names:
-                (tiermem_names if ours else foreign).add(alias.asname or alias.name)
+                if ours:
+                    tiermem_names.add(alias.asname or alias.name)
+                elif _foreign_module(module) and not node.level:
+                    foreign.add(alias.asname or alias.name)
                 if ours and (any(map(_private, module.split("."))) or _private(alias.name)):
                     found.append((node.lineno, f"from {module} import {alias.name}"))
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -125,13 +141,15 @@ def test_scanner_finds_private_reads_and_imports():
         monkeypatch.setattr("tiermem.memory.cgroup._CGROUP_ROOT", "/")
         monkeypatch.setattr(moving.MovingStore, "_restore", None)
         getattr(off, "_decider")
+        from helpers import offloader
+        offloader("cpu")._tail
         from tiermem import _version as v
 
         class Mine(moving.MovingStore):
             def f(self):
                 return self._unlaunched
     """)) == ["'_decider'", "'_restore'", "'tiermem.memory.cgroup._CGROUP_ROOT'", "._DYING",
-              "._placement", "._profiles", "._unlaunched",
+              "._placement", "._profiles", "._tail", "._unlaunched",
               "from tiermem import _version", "from tiermem._version import __version__",
               "from tiermem.tiers.recompute import _Node", "import tiermem._version"]
 

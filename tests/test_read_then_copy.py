@@ -100,7 +100,7 @@ def test_read_and_copy_run_exactly_once_under_races(rounds):
             job = ReadCopyJob(chain.read_then(c.read, c.copy, "reading z", c.release))
             job.order_before_use()
             job.wait_host()
-            tiermem.testing.run_on_chain_thread(chain, lambda: None).result()   # the chain's run has returned too
+            tiermem.testing.run_on_chain_thread(chain, lambda: None).result()   # its run returned
             assert len(c.reads) == 1 and c.copies == 1 and c.releases == [None]
     finally:
         chain.shutdown()

@@ -66,8 +66,8 @@ def _train(name: str, steps: int, made):
         opt.step()
         params = {n: p.detach().clone() for n, p in case.model.named_parameters()}
         records.append((loss, grads, params))
-        per_step.append((_stats(off), sum(max(m.recorded, tiermem.testing.records_held(m)) for m in made.made),
-                         [m.names for m in made.made]))
+        held = sum(max(m.recorded, tiermem.testing.records_held(m)) for m in made.made)
+        per_step.append((_stats(off), held, [m.names for m in made.made]))
     plan = off.plan
     off.close()
     return records, per_step, plan
