@@ -56,8 +56,7 @@ class Case:
         """The priced options, as the cost model gives them (lone prices)."""
         p = self.profile
         bwd = p.backward_start_s
-        for r in p.records:
-            r._use = r.first_use_s if r.first_use_s is not None else bwd
+        tiermem.testing.set_use_times(p)
         opts = {r.index: options_of(r, self.rates, self.has_nvme, bwd) for r in p.records}
         count = itertools.count(len(p.records))
         blocks = [BlockOption(b, p.records, set(), self.rates, self.has_nvme, bwd,
@@ -376,8 +375,8 @@ def test_real_profiles_count_alike_and_never_cost_more(name, budget, nvme_dir):
     train_steps(make_case(name), contextlib.nullcontext, steps=1)   # warm-up, no hooks
     train_steps(make_case(name), lambda: off, steps=2)
     planner = tiermem.testing.planner_of(off)
-    profile = planner._profiles[off.plan.keys]
-    kw = dict(has_nvme=True, cpu_budget_bytes=off._placement.cpu_budget_bytes,
+    profile = tiermem.testing.kept_profiles(off)[off.plan.keys]
+    kw = dict(has_nvme=True, cpu_budget_bytes=off.cpu_budget_bytes,
               nvme_budget_bytes=None)
     target = int(budget * profile.baseline_bytes)
     greedy = make_plan(profile, planner.rates, target, "t", improve=False, **kw)
