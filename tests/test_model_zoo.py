@@ -1,6 +1,7 @@
 """The model zoo: real ``transformers`` architectures (``tests/zoo.py``: Llama,
-Mistral with a sliding window, Mixtral with router jitter, T5, BERT, ViT,
-Mamba, ConvNeXt, ResNet; tiny configs, random init, dropout on) trained for
+Mistral with a sliding window, Mixtral with router jitter, Qwen2-MoE,
+GPT-NeoX, T5, BERT, ViT, Mamba, ConvNeXt, ResNet; tiny configs, random init,
+dropout on) trained for
 three AdamW steps under every policy (keep, cpu, nvme, recompute,
 recompute+nvme, auto at 50% and 25% of a plain step), with and without HF
 gradient checkpointing (non-reentrant and reentrant, where the architecture
@@ -37,6 +38,8 @@ DEFAULT = {
     ("llama", "no_gc", "auto@25%"),
     ("mistral", "gc_nonreentrant", "cpu"),
     ("mixtral", "no_gc", "recompute,nvme"),
+    ("qwen2_moe", "no_gc", "auto@50%"),
+    ("gpt_neox", "gc_reentrant", "recompute,nvme"),
     ("t5", "no_gc", "nvme"),
     ("bert", "gc_reentrant", "keep"),
     ("vit", "no_gc", "auto@50%"),

@@ -8,7 +8,8 @@ is the model's own (``labels=``). ``tests/test_model_zoo.py`` runs the matrix.
 
 - Decoders: ``llama`` (RoPE, grouped-query attention), ``mistral`` (a sliding
   window shorter than the sequence, eager attention), ``mixtral`` (MoE with
-  router jitter noise and the auxiliary loss).
+  router jitter noise and the auxiliary loss), ``qwen2_moe`` (MoE with a
+  gated shared expert), ``gpt_neox`` (parallel residual, partial rotary).
 - ``t5`` (encoder-decoder, cross-attention), ``bert`` (encoder, masked LM),
   ``vit`` (vision transformer), ``mamba`` (state-space model, its pure-torch
   path: no dropout in the architecture).
@@ -82,6 +83,16 @@ def _decoder(config_cls, model_cls, **extra):
     return make
 
 
+def _gpt_neox():
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    cfg = GPTNeoXConfig(vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=2,
+                        num_attention_heads=HEADS, intermediate_size=2 * WIDTH,
+                        max_position_embeddings=2 * SEQ, attention_dropout=DROPOUT,
+                        hidden_dropout=DROPOUT, use_parallel_residual=True, use_cache=False,
+                        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return GPTNeoXForCausalLM(cfg)
+
+
 def _t5():
     from transformers import T5Config, T5ForConditionalGeneration
     cfg = T5Config(vocab_size=VOCAB, d_model=WIDTH, d_kv=WIDTH // HEADS, d_ff=2 * WIDTH,
@@ -138,6 +149,11 @@ ARCHS: Dict[str, Arch] = {a.name: a for a in [
     Arch("mixtral", _decoder("MixtralConfig", "MixtralForCausalLM", num_local_experts=4,
                              num_experts_per_tok=2, router_jitter_noise=DROPOUT,
                              output_router_logits=True, router_aux_loss_coef=0.01), _tokens),
+    Arch("qwen2_moe", _decoder("Qwen2MoeConfig", "Qwen2MoeForCausalLM", num_experts=4,
+                               num_experts_per_tok=2, moe_intermediate_size=WIDTH,
+                               shared_expert_intermediate_size=WIDTH,
+                               output_router_logits=True, router_aux_loss_coef=0.01), _tokens),
+    Arch("gpt_neox", _gpt_neox, _tokens),
     Arch("t5", _t5, _seq2seq),
     Arch("bert", _bert, _masked_lm),
     Arch("vit", _vit, _image),
