@@ -175,6 +175,10 @@ def build(name: str, gc: str, seed: int = 0) -> torch.nn.Module:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        on = getattr(model, "is_activation_checkpointing", None)
+        if on is None:   # before transformers 5
+            on = model.is_gradient_checkpointing
+        assert on, f"{name}: the model's checkpointing did not turn on"
     model.train()
     return model
 
