@@ -12,7 +12,9 @@ Offloader's stats show that each step really used the policy's tiers.
 The default run has one case per architecture (:data:`DEFAULT`, the policies
 and checkpointing modes spread over them); the rest of the cross product is
 marked ``slow``. T5, BERT, ViT and the conv nets enter through
-``off.attach(model)``, the others through ``with off:``.
+``off.attach(model)`` and write to disk through the engine the environment
+chooses (``engine="auto"``); the others enter through ``with off:`` and use
+the Python engine.
 """
 
 import contextlib
@@ -81,10 +83,14 @@ def _reference(name, gc):
     return _REFERENCES[key]
 
 
-def _offloader(make_off, nvme_dir, policy):
+def _offloader(make_off, nvme_dir, name, policy):
+    # The attached models write to disk through the engine the environment
+    # chooses (the C++ one where it builds), the others through the Python one.
+    engine = "auto" if name in ATTACHED else "python"
     if policy.startswith("auto@"):
-        return make_off("auto", device_budget=policy.split("@")[1], nvme_dir=nvme_dir)
-    return make_off(policy)
+        return make_off("auto", device_budget=policy.split("@")[1], nvme_dir=nvme_dir,
+                        engine=engine)
+    return make_off(policy, engine=engine)
 
 
 def _check_tiers_used(name, policy, steps, off):
@@ -116,7 +122,7 @@ def _check_tiers_used(name, policy, steps, off):
 @pytest.mark.parametrize("name, gc, policy", list(_cases()))
 def test_training_is_bit_identical_and_uses_the_tiers(name, gc, policy, make_off, nvme_dir):
     ref = _reference(name, gc)
-    off = _offloader(make_off, nvme_dir, policy)
+    off = _offloader(make_off, nvme_dir, name, policy)
     model = zoo.build(name, gc)
     steps = []
     record = lambda: steps.append(off.stats)   # noqa: E731  (after each backward)
