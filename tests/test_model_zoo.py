@@ -1,11 +1,10 @@
 """The model zoo: real ``transformers`` architectures (``tests/zoo.py``: Llama,
 Mistral with a sliding window, Mixtral with router jitter, Qwen2-MoE,
 GPT-NeoX, T5, BERT, ViT, Mamba, ConvNeXt, ResNet; tiny configs, random init,
-dropout on) trained for
-three AdamW steps under every policy (keep, cpu, nvme, recompute,
-recompute+nvme, auto at 50% and 25% of a plain step), with and without HF
-gradient checkpointing (non-reentrant and reentrant, where the architecture
-has it). Losses, every gradient of every step and the parameters and buffers
+dropout on) trained for three AdamW steps under every policy (keep, cpu, nvme,
+recompute, recompute+nvme, auto at 50% and 25% of a plain step), with and
+without HF gradient checkpointing (non-reentrant and reentrant, where the
+architecture has it). Losses, every gradient of every step and the parameters and buffers
 after each step are ``torch.equal`` to the same run without tiermem, and the
 Offloader's stats show that each step really used the policy's tiers.
 
@@ -60,9 +59,6 @@ def _cases():
                                    id=f"{name}-{gc}-{policy.replace(',', '+').replace('@', '')}")
 
 
-_REFERENCES = {}
-
-
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     """One intra-op thread while the zoo runs: these models' ops are tiny, and
@@ -72,6 +68,9 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+_REFERENCES = {}
 
 
 def _reference(name, gc):
@@ -117,6 +116,14 @@ def _check_tiers_used(name, policy, steps, off):
         plan = off.plan
         kept = steps[-1].bytes_by_tier["keep"]
         assert kept <= plan.budget_bytes * (1 + KEPT_TOLERANCE), (kept, str(plan))
+
+
+def test_default_slice_has_every_architecture_policy_and_checkpointing_mode():
+    every = {tuple(p.values) for p in _cases()}
+    assert DEFAULT <= every, DEFAULT - every   # no misspelt case
+    assert {n for n, _, _ in DEFAULT} == set(zoo.ARCH_NAMES)
+    assert {p for _, _, p in DEFAULT} == set(POLICIES)
+    assert {g for _, g, _ in DEFAULT} == set(zoo.GC_MODES)
 
 
 @pytest.mark.parametrize("name, gc, policy", list(_cases()))
