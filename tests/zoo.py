@@ -29,7 +29,7 @@ import torch
 
 from helpers import assert_same_tensors
 
-__all__ = ["Arch", "ARCHS", "ARCH_NAMES", "GC_MODES", "build", "train", "compare"]
+__all__ = ["Arch", "ARCHS", "ARCH_NAMES", "GC_MODES", "build", "batches", "train", "compare"]
 
 VOCAB, SEQ, BATCH, WIDTH, HEADS = 64, 16, 2, 32, 4
 DROPOUT = 0.1
@@ -184,6 +184,8 @@ def build(name: str, gc: str, seed: int = 0) -> torch.nn.Module:
 
 
 def batches(name: str, n: int, seed: int = 1) -> List[Dict[str, torch.Tensor]]:
+    """``n`` batches for ``name`` (keyword arguments of its forward, labels
+    included), the same for the same ``seed``."""
     g = torch.Generator().manual_seed(seed)
     return [ARCHS[name].batch(g) for _ in range(n)]
 
