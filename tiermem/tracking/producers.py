@@ -176,6 +176,8 @@ class CallRecorder(TorchFunctionMode):
     the outermost torch call (it is not active inside its own handler): the
     call a step's :class:`~tiermem.tracking.modules.CallGate` sees too."""
 
+    tiermem_mode = True   # tracking/modestack.py
+
     def __init__(self, producers: "ProducerMode") -> None:
         super().__init__()
         self.producers = producers
@@ -382,6 +384,8 @@ class ProducerMode(TorchDispatchMode):
     or the op names (``aten`` packet names) to record; a
     :class:`~tiermem.tracking.modules.TrackingScope` sets it per module. See NOTE
     [Recording only what recipes use]."""
+
+    tiermem_mode = True   # tracking/modestack.py
 
     def __init__(self, module_names: bool = False, names: bool = True) -> None:
         super().__init__()
