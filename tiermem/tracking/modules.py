@@ -86,8 +86,7 @@ def _pre_hook(module: torch.nn.Module, args) -> None:
         return
     region = _tls.__dict__.get("region")
     if region is not None:   # NOTE [Compiled regions run without our modes] in tracking/modestack.py
-        if is_compiled_module(module):
-            region[1] += 1
+        region[1] += is_compiled_module(module)   # one more open, or none
         return
     stack = _stack()
     listeners = getattr(_tls, "root_listeners", None)
@@ -98,7 +97,7 @@ def _pre_hook(module: torch.nn.Module, args) -> None:
                 listener(module)
     name = _name_of(module, stack)
     stack.append((module, name))
-    if is_compiled_module(module):   # a compiled region starts: our modes off
+    if is_compiled_module(module):   # a region starts: [its index, modules open, our modes]
         _tls.region = [len(stack) - 1, 1, suspend()]
         return
     scopes = _tls.__dict__.get("scopes")
@@ -115,7 +114,7 @@ def _post_hook(module: torch.nn.Module, args, output) -> None:
         if not is_compiled_module(module):
             return
         region[1] -= 1
-        if region[1]:
+        if region[1]:   # a compiled module inside the region ended
             return
         _tls.region = None
         resume(region[2])
@@ -209,6 +208,8 @@ class CallGate(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
+        if _compiling():   # NOTE [Compiled regions run without our modes] in tracking/modestack.py
+            return func(*args, **kwargs)
         name = call_name(func)
         if name not in self.allowed:
             return func(*args, **kwargs)
@@ -359,8 +360,7 @@ class ModuleStack:
     :func:`release` or dies: NOTE [Hooks held between steps].
     """
 
-    def __init__(self, on_root=None, scope: Optional[TrackingScope] = None,
-                 holder=None) -> None:
+    def __init__(self, on_root=None, scope: Optional[TrackingScope] = None, holder=None) -> None:
         self._on_root = on_root
         self._scope = scope
         self._holder = holder

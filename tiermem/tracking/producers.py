@@ -43,7 +43,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .modules import call_name, current_module
+from .modules import _compiling, call_name, current_module
 
 __all__ = ["ProducerMode", "CallRecorder", "Record", "Ref", "call_name", "storage_key",
            "untracked_pack",
@@ -183,6 +183,8 @@ class CallRecorder(TorchFunctionMode):
         self.producers = producers
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if _compiling():   # NOTE [Compiled regions run without our modes] in tracking/modestack.py
+            return func(*args, **(kwargs or {}))
         p = self.producers
         outer = p.call
         name = p.call = call_name(func)
