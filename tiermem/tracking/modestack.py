@@ -9,11 +9,13 @@ nothing that is not ours.
 from __future__ import annotations
 
 import sys
+import threading
 from typing import List, Optional, Tuple
 
 import torch
 
-__all__ = ["is_ours", "is_compiled_module", "suspend", "resume", "is_innermost", "take_off"]
+__all__ = ["is_ours", "is_compiled_module", "suspend", "resume", "is_innermost", "take_off",
+           "region", "set_region", "in_compiled_region"]
 
 _fn_depth = torch._C._len_torch_function_stack
 _fn_at = torch._C._get_function_stack_at
@@ -25,6 +27,24 @@ _dispatch_pop = torch._C._pop_torch_dispatch_stack
 _dispatch_push = torch._C._push_on_torch_dispatch_stack
 
 _compiled_type: Optional[type] = None
+_tls = threading.local()
+
+
+def region() -> Optional[list]:
+    """The compiled region running on this thread: ``[its index on the module
+    stack, compiled modules open in it, the modes suspend() left]``, or None."""
+    return _tls.__dict__.get("region")
+
+
+def set_region(r: Optional[list]) -> None:
+    _tls.region = r
+
+
+def in_compiled_region() -> bool:
+    """Whether a compiled module (NOTE [Compiled regions run without our
+    modes]) runs on this thread now: the tensors packed now are saved by
+    compiled code."""
+    return _tls.__dict__.get("region") is not None
 
 
 def is_ours(mode) -> bool:

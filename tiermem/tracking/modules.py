@@ -22,7 +22,8 @@ import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
 
-from .modestack import is_compiled_module, is_innermost, resume, suspend, take_off
+from .modestack import (is_compiled_module, is_innermost, region, resume, set_region,
+                        suspend, take_off)
 
 _lock = threading.Lock()
 _users = 0
@@ -84,9 +85,9 @@ def _pre_hook(module: torch.nn.Module, args) -> None:
     # running outside it.
     if _compiling() or not _users:
         return
-    region = _tls.__dict__.get("region")
-    if region is not None:   # NOTE [Compiled regions run without our modes] in tracking/modestack.py
-        region[1] += is_compiled_module(module)   # one more open, or none
+    reg = region()
+    if reg is not None:   # NOTE [Compiled regions run without our modes] in tracking/modestack.py
+        reg[1] += is_compiled_module(module)   # one more open, or none
         return
     stack = _stack()
     listeners = getattr(_tls, "root_listeners", None)
@@ -97,8 +98,8 @@ def _pre_hook(module: torch.nn.Module, args) -> None:
                 listener(module)
     name = _name_of(module, stack)
     stack.append((module, name))
-    if is_compiled_module(module):   # a region starts: [its index, modules open, our modes]
-        _tls.region = [len(stack) - 1, 1, suspend()]
+    if is_compiled_module(module):   # a compiled region starts: modestack.region()
+        set_region([len(stack) - 1, 1, suspend()])
         return
     scopes = _tls.__dict__.get("scopes")
     if scopes:   # NOTE [Scoped tracking]
@@ -109,15 +110,15 @@ def _pre_hook(module: torch.nn.Module, args) -> None:
 def _post_hook(module: torch.nn.Module, args, output) -> None:
     if _compiling() or not _users:   # NOTE [Tracker under torch.compile]
         return
-    region = _tls.__dict__.get("region")
-    if region is not None:   # NOTE [Compiled regions run without our modes] in tracking/modestack.py
+    reg = region()
+    if reg is not None:   # NOTE [Compiled regions run without our modes] in tracking/modestack.py
         if not is_compiled_module(module):
             return
-        region[1] -= 1
-        if region[1]:   # a compiled module inside the region ended
+        reg[1] -= 1
+        if reg[1]:   # a compiled module inside the region ended
             return
-        _tls.region = None
-        resume(region[2])
+        set_region(None)
+        resume(reg[2])
     stack = _stack()
     # Pop down to this module (robust against a module that raised inside).
     for i in range(len(stack) - 1, -1, -1):
@@ -244,8 +245,7 @@ class TrackingScope:
     in such a module a :class:`CallGate` is entered instead of the mode:
     NOTE [Tracking inside torch calls]. ``direct``: per module, of its
     ``calls``, those recorded whole without the mode, by the op each ran in
-    the profile (NOTE [Calls recorded whole] in tracking/producers.py). Registered by
-    :class:`ModuleStack`."""
+    the profile (NOTE [Calls recorded whole] in tracking/producers.py); by :class:`ModuleStack`."""
 
     __slots__ = ("mode", "names", "blocks", "state", "entries", "in_blocks", "ops", "calls",
                  "direct", "gate")
@@ -397,10 +397,10 @@ class ModuleStack:
                     break
             self._scope.close()   # still active: the ops after the model, a module unfinished
         del _stack()[self._depth:]
-        region = _tls.__dict__.get("region")
-        if region is not None and region[0] >= self._depth:   # left inside a compiled module
-            _tls.region = None
-            resume(region[2])
+        reg = region()
+        if reg is not None and reg[0] >= self._depth:   # left inside a compiled module
+            set_region(None)
+            resume(reg[2])
         if self._on_root is not None:
             listeners = _root_listeners()
             for i in range(len(listeners) - 1, -1, -1):
