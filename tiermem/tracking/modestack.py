@@ -2,8 +2,9 @@
 
 A class of ours says so with ``tiermem_mode = True``. :func:`suspend` takes
 ours off both stacks while a compiled module runs and :func:`resume` puts them
-back; :func:`take_off` leaves one mode wherever it is on its stack, and pops
-nothing that is not ours.
+back; :func:`take_off` leaves one mode wherever it is on its stack (the modes
+above it are put back unchanged). :func:`region` is the compiled region running
+on this thread.
 """
 
 from __future__ import annotations

@@ -245,7 +245,7 @@ class TrackingScope:
     in such a module a :class:`CallGate` is entered instead of the mode:
     NOTE [Tracking inside torch calls]. ``direct``: per module, of its
     ``calls``, those recorded whole without the mode, by the op each ran in
-    the profile (NOTE [Calls recorded whole] in tracking/producers.py); by :class:`ModuleStack`."""
+    the profile (NOTE [Calls recorded whole] in tracking/producers.py). ModuleStack runs it."""
 
     __slots__ = ("mode", "names", "blocks", "state", "entries", "in_blocks", "ops", "calls",
                  "direct", "gate")
