@@ -361,3 +361,65 @@ def test_opinfo_bit_identical(op_index, dtype, policy_id, request):
     finally:
         off.close()
     assert not problems, f"{op.full_name} {dtype} {policy_id}: " + "; ".join(problems)
+
+
+# ---------------------------------------------------------------------------
+# One auto Offloader shared by every op (issue 31)
+# ---------------------------------------------------------------------------
+
+#: The shared auto Offloader's budget: low enough that its plans recompute and
+#: move to nvme (the only tiers that free memory of CPU tensors).
+AUTO_BUDGET = "25%"
+#: float32 only: with complex64 too the sweep took twice as long (the planner
+#: profiles and plans every new signature), past the ~2 min it is given.
+AUTO_DTYPES = (torch.float32,)
+_auto_used: Dict[str, int] = {"moved": 0, "recomputed": 0, "steps": 0}
+
+
+def _auto_cases():
+    for dtype in AUTO_DTYPES:
+        dn = _dtype_name(dtype)
+        for i, op in enumerate(op_db):
+            if op.supports_autograd and dtype in op.supported_backward_dtypes("cpu"):
+                skip = SKIP.get((op.full_name, dn)) or SKIP.get((op.full_name, None))
+                yield pytest.param(i, dtype, id=f"{op.full_name}-{dn}-auto:shared",
+                                   marks=[pytest.mark.skip(reason=skip)] if skip else [])
+
+
+@pytest.fixture(scope="module")
+def shared_auto(tmp_path_factory):
+    """One ``auto`` Offloader for the whole sweep: each op is a new signature."""
+    off = tiermem.Offloader(policy="auto", min_offload_bytes=0, device_budget=AUTO_BUDGET,
+                            nvme_dir=str(tmp_path_factory.mktemp("auto") / "nvme"),
+                            engine="python")
+    yield off
+    off.close()
+
+
+@pytest.mark.parametrize("op_index,dtype", list(_auto_cases()))
+def test_opinfo_one_auto_offloader_for_every_op(op_index, dtype, shared_auto):
+    """Each sample twice under the shared auto Offloader (its first step of a
+    new signature is profiled, the second follows the plan): bit-identical to
+    plain autograd, no error."""
+    op = op_db[op_index]
+    samples, refs = reference(op_index, dtype)
+    if not samples:
+        pytest.skip("no sample input with a differentiable output")
+    problems: List[str] = []
+    for k, (sample, ref) in enumerate(zip(samples, refs)):
+        for attempt in ("profiled", "planned"):
+            got = run(op, sample, shared_auto)
+            stats = shared_auto.stats
+            _auto_used["steps"] += 1
+            _auto_used["recomputed"] += stats.count_by_tier["recompute"]
+            _auto_used["moved"] += stats.count_by_tier["nvme"] + stats.count_by_tier["cpu"]
+            problems += [f"sample {k} ({attempt} step): {d}" for d in differences(got, ref)]
+    assert not problems, f"{op.full_name} {dtype} auto (shared): " + "; ".join(problems)
+
+
+def test_opinfo_shared_auto_used_the_tiers():
+    """After the shared-auto sweep (when it ran in this session): its plans
+    recomputed and moved tensors, so the sweep tested more than keep."""
+    if _auto_used["steps"] < 100:
+        pytest.skip("the shared-auto sweep did not run in this session (or only a part)")
+    assert _auto_used["recomputed"] > 0 and _auto_used["moved"] > 0, _auto_used

@@ -43,7 +43,7 @@ from .runtime.placement import Placement
 from .runtime.step import Step
 from .runtime.tailhold import TailHold
 from .telemetry import StepStats
-from .tracking.modules import ModuleStack, TrackingScope
+from .tracking.modules import ModuleStack, TrackingScope, release
 from .tracking.producers import CallRecorder, ProducerMode, untracked_pack
 
 __all__ = ["Offloader", "OffloadContext", "hidden_hook"]
@@ -129,7 +129,7 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
             self.step.tail = offloader._tail
             self.step.tail_hold_bytes = tail_hold_bytes
         self._packer = Packer(self.step, placement, BLOCK_SCOPE)
-        self._modules = ModuleStack(on_root=self._packer.note_root, scope=self.tracking)
+        self._modules = ModuleStack(self._packer.note_root, self.tracking, holder=offloader)
         unpack_hook = hidden_hook("unpack", unpack)
         if self.planning is not None:
             self.step.planning = self.planning
@@ -427,6 +427,7 @@ class Offloader:
         pinned pool), and remove the NVMe directory. Call it after the last backward: tensors still saved on NVMe
         cannot be restored afterwards (their backward raises TierMemError)."""
         self.closed = True
+        release(self)   # the module hooks (NOTE [Hooks held between steps] in tracking/modules.py)
         if self.config.disable:
             return
         self._tail.release_all()

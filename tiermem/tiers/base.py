@@ -19,7 +19,9 @@ step: the recompute tier also uses the step's :class:`RecipeServices`.
 # alignment up to 256; CUDA allocations are 512-aligned) and modulo 64 on the CPU
 # (the CPU allocator's alignment, all CPU kernels look at). When the span is much
 # larger than the tensor (a column of a big matrix), a dense copy (``compact``)
-# moves instead: same values and sizes, contiguous strides.
+# moves instead: same values and sizes, contiguous strides; but not for a tensor
+# a compiled region saved (``strides``): its compiled backward asserts the saved
+# strides (inductor), and its span is no more than the storage it held anyway.
 
 from __future__ import annotations
 
@@ -60,7 +62,8 @@ class Layout:
         return self.numel * self.dtype.itemsize
 
     @staticmethod
-    def of(t: torch.Tensor) -> "Layout":
+    def of(t: torch.Tensor, strides: bool = False) -> "Layout":
+        """``strides``: never a dense copy (NOTE [Layout of a moved tensor])."""
         size, stride = t.size(), t.stride()
         numel = t.numel()
         pad = _pad_elements(t)
@@ -68,7 +71,7 @@ class Layout:
         if t.is_contiguous() or numel == 0:
             return Layout(size, stride, t.dtype, t.device, numel, False, pad, *bits)
         span = _span_elements(size, stride)
-        if span > COMPACT_SPAN_RATIO * numel:
+        if span > COMPACT_SPAN_RATIO * numel and not strides:
             return Layout(size, stride, t.dtype, t.device, numel, True, 0, *bits)
         return Layout(size, stride, t.dtype, t.device, span, False, pad, *bits)
 

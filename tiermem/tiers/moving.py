@@ -103,6 +103,7 @@ from ..errors import TierMemError
 from ..runtime.copier import copier_for
 from ..runtime.jobs import CudaJob
 from ..runtime.prefetch import HELD
+from ..tracking.modestack import in_compiled_region
 from .base import Layout, TierStore
 from .keep import check_version
 
@@ -264,7 +265,7 @@ class MovingStore(TierStore):
     def put(self, t: torch.Tensor, step, module: str = "") -> Optional[MovedHandle]:
         """Reserve room for ``t`` (``None``: full) and return its handle; the
         move is launched later (NOTE [Launch after the saving op])."""
-        layout = Layout.of(t)
+        layout = Layout.of(t, in_compiled_region())   # NOTE [Layout of a moved tensor]
         reservation = self._reserve(layout, t)
         if reservation is None:
             return None

@@ -5,11 +5,11 @@ shared by all threads, and it installs backward hooks on every module's inputs
 (autograd nodes we do not need). tiermem needs only the forward stack, per
 thread, and only while a context is active.
 
-Global forward pre/post hooks are installed while at least one context is
-active anywhere (reference counted); each thread keeps its own stack of
-qualified names. A module's qualified name is its root's class name followed by
-its path in ``root.named_modules()`` (``TinyGPT.blocks.1.ln1``), computed once
-per root and cached weakly.
+Global forward pre/post hooks are installed while a context is active
+anywhere or an Offloader holds them (NOTE [Hooks held between steps]); each
+thread keeps its own stack of qualified names. A module's qualified name is its
+root's class name followed by its path in ``root.named_modules()``
+(``TinyGPT.blocks.1.ln1``), computed once per root and cached weakly.
 """
 
 from __future__ import annotations
@@ -19,15 +19,16 @@ import weakref
 from typing import Optional
 
 import torch
-from torch.nn.modules.module import (
-    register_module_forward_hook,
-    register_module_forward_pre_hook,
-)
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
+
+from .modestack import (is_compiled_module, is_innermost, region, resume, set_region,
+                        suspend, take_off)
 
 _lock = threading.Lock()
 _users = 0
 _handles: list = []
+_holders: "weakref.WeakSet" = weakref.WeakSet()   # NOTE [Hooks held between steps]
 _names: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
 _tls = threading.local()
 
@@ -67,16 +68,8 @@ def _name_of(module: torch.nn.Module, stack: list) -> str:
     return _names[module]
 
 
-def _compiling() -> bool:
-    """True while Dynamo traces (``torch.compiler.is_compiling``; a constant
-    to Dynamo, so the hooks below trace to nothing)."""
-    return False
-
-
-try:
-    _compiling = torch.compiler.is_compiling   # noqa: F811
-except AttributeError:   # an older torch
-    pass
+#: True while Dynamo traces (a constant to it: the hooks below trace to nothing).
+_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 
 
 def _pre_hook(module: torch.nn.Module, args) -> None:
@@ -90,7 +83,11 @@ def _pre_hook(module: torch.nn.Module, args) -> None:
     # nothing while Dynamo traces: tensors saved by a compiled region are
     # packed after it, by its eager wrapper, and are named by the modules
     # running outside it.
-    if _compiling():
+    if _compiling() or not _users:
+        return
+    reg = region()
+    if reg is not None:   # NOTE [Compiled regions run without our modes] in tracking/modestack.py
+        reg[1] += is_compiled_module(module)   # one more open, or none
         return
     stack = _stack()
     listeners = getattr(_tls, "root_listeners", None)
@@ -101,6 +98,9 @@ def _pre_hook(module: torch.nn.Module, args) -> None:
                 listener(module)
     name = _name_of(module, stack)
     stack.append((module, name))
+    if is_compiled_module(module):   # a compiled region starts: modestack.region()
+        set_region([len(stack) - 1, 1, suspend()])
+        return
     scopes = _tls.__dict__.get("scopes")
     if scopes:   # NOTE [Scoped tracking]
         for s in scopes:
@@ -108,8 +108,17 @@ def _pre_hook(module: torch.nn.Module, args) -> None:
 
 
 def _post_hook(module: torch.nn.Module, args, output) -> None:
-    if _compiling():   # NOTE [Tracker under torch.compile]
+    if _compiling() or not _users:   # NOTE [Tracker under torch.compile]
         return
+    reg = region()
+    if reg is not None:   # NOTE [Compiled regions run without our modes] in tracking/modestack.py
+        if not is_compiled_module(module):
+            return
+        reg[1] -= 1
+        if reg[1]:   # a compiled module inside the region ended
+            return
+        set_region(None)
+        resume(reg[2])
     stack = _stack()
     # Pop down to this module (robust against a module that raised inside).
     for i in range(len(stack) - 1, -1, -1):
@@ -182,6 +191,8 @@ class CallGate(TorchFunctionMode):
     ``mode.wanted = wanted``, the others as they are. NOTE [Tracking inside
     torch calls]."""
 
+    tiermem_mode = True   # tracking/modestack.py
+
     def __init__(self, mode) -> None:
         super().__init__()
         self.mode = mode
@@ -198,6 +209,8 @@ class CallGate(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
+        if _compiling():   # NOTE [Compiled regions run without our modes] in tracking/modestack.py
+            return func(*args, **kwargs)
         name = call_name(func)
         if name not in self.allowed:
             return func(*args, **kwargs)
@@ -218,8 +231,6 @@ class CallGate(TorchFunctionMode):
 _dispatch_depth = torch._C._len_torch_dispatch_stack
 _any_autocast = torch._C._is_any_autocast_enabled
 _dispatch_at = torch._C._get_dispatch_stack_at
-_function_depth = torch._C._len_torch_function_stack
-_function_at = torch._C._get_function_stack_at
 
 
 class TrackingScope:
@@ -234,8 +245,7 @@ class TrackingScope:
     in such a module a :class:`CallGate` is entered instead of the mode:
     NOTE [Tracking inside torch calls]. ``direct``: per module, of its
     ``calls``, those recorded whole without the mode, by the op each ran in
-    the profile (NOTE [Calls recorded whole] in tracking/producers.py). Registered by
-    :class:`ModuleStack`."""
+    the profile (NOTE [Calls recorded whole] in tracking/producers.py). ModuleStack runs it."""
 
     __slots__ = ("mode", "names", "blocks", "state", "entries", "in_blocks", "ops", "calls",
                  "direct", "gate")
@@ -305,13 +315,12 @@ class TrackingScope:
         state = self.state
         if state == _OFF:
             return
-        ours, depth, at = ((self.mode, _dispatch_depth, _dispatch_at) if state == _DISPATCH
-                           else (self.gate, _function_depth, _function_at))
-        n = depth()
-        if not force and n and at(n - 1) is not ours:
+        function = state == _GATE
+        ours = self.gate if function else self.mode
+        if not force and not is_innermost(ours, function):
             return
         self.state = _OFF
-        ours.__exit__(None, None, None)
+        take_off(ours, function)   # nothing popped if it is not on the stack
 
     def close(self) -> None:
         """Leave whatever is entered (the context exits)."""
@@ -346,20 +355,25 @@ class ModuleStack:
     when the context was entered, i.e. for each outermost module run inside the
     context (used to learn the parameters and buffers of the model).
     ``scope``: a :class:`TrackingScope` followed while the context is active
-    (left, if active, when it exits).
+    (left, if active, when it exits). ``holder``: an object (the Offloader)
+    that keeps the hooks installed between its contexts, until it is given to
+    :func:`release` or dies: NOTE [Hooks held between steps].
     """
 
-    def __init__(self, on_root=None, scope: Optional[TrackingScope] = None) -> None:
+    def __init__(self, on_root=None, scope: Optional[TrackingScope] = None, holder=None) -> None:
         self._on_root = on_root
         self._scope = scope
+        self._holder = holder
         self._depth = 0
 
     def __enter__(self) -> "ModuleStack":
         global _users
         with _lock:
-            if _users == 0:
+            if not _handles:
                 _handles.append(register_module_forward_pre_hook(_pre_hook))
                 _handles.append(register_module_forward_hook(_post_hook, always_call=True))
+            if self._holder is not None:
+                _holders.add(self._holder)
             _users += 1
         self._depth = len(_stack())
         if self._on_root is not None:
@@ -383,6 +397,10 @@ class ModuleStack:
                     break
             self._scope.close()   # still active: the ops after the model, a module unfinished
         del _stack()[self._depth:]
+        reg = region()
+        if reg is not None and reg[0] >= self._depth:   # left inside a compiled module
+            set_region(None)
+            resume(reg[2])
         if self._on_root is not None:
             listeners = _root_listeners()
             for i in range(len(listeners) - 1, -1, -1):
@@ -391,10 +409,28 @@ class ModuleStack:
                     break
         with _lock:
             _users -= 1
-            if _users == 0:
-                for h in _handles:
-                    h.remove()
-                _handles.clear()
+            _remove_unheld()
+
+
+# NOTE [Hooks held between steps]
+# Dynamo guards a compiled module on the keys of the global hook dictionaries
+# (its traced ``_call_impl`` reads them). Hooks installed at each step's start
+# and removed at its end got new keys every step: every compiled module was
+# recompiled at every step, and past Dynamo's recompile limit ran eagerly. So
+# an Offloader holds them from its first step to its ``close()`` (once it died:
+# to the next context's end); between steps they return at once (``_users``: 0).
+def release(holder) -> None:
+    """``holder`` no longer keeps the hooks installed (``Offloader.close``)."""
+    with _lock:
+        _holders.discard(holder)
+        _remove_unheld()
+
+
+def _remove_unheld() -> None:
+    if _users == 0 and not _holders:
+        for h in _handles:
+            h.remove()
+        _handles.clear()
 
 
 def module_name(module: torch.nn.Module) -> Optional[str]:

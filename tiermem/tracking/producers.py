@@ -43,7 +43,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .modules import call_name, current_module
+from .modules import _compiling, call_name, current_module
 
 __all__ = ["ProducerMode", "CallRecorder", "Record", "Ref", "call_name", "storage_key",
            "untracked_pack",
@@ -176,11 +176,15 @@ class CallRecorder(TorchFunctionMode):
     the outermost torch call (it is not active inside its own handler): the
     call a step's :class:`~tiermem.tracking.modules.CallGate` sees too."""
 
+    tiermem_mode = True   # tracking/modestack.py
+
     def __init__(self, producers: "ProducerMode") -> None:
         super().__init__()
         self.producers = producers
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if _compiling():   # NOTE [Compiled regions run without our modes] in tracking/modestack.py
+            return func(*args, **(kwargs or {}))
         p = self.producers
         outer = p.call
         name = p.call = call_name(func)
@@ -382,6 +386,8 @@ class ProducerMode(TorchDispatchMode):
     or the op names (``aten`` packet names) to record; a
     :class:`~tiermem.tracking.modules.TrackingScope` sets it per module. See NOTE
     [Recording only what recipes use]."""
+
+    tiermem_mode = True   # tracking/modestack.py
 
     def __init__(self, module_names: bool = False, names: bool = True) -> None:
         super().__init__()
