@@ -11,10 +11,10 @@ the step's events (:class:`~tiermem.runtime.contract.StepObserver`).
 - ``begin_step()``: the :class:`StepDecider` of a step starting now, or
   ``None``: the :class:`~tiermem.runtime.placement.Placement`'s own order (a
   named policy's tiers, or a callable policy asked per tensor) decides.
-- ``tracking(step)``: what the step tracks (a
-  :class:`~tiermem.runtime.contract.Tracking`), ``step`` being what
+- ``tracking(planning)``: what the step tracks (a
+  :class:`~tiermem.runtime.contract.Tracking`), ``planning`` being what
   ``begin_step`` gave.
-- ``end_step(step, stats, failed)``: the step's forward is over (``failed``:
+- ``end_step(planning, stats, failed)``: the step's forward is over (``failed``:
   it raised); ``stats`` its :class:`~tiermem.StepStats`.
 - ``settle()``: what the next step follows (``Offloader.plan``): a plan, or
   ``None`` for deciders without one.
@@ -98,9 +98,9 @@ class Decider(Protocol):
 
     def begin_step(self) -> Optional[StepDecider]: ...
 
-    def tracking(self, step: Optional[StepDecider]) -> Tracking: ...
+    def tracking(self, planning: Optional[StepDecider]) -> Tracking: ...
 
-    def end_step(self, step: Optional[StepDecider], stats, failed: bool) -> None: ...
+    def end_step(self, planning: Optional[StepDecider], stats, failed: bool) -> None: ...
 
     def settle(self) -> Optional[Any]: ...
 
@@ -116,10 +116,10 @@ class PolicyDecider:
     def begin_step(self) -> None:
         return None
 
-    def tracking(self, step) -> Tracking:
+    def tracking(self, planning) -> Tracking:
         return self._tracking
 
-    def end_step(self, step, stats, failed: bool) -> None:
+    def end_step(self, planning, stats, failed: bool) -> None:
         return None
 
     def settle(self) -> None:

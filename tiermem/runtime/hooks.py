@@ -204,17 +204,17 @@ def _capturing() -> bool:
 class Packer:
     """The pack hook of one step (``step``), placing through ``placement``;
     ``scope``: the ``wrap_blocks`` scope (its ``stack`` of tier orders, the
-    innermost block's first), asked before the step's decider; ``decider``:
+    innermost block's first), asked before the step's decider; ``step_decider``:
     the step's ``StepDecider`` (tiermem/deciders.py), asked through its
     methods only, or ``None``: the placement's order decides."""
 
-    def __init__(self, step, placement, scope, decider=None) -> None:
+    def __init__(self, step, placement, scope, step_decider=None) -> None:
         self.step = step
         self.placement = placement
         self._scope = scope
-        self._decider = decider
-        #: ``decider.keep_at``, bound once: it runs per tensor.
-        self._keep_at = None if decider is None else decider.keep_at
+        self._step_decider = step_decider
+        #: ``step_decider.keep_at``, bound once: it runs per tensor.
+        self._keep_at = None if step_decider is None else step_decider.keep_at
         self.min_bytes = step.min_offload_bytes
         self._polls = tuple(s.poll for s in placement.movers)
         # Storages of the parameters and buffers of the modules run in this
@@ -287,10 +287,10 @@ class Packer:
         if fixed is Tier.KEEP:
             stats.record(_KEEP, nbytes)
             return Kept(t, "")
-        decider = None
+        step_decider = None
         if fixed is None:   # policy auto (or a callable policy); not inside a scoped block
-            decider = self._decider
-            if decider is not None and type(t) is _Tensor:
+            step_decider = self._step_decider
+            if step_decider is not None and type(t) is _Tensor:
                 # The planned keep (NOTE [Planned keeps by position] in
                 # planner/runtime.py): its check also stands for _movable below;
                 # no dedup key, no TensorInfo.
@@ -310,8 +310,8 @@ class Packer:
             stats.unsupported_count += 1
             stats.record(_KEEP, nbytes)
             return Kept(t, current_module())
-        if decider is not None:
-            return self._place_decided(t, nbytes, decider)
+        if step_decider is not None:
+            return self._place_decided(t, nbytes, step_decider)
         return self._place(t, nbytes, scoped, fixed)
 
     def _pack_after_move(self, t: torch.Tensor) -> Any:
@@ -329,7 +329,7 @@ class Packer:
             return KickKept(handle, step, step.prefetcher.scheduled)
         return handle
 
-    def _place_decided(self, t: torch.Tensor, nbytes: int, decider) -> Any:
+    def _place_decided(self, t: torch.Tensor, nbytes: int, step_decider) -> Any:
         """The step's decider places ``t`` (``policy="auto"``, the general
         path: NOTE [Following a plan] in planner/runtime.py): dedup lookup,
         then the decider's order."""
@@ -341,13 +341,13 @@ class Packer:
         if handle is not None:
             step.stats.dedup_hits += 1
             step.share(handle)
-            decider.dedup_hit()
+            step_decider.dedup_hit()
             for o in observers:
                 o.hit(handle)
             return handle
         module = current_module()
         index = step.index
-        order, how = decider.decide(index, t, key, nbytes, module, step.producers)
+        order, how = step_decider.decide(index, t, key, nbytes, module, step.producers)
         if order is None:   # a hit of a tensor stored under another key, counted there
             step.stats.dedup_hits += 1
             return Kept(t, module)
@@ -391,7 +391,7 @@ class Packer:
         handle = placement.put(order, t, step, module, nbytes)
         if type(handle) is not Kept or step.producers is not None:
             step.remember(t, key, handle)
-        if (not self.kick_armed and self._decider is None
+        if (not self.kick_armed and self._step_decider is None
                 and step.prefetcher.scheduled):   # NOTE [Kicks without a plan]
             self.kick_armed = True
         return handle
