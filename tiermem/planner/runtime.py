@@ -46,10 +46,12 @@ with is the per-signature state machine's (planner/lifecycle.py)."""
 # (three comparisons; the device check stands for the movable-tensor check: a
 # plan holds cpu and cuda tensors only) and a new tensor's index is i, the
 # tensor is kept at once as the keep tier keeps it: no dedup key or entry, no
-# TensorInfo unless producers are tracked. A hit takes no index, as in the
-# profile; anything else takes the general path. Exactness never rests on the
-# table: a kept tensor is a valid placement (a storage kept twice costs
-# nothing); a wrong guess costs only memory, which the closed loop measures.
+# TensorInfo unless producers are tracked (``StepDecider.keep_at``, one call
+# per tensor, the pack hook's first question to the step's decider). A hit
+# takes no index, as in the profile; anything else takes the general path
+# (``decide``). Exactness never rests on the table: a kept tensor is a valid
+# placement (a storage kept twice costs nothing); a wrong guess costs only
+# memory, which the closed loop measures.
 
 # NOTE [Stall on the GPU's timeline]
 # On CUDA the closed loop compares the plan's predicted stall, made on the
@@ -60,10 +62,10 @@ with is the per-signature state machine's (planner/lifecycle.py)."""
 # blocks the host while the GPU may still run queued work. So the first step
 # following a plan times each restore's wait on the consumer's stream: timing
 # events before the unpack waits and after its stream is ordered after the
-# copy (``Step.gpu_wait_start`` / ``gpu_wait_end``); their sum is the step's
-# stall, read when the check runs (the next step's start: one host wait per
-# plan). On the CPU, and where no restore was timed, the host's waits are the
-# stall.
+# copy (``Step.gpu_wait_start`` / ``gpu_wait_end``, reported to the step's
+# observer that asks for them, ``_GpuWaits``); their sum is the step's stall,
+# read when the check runs (the next step's start: one host wait per plan).
+# On the CPU, and where no restore was timed, the host's waits are the stall.
 
 # NOTE [Tracking priced]
 # A step following a plan that recomputes tracks producers in the (module,

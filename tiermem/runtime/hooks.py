@@ -287,15 +287,14 @@ class Packer:
         if fixed is Tier.KEEP:
             stats.record(_KEEP, nbytes)
             return Kept(t, "")
-        step_decider = None
         if fixed is None:   # policy auto (or a callable policy); not inside a scoped block
-            step_decider = self._step_decider
-            if step_decider is not None and type(t) is _Tensor:
+            keep_at = self._keep_at
+            if keep_at is not None and type(t) is _Tensor:
                 # The planned keep (NOTE [Planned keeps by position] in
                 # planner/runtime.py): its check also stands for _movable below;
                 # no dedup key, no TensorInfo.
                 step = self.step
-                kept = self._keep_at(t, step.index)
+                kept = keep_at(t, step.index)
                 if kept:
                     if kept == KEPT_HIT:   # a dedup hit in the profile, of a kept tensor
                         stats.dedup_hits += 1
@@ -310,8 +309,8 @@ class Packer:
             stats.unsupported_count += 1
             stats.record(_KEEP, nbytes)
             return Kept(t, current_module())
-        if step_decider is not None:
-            return self._place_decided(t, nbytes, step_decider)
+        if fixed is None and self._step_decider is not None:
+            return self._place_decided(t, nbytes, self._step_decider)
         return self._place(t, nbytes, scoped, fixed)
 
     def _pack_after_move(self, t: torch.Tensor) -> Any:
