@@ -72,7 +72,7 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         #: The step's decider (a ``StepDecider``, tiermem/deciders.py), or None:
         #: asked through its methods only.
         self.planning = planning = decider.begin_step()
-        tracking = decider.tracking(planning)
+        tracks = decider.tracking(planning)   # what this step tracks
         #: Producer of each tensor of the forward (None unless the policy may
         #: recompute or is a callable that may read ``TensorInfo.op``).
         self.producers: Optional[ProducerMode] = None
@@ -85,23 +85,23 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         # the reasons in stats.recompute_fallback_reasons (wrapped blocks) and
         # a MUST_RECOMPUTE error (NOTE [Recording only what recipes use] in
         # tracking/producers.py).
-        op_names = tracking.op_names or must_blocks or blocks_need_producers()
+        op_names = tracks.op_names or must_blocks or blocks_need_producers()
         #: A profiled step's namer of torch calls (NOTE [Tracking inside torch
         #: calls] in tracking/modules.py), entered with the producer mode.
         self._calls: Optional[CallRecorder] = None
-        if tracking.whole or must_blocks:
-            self.producers = ProducerMode(module_names=tracking.profiled, names=op_names)
-            if tracking.profiled:
+        if tracks.whole or must_blocks:
+            self.producers = ProducerMode(module_names=tracks.profiled, names=op_names)
+            if tracks.profiled:
                 self._calls = CallRecorder(self.producers)
         else:
             blocks = blocks_need_producers()
-            if tracking.modules or blocks:
+            if tracks.modules or blocks:
                 self.producers = ProducerMode(names=op_names)
                 # NOTE [Views made inside untracked calls] in tracking/producers.py
                 self.producers.alias_index = True
                 self.tracking = TrackingScope(
-                    self.producers, tracking.modules or (), blocks, ops=tracking.ops,
-                    calls=tracking.calls, direct=tracking.direct)
+                    self.producers, tracks.modules or (), blocks, ops=tracks.ops,
+                    calls=tracks.calls, direct=tracks.direct)
         prefetch_bytes = offloader.config.prefetch_bytes
         if prefetch_bytes is None and planning is not None:
             prefetch_bytes = planning.prefetch_bytes()
