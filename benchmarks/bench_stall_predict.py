@@ -211,7 +211,7 @@ def run_config(budget: str, model_cfg, batches, nvme_dir, steps: int, engine: st
               f"{stats.stall_seconds * 1e3:.2f} ms predicted "
               f"{'-' if plan_before is None else round(plan_before.predicted_stall_s * 1e3, 2)}"
               f" replans {step['replans_now']}", file=sys.stderr)
-    prof = tiermem.testing.planner_of(off)._profiles.get(off.plan.keys) if off.plan is not None else None
+    prof = tiermem.testing.kept_profiles(off).get(off.plan.keys) if off.plan is not None else None
     if prof is not None:
         out["profile_backward_span_ms"] = _ms(prof.backward_end_s - prof.backward_start_s) \
             if getattr(prof, "backward_end_s", None) is not None else None

@@ -10,6 +10,7 @@ final parameters as the plain run.
 
     python examples/hf_trainer.py                         # policies keep, cpu, nvme, recompute
     python examples/hf_trainer.py --policy cpu --steps 20 --grad-accum 2
+    python examples/hf_trainer.py --policy auto --device-budget 25%
 
 Needs ``transformers`` and ``accelerate``. Exit status 1 if anything differs.
 """
@@ -29,7 +30,7 @@ import tiermem
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hf_gpt2  # noqa: E402  (examples/hf_gpt2.py: the model)
 
-__all__ = ["make_dataset", "train", "StatsCallback"]
+__all__ = ["make_dataset", "make_model", "train", "StatsCallback"]
 
 
 def make_dataset(vocab: int, n: int, seq: int, seed: int) -> List[Dict[str, torch.Tensor]]:
@@ -56,15 +57,28 @@ class StatsCallback(_callback_base()):
         self.lines.append(f"step {state.global_step}: {self.off.stats}")
 
 
+def make_model(cfg, seed: int):
+    """A causal LM of ``cfg`` (GPT-2 as ``hf_gpt2`` builds it, or any other
+    ``transformers`` config) initialised from ``seed``, in training mode."""
+    if cfg.model_type == "gpt2":
+        return hf_gpt2.make_model(cfg, seed=seed, device=torch.device("cpu"))
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg).train()
+
+
 def train(policy: Optional[str], cfg, data, out_dir: str, *, steps: int, batch: int,
           grad_accum: int = 1, seed: int = 0, nvme_dir: Optional[str] = None,
-          min_offload_bytes: Optional[int] = None):
-    """One ``Trainer.train()`` of a fresh model (initialised from ``seed``),
-    with an Offloader of ``policy`` attached (``None``: plain). Returns the
-    logged losses, the final parameters and the per-step stats lines."""
+          min_offload_bytes: Optional[int] = None, device_budget: Optional[str] = None):
+    """One ``Trainer.train()`` of a fresh model (:func:`make_model` of ``cfg``,
+    initialised from ``seed``), with an Offloader of ``policy`` attached
+    (``None``: plain; ``device_budget`` for ``"auto"``, which also gets the
+    NVMe directory). Returns the logged losses, the final parameters and the
+    per-step stats lines."""
     from transformers import PrinterCallback, Trainer, TrainingArguments
 
-    model = hf_gpt2.make_model(cfg, seed=seed, device=torch.device("cpu"))
+    model = make_model(cfg, seed)
     args = TrainingArguments(
         output_dir=out_dir, use_cpu=True, report_to=[], save_strategy="no",
         dataloader_num_workers=0, seed=seed, max_steps=steps,
@@ -77,7 +91,9 @@ def train(policy: Optional[str], cfg, data, out_dir: str, *, steps: int, batch: 
         kw = {}
         if min_offload_bytes is not None:
             kw["min_offload_bytes"] = min_offload_bytes
-        if "nvme" in policy:
+        if device_budget is not None:
+            kw["device_budget"] = device_budget
+        if "nvme" in policy or policy == "auto":
             kw["nvme_dir"] = nvme_dir or os.path.join(out_dir, "nvme")
         off = tiermem.Offloader(policy=policy, **kw)
         callback = StatsCallback(off)
@@ -99,8 +115,10 @@ def train(policy: Optional[str], cfg, data, out_dir: str, *, steps: int, batch: 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--policy", action="append",
-                   choices=("keep", "cpu", "nvme", "recompute", "recompute,cpu", "recompute,nvme"),
+                   choices=("keep", "cpu", "nvme", "recompute", "recompute,cpu", "recompute,nvme",
+                            "auto"),
                    help="repeatable (default: keep, cpu, nvme, recompute)")
+    p.add_argument("--device-budget", default="50%", help="for --policy auto (default 50%%)")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--layers", type=int, default=2)
@@ -124,7 +142,8 @@ def main(argv=None) -> int:
         for policy in a.policy or ["keep", "cpu", "nvme", "recompute"]:
             losses, params, stats = train(
                 policy, cfg, data, tmp, steps=a.steps, batch=a.batch, grad_accum=a.grad_accum,
-                seed=a.seed, nvme_dir=a.nvme_dir, min_offload_bytes=a.min_offload_bytes)
+                seed=a.seed, nvme_dir=a.nvme_dir, min_offload_bytes=a.min_offload_bytes,
+                device_budget=a.device_budget if policy == "auto" else None)
             same_params = all(torch.equal(params[n], ref_params[n]) for n in ref_params)
             ok = losses == ref_losses and same_params
             failed |= not ok

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+import tiermem.testing
 from tiermem.memory.arena import Arena
 from tiermem.errors import TierMemError
 
@@ -91,7 +92,7 @@ def _check(a):
     assert all(n > 0 and s % a.align == 0 and n % a.align == 0 for s, n in free), free
     assert not free or free[-1][0] + free[-1][1] <= a.size_bytes
     assert a.used_bytes == a.size_bytes - sum(n for _, n in free)
-    assert not a._lock.locked()
+    assert not tiermem.testing.arena_locked(a)
 
 
 def _state(a):

@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import tiermem
+import tiermem.testing
 from helpers import compare_records, moved_count, reference_steps, run_step, train_steps
 from models import Block, make_case
 
@@ -73,7 +74,7 @@ def test_each_forward_is_one_step_and_saves_outside_it_are_plain():
     off.attach(case.model)
     out = case.model(x)
     first = off.stats
-    assert not off._active_here()
+    assert not tiermem.testing.in_forward(off)
     (out.sin() * out).sum()        # saves tensors after the forward: not counted
     assert off.stats is first and _counts(off) == expected
     case.model(x)
@@ -94,7 +95,7 @@ def test_forward_that_raises_leaves_the_offloader(make_off):
     except _Boom:
         pass
     handle.remove()
-    assert not off._active_here()
+    assert not tiermem.testing.in_forward(off)
     gc.collect()
     assert off.host_bytes_in_use == 0 and not off.in_use   # the partial graph freed its buffers
     with off:                      # usable as a context again (would raise if still entered)
@@ -118,13 +119,13 @@ def test_keyboard_interrupt_in_forward_is_left_later(then, make_off):
     with pytest.raises(KeyboardInterrupt):
         case.loss()
     handle.remove()
-    assert off._active_here()      # what torch leaves us
+    assert tiermem.testing.in_forward(off)      # what torch leaves us
     if then == "detach":
         off.detach()
-        assert not off._active_here()
+        assert not tiermem.testing.in_forward(off)
         return
     loss = case.loss()
-    assert not off._active_here()
+    assert not tiermem.testing.in_forward(off)
     loss.backward()
     assert _counts(off) == normal              # a fresh step: the stale one was left
     with off:                                  # and the Offloader may be entered again
@@ -149,7 +150,7 @@ def test_attached_submodule_inside_attached_model_runs_in_the_outer_step():
     case.model(x)
     assert off.stats is not first
     assert _counts(off) == whole                # one step for the whole forward
-    assert not off._active_here()
+    assert not tiermem.testing.in_forward(off)
     off.close()
 
 
@@ -222,7 +223,7 @@ def test_forward_without_grad_enters_nothing(mode):
     train_stats = off.stats
     with getattr(torch, mode)():
         case.model(case.inputs[0])
-    assert off.stats is train_stats and not off._active_here()
+    assert off.stats is train_stats and not tiermem.testing.in_forward(off)
     off.close()
 
 
@@ -259,7 +260,7 @@ def test_checkpoint_inside_attached_model_bit_identical(use_reentrant, attached,
     for n in ref[1]:
         assert torch.equal(got[1][n], ref[1][n]), n
     assert off.stats.count_by_tier["cpu"] > 0   # the block inputs were moved
-    assert not off._active_here()
+    assert not tiermem.testing.in_forward(off)
 
 
 # -- rule 5: attach / detach ---------------------------------------------------------------

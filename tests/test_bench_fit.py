@@ -58,6 +58,17 @@ def test_a_timing_from_a_run_that_shared_the_machine_is_not_taken():
     assert e["status"] == "ok" and e["timing_mode"] == "isolated"
 
 
+def test_a_configuration_too_slow_to_time_and_not_run_alone_is_reported_not_a_crash():
+    # The interleaved run dropped it (a warm-up step over --max-step-seconds)
+    # and no isolated run followed: the report says why instead of raising.
+    opts = {"spec": {"batch": 2, "seq_len": 8}}
+    e = {"status": "pending",
+         "interleaved": {"status": "too_slow", "times": [], "reason": "warm-up step 1 took 33 s"}}
+    configs.merge_config(e, opts)
+    assert e["status"] == "too_slow" and "33 s" in e["reason"]
+    assert "step_seconds" not in e
+
+
 def _suite(interleave: bool = True, device: str = "cuda") -> Suite:
     s = Suite.__new__(Suite)
     s.opts = {"interleave": interleave, "device": device, "repeat_baseline": True,

@@ -178,7 +178,7 @@ def _force(off, checkpoint):
     plan = off.plan
     for b, c in zip(plan.blocks, checkpoint, strict=True):
         b.checkpoint = c
-    plan.follow(plan.keys, tiermem.testing.planner_of(off)._profiles[plan.keys].positions)
+    plan.follow(plan.keys, tiermem.testing.kept_profiles(off)[plan.keys].positions)
     return plan
 
 
@@ -363,7 +363,7 @@ def test_checkpoint_with_moved_inputs_meets_a_budget_kept_inputs_cannot(nvme_dir
     assert plan.measured_kept_bytes == plan.predicted_kept_bytes, str(plan)
     assert log[-1].bytes_by_tier["nvme"] == plan.bytes_by_tier()["nvme"], str(plan)
     if min_offload_bytes:   # small tensors saved inside checkpointed blocks: not kept
-        profile = tiermem.testing.planner_of(off)._profiles[plan.keys]
+        profile = tiermem.testing.kept_profiles(off)[plan.keys]
         assert all(b.fixed_bytes > 0 for b in profile.blocks)
         assert plan.fixed_kept_bytes == profile.fixed_kept_bytes - sum(
             b.fixed_bytes for b, pb in zip(profile.blocks, plan.blocks) if pb.checkpoint)
@@ -494,12 +494,12 @@ def test_one_storage_is_never_moved_twice_or_counted_twice(nvme_dir, monkeypatch
     def ctx():
         if len(log) == 1:   # the profile's backward ran: plan it our way
             planner = tiermem.testing.planner_of(off)
-            profile = planner._profiles[off.plan.keys]
+            profile = tiermem.testing.kept_profiles(off)[off.plan.keys]
             profile.blocks = tuple(dataclasses.replace(b, forward_s=1e-9)
                                    for b in profile.blocks)
             for r in profile.records:   # no recipes: their inputs are not this test's
                 r.recomputable = False
-            plan = planner._plan(profile, target=0)
+            plan = tiermem.testing.plan_for(off, profile, 0)
             plan.replans = 1   # no closed-loop correction: this plan is the test
             planner.current = plan
             plans.append(plan)

@@ -86,7 +86,7 @@ def test_a_call_that_writes_or_returns_an_argument_is_not_recorded():
     h = _Handle()
     mode.watch(dropped, h)
     out = mode.record_call(torch.Tensor.relu_, (x,), {}, "relu")
-    assert out is x and mode.record_of(x) is None and not mode._records
+    assert out is x and mode.record_of(x) is None and tiermem.testing.records_held(mode) == 0
     assert h.tainted, "a write to a dropped tensor's storage must taint it"
     z = torch.randn(3)
     assert mode.record_call(lambda t: t, (z,), {}, "alias") is z
@@ -99,7 +99,6 @@ def test_a_call_that_writes_or_returns_an_argument_is_not_recorded():
 def test_a_random_call_replays_the_generator_state_it_drew_from():
     """Rule 5: F.dropout recorded whole replays the default generator's state
     of before the call, and leaves the generator as it finds it."""
-    from tiermem.tiers.recompute import _Node, _run
     mode = ProducerMode(names=False)
     x = torch.randn(64, 64)
     torch.manual_seed(7)
@@ -107,11 +106,8 @@ def test_a_random_call_replays_the_generator_state_it_drew_from():
     rec = mode.record_of(y)
     assert rec.rng is not None and rec.rng[0] is torch.default_generator
     after = torch.rand(3)                  # the generator moved on since
-    node = _Node()
-    node.func, node.args, node.kwargs, node.out_index, node.rng = (
-        rec.func, (x, 0.5, True), {}, None, rec.rng)
     state = torch.get_rng_state()
-    assert torch.equal(_run(node, None), y)
+    assert torch.equal(tiermem.testing.replay_call(rec, (x, 0.5, True)), y)
     assert torch.equal(torch.get_rng_state(), state), "the generator is left as it was"
     torch.manual_seed(7)
     torch.nn.functional.dropout(x, 0.5, True)
@@ -119,11 +115,7 @@ def test_a_random_call_replays_the_generator_state_it_drew_from():
 
 
 def _replayed(rec, args) -> torch.Tensor:
-    from tiermem.tiers.recompute import _Node, _run
-    node = _Node()
-    node.func, node.args, node.kwargs, node.out_index, node.rng = (
-        rec.func, args, rec.kwargs, None, rec.rng)
-    return _run(node, None)
+    return tiermem.testing.replay_call(rec, args)
 
 
 def test_a_call_that_draws_where_the_profile_did_not_replays_its_draw():
@@ -153,10 +145,10 @@ def test_a_device_argument_names_the_generator_drawn_from():
     ``x``'s: its generator is the one captured (a device with no known
     generator: none, so the op is not recomputable)."""
     x = torch.randn(3)
-    assert ProducerMode._capture_rng((x,), {})[0] is torch.default_generator
-    assert ProducerMode._capture_rng((x,), {"device": torch.device("meta")}) is None
-    assert ProducerMode._capture_rng((x,), {"device": "cpu"})[0] is torch.default_generator
-    assert ProducerMode._capture_rng((x,), {"device": None})[0] is torch.default_generator
+    assert tiermem.testing.generator_of_call((x,), {}) is torch.default_generator
+    assert tiermem.testing.generator_of_call((x,), {"device": torch.device("meta")}) is None
+    assert tiermem.testing.generator_of_call((x,), {"device": "cpu"}) is torch.default_generator
+    assert tiermem.testing.generator_of_call((x,), {"device": None}) is torch.default_generator
 
 
 def test_the_gate_records_whole_unless_autocast_is_active():
@@ -266,7 +258,7 @@ def test_a_call_whose_other_outputs_the_plan_recomputes_goes_through_the_mode():
         for _ in range(3):
             run_step(model, (x,), off)
         plan = off.plan
-        prof = tiermem.testing.planner_of(off)._profiles[plan.keys]
+        prof = tiermem.testing.kept_profiles(off)[plan.keys]
         unreturned = {p for r in prof.records for p in r.recipe_unreturned}
         assert (("LnLinear.ln", "layer_norm") in unreturned) is not whole, unreturned
         assert ("layer_norm" in plan.tracking_direct.get("LnLinear.ln", {})) is whole

@@ -706,19 +706,12 @@ def test_boundary_tensors_held_on_disk_until_backward(variant, make_off):
 
 
 @pytest.fixture
-def held_writes(monkeypatch):
+def held_writes():
     """Holds every chunk of the Python I/O engine until ``.set()`` (10 s at most)."""
-    import tiermem.io.pyengine as pyengine
     gate = threading.Event()
-    run = pyengine._run
-
-    def gated(item):
-        gate.wait(10)
-        run(item)
-
-    monkeypatch.setattr(pyengine, "_run", gated)
-    yield gate
-    gate.set()
+    with tiermem.testing.before_python_engine_chunks(lambda: gate.wait(10)):
+        yield gate
+        gate.set()
 
 
 # Extents of handles released before their write landed are freed later (when

@@ -231,29 +231,27 @@ def test_log_level_is_set_only_when_asked():
     logger.setLevel(logging.NOTSET)
 
 
-def test_a_misspelt_variable_warns_once_naming_the_closest_setting(monkeypatch):
-    import tiermem.config as config_mod
-    monkeypatch.setattr(config_mod, "_warned_unknown", set())
-    env = {"TIERMEM_NVME_DRI": "/tmp/x", "TIERMEM_POLICY": "keep"}
-    with pytest.warns(UserWarning, match=r"TIERMEM_NVME_DRI .*did you mean TIERMEM_NVME_DIR\?"):
-        cfg = Config.from_env(env)
-    assert cfg.nvme_dir is None    # ignored, not guessed
-    import warnings
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        Config.from_env(env)       # once per name per process
+def test_a_misspelt_variable_warns_once_naming_the_closest_setting():
+    with tiermem.testing.fresh_env_warnings():
+        env = {"TIERMEM_NVME_DRI": "/tmp/x", "TIERMEM_POLICY": "keep"}
+        with pytest.warns(UserWarning, match=r"TIERMEM_NVME_DRI .*did you mean TIERMEM_NVME_DIR\?"):
+            cfg = Config.from_env(env)
+        assert cfg.nvme_dir is None    # ignored, not guessed
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            Config.from_env(env)       # once per name per process
 
 
-def test_settings_and_the_projects_own_variables_do_not_warn(monkeypatch):
-    import warnings
-    import tiermem.config as config_mod
-    monkeypatch.setattr(config_mod, "_warned_unknown", set())
-    env = {f.metadata["env"]: "" for f in dataclasses.fields(Config)}
-    env.update({"TIERMEM_BENCH_NVME_DIR": "/x", "TIERMEM_CI_VENV": "/v",
-                "TIERMEM_TEST_TIMEOUT_S": "5", "TIERMEM_SUITE_SECONDS": "9", "OTHER": "1"})
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        Config.from_env(env)
+def test_settings_and_the_projects_own_variables_do_not_warn():
+    with tiermem.testing.fresh_env_warnings():
+        import warnings
+        env = {f.metadata["env"]: "" for f in dataclasses.fields(Config)}
+        env.update({"TIERMEM_BENCH_NVME_DIR": "/x", "TIERMEM_CI_VENV": "/v",
+                    "TIERMEM_TEST_TIMEOUT_S": "5", "TIERMEM_SUITE_SECONDS": "9", "OTHER": "1"})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            Config.from_env(env)
 
 
 # -- integers: ASCII digits only ---------------------------------------------------
@@ -373,10 +371,10 @@ def test_default_cpu_budget_is_half_the_least_of_ram_and_the_cgroup_room(
     monkeypatch.setattr("psutil.virtual_memory", lambda: mem)
     if cgroup_gib is not None:
         _cgroup_v2(tmp_path, (cgroup_gib + 1) * _GiB, 1 * _GiB)
-    monkeypatch.setattr("tiermem.memory.cgroup._CGROUP_ROOT", str(tmp_path))
-    assert placement.default_cpu_budget_bytes() == expected_gib * _GiB
-    off = tiermem.Offloader(policy="cpu")
-    try:
-        assert off.cpu_budget_bytes == expected_gib * _GiB
-    finally:
-        off.close()
+    with tiermem.testing.cgroup_root(tmp_path):
+        assert placement.default_cpu_budget_bytes() == expected_gib * _GiB
+        off = tiermem.Offloader(policy="cpu")
+        try:
+            assert off.cpu_budget_bytes == expected_gib * _GiB
+        finally:
+            off.close()

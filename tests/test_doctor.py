@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+import tiermem.testing
+
 
 def _run(*args, env_extra=None):
     import os
@@ -49,11 +51,10 @@ def test_o_direct_probe_answers_as_the_engines_and_leaves_no_file(tmp_path):
     is gone; the doctor and the engine say the same thing."""
     from helpers import mounted
 
-    from tiermem import doctor
     from tiermem.io import get_engine
 
     with mounted(tmp_path / "ramfs", "ramfs", "mode=0700") as where:
-        assert doctor._o_direct(str(where)).startswith("no (")
+        assert tiermem.testing.o_direct_answer(str(where)).startswith("no (")
         assert os.listdir(where) == []
         engine = get_engine("python", 1)
         f = engine.open(str(where / "data"), 4096)
@@ -62,7 +63,7 @@ def test_o_direct_probe_answers_as_the_engines_and_leaves_no_file(tmp_path):
         engine.close()
     disk = tmp_path / "disk"
     disk.mkdir()
-    answer = doctor._o_direct(str(disk))
+    answer = tiermem.testing.o_direct_answer(str(disk))
     engine = get_engine("python", 1)
     f = engine.open(str(disk / "data"), 4096)
     assert answer == ("yes" if f.direct else "no (an aligned O_DIRECT write was refused)")

@@ -106,17 +106,19 @@ def test_forward_does_not_sync_the_host(policy):
     assert tiermem.testing.store_of(off, tiermem.Tier.CPU).pool.allocations == allocations  # no new pinning
 
 
-def _slow_stream(monkeypatch, which):
-    """Delay every copy issued on the D2H ("out") or H2D ("in") side stream."""
-    original = copier.CudaCopier._copy
+@pytest.fixture
+def slow_stream():
+    """``slow_stream(which)``: until the test ends, delay every copy issued on
+    the D2H ("out") or H2D ("in") side stream."""
+    def slowed(which):
+        def sleep(direction, stream):
+            if direction == which:
+                with torch.cuda.stream(stream):
+                    torch.cuda._sleep(SLEEP_CYCLES)
+        return tiermem.testing.before_cuda_copies(sleep)
 
-    def slowed(self, stream, src, dst):
-        if stream is (self.d2h if which == "out" else self.h2d):
-            with torch.cuda.stream(stream):
-                torch.cuda._sleep(SLEEP_CYCLES)
-        return original(self, stream, src, dst)
-
-    monkeypatch.setattr(copier.CudaCopier, "_copy", slowed)
+    with contextlib.ExitStack() as stack:
+        yield lambda which: stack.enter_context(slowed(which))
 
 
 def _slow_compute(model, where):
@@ -136,11 +138,11 @@ def _slow_compute(model, where):
 
 
 @pytest.mark.parametrize("which", ["out", "in"])
-def test_slow_side_stream_still_gives_exact_gradients(monkeypatch, which):
+def test_slow_side_stream_still_gives_exact_gradients(slow_stream, which):
     model = _model(layers=2)
     x = torch.randn(2, 128, 256, device=DEV)
     ref = _step(model, x, contextlib.nullcontext())
-    _slow_stream(monkeypatch, which)
+    slow_stream(which)
     off = tiermem.Offloader(policy="cpu", min_offload_bytes=0)
     assert_same_step(_step(model, x, off), ref)
 
@@ -159,9 +161,9 @@ def test_slow_compute_stream_still_gives_exact_gradients(where):
             h.remove()
 
 
-def test_source_is_not_reused_before_its_copy_lands(monkeypatch):
+def test_source_is_not_reused_before_its_copy_lands(slow_stream):
     """Freed-too-early source memory would be overwritten by the scribble below."""
-    _slow_stream(monkeypatch, "out")
+    slow_stream("out")
     off = tiermem.Offloader(policy="cpu", min_offload_bytes=0)
     x = torch.randn(1 << 20, device=DEV, requires_grad=True)
     with off:
@@ -176,8 +178,8 @@ def test_source_is_not_reused_before_its_copy_lands(monkeypatch):
     del scribble
 
 
-def test_in_place_write_racing_a_slow_copy_raises(monkeypatch):
-    _slow_stream(monkeypatch, "out")
+def test_in_place_write_racing_a_slow_copy_raises(slow_stream):
+    slow_stream("out")
     off = tiermem.Offloader(policy="cpu", min_offload_bytes=0)
     x = torch.randn(1 << 20, device=DEV, requires_grad=True)
     with off:
@@ -224,7 +226,7 @@ def test_cpu_tier_cuts_peak_device_memory():
     assert keep_peak - cpu_peak >= 0.5 * moved, (keep_peak, cpu_peak, moved)
 
 
-def test_window_frees_device_memory_while_copies_lag(monkeypatch):
+def test_window_frees_device_memory_while_copies_lag():
     """NOTE [In-flight window] in tiers/moving.py: every D2H copy is slowed far
     behind compute, so without the window the sources are all held to the end
     of the forward (peak near the baseline). With it the compute stream waits
@@ -252,16 +254,13 @@ def test_window_frees_device_memory_while_copies_lag(monkeypatch):
 
     step(off, contextlib.nullcontext())                      # warm pools
     keep_peak, ref = step(contextlib.nullcontext(), contextlib.nullcontext())
-    original = copier.CudaCopier._copy
-
-    def slowed(self, stream, src, dst):
-        if stream is self.d2h:
+    def slowed(direction, stream):
+        if direction == "out":
             with torch.cuda.stream(stream):
                 torch.cuda._sleep(SLEEP_CYCLES // 10)
-        return original(self, stream, src, dst)
 
-    monkeypatch.setattr(copier.CudaCopier, "_copy", slowed)
-    cpu_peak, got = step(off, forbid_host_waits(jobs.CudaJob))
+    with tiermem.testing.before_cuda_copies(slowed):
+        cpu_peak, got = step(off, forbid_host_waits(jobs.CudaJob))
     for a, b in zip(got, ref):
         assert torch.equal(a, b)
     moved = off.stats.bytes_by_tier["cpu"]
@@ -309,21 +308,18 @@ def test_recompute_cuts_peak_device_memory():
     assert keep_peak - rec_peak >= 0.5 * dropped, (keep_peak, rec_peak, dropped)
 
 
-def test_a_recomputed_tensor_read_on_two_streams_is_ordered_after_its_recipe(monkeypatch):
+def test_a_recomputed_tensor_read_on_two_streams_is_ordered_after_its_recipe():
     """``y`` is saved by ``sin`` on the default stream and by ``cos`` on a side
     stream; backward runs ``cos``'s backward first, on the side stream, which
     regenerates ``y`` there (slowed by a sleep queued before the recipe), then
     ``sin``'s on the default stream, which takes the kept copy: it must wait
     for the recipe (NOTE [Recomputed for consumers on several streams] in
     tiermem/tiers/recompute.py), else it reads unwritten memory."""
-    from tiermem.tiers import recompute
-    original = recompute._run
     streams = []
 
-    def slowed(node, step):
+    def slowed():
         streams.append(torch.cuda.current_stream())
         torch.cuda._sleep(SLEEP_CYCLES)
-        return original(node, step)
 
     torch.manual_seed(0)
     x0 = torch.randn(1024, 1024, device=DEV)
@@ -345,16 +341,16 @@ def test_a_recomputed_tensor_read_on_two_streams_is_ordered_after_its_recipe(mon
         return loss.detach(), [x.grad]
 
     ref = step(contextlib.nullcontext())
-    monkeypatch.setattr(recompute, "_run", slowed)
     off = tiermem.Offloader(policy="recompute", min_offload_bytes=1 << 20)
-    got = step(off)
+    with tiermem.testing.before_replayed_ops(slowed):
+        got = step(off)
     assert off.stats.recompute_count == 1, off.stats
     assert streams == [side], "the recipe did not run on the side stream"
     assert_same_step(got, ref, "recomputed tensor read on two streams")
     off.close()
 
 
-def test_the_closed_loop_reads_the_stall_on_the_gpus_timeline(monkeypatch):
+def test_the_closed_loop_reads_the_stall_on_the_gpus_timeline(slow_stream):
     """NOTE [Stall on the GPU's timeline] in tiermem/planner/runtime.py: with
     every H2D copy delayed on its side stream, a cpu-tier restore makes the
     consumer's stream wait while the host goes on; the plan's first step
@@ -368,7 +364,7 @@ def test_the_closed_loop_reads_the_stall_on_the_gpus_timeline(monkeypatch):
     _step(model, x, off)            # profiled
     plan = off.plan
     assert plan is not None and plan.bytes_by_tier()["cpu"] > 0, plan
-    _slow_stream(monkeypatch, "in")
+    slow_stream("in")
     _step(model, x, off)            # the plan's first step: its restore waits are timed
     torch.cuda.synchronize()
     host_stall = off.stats.stall_seconds
@@ -414,11 +410,11 @@ def test_auto_plan_records_cuda_dropout_whole_and_stays_exact():
     off.close()
 
 
-def test_conjugate_view_moved_to_cpu_tier_keeps_its_values(monkeypatch):
+def test_conjugate_view_moved_to_cpu_tier_keeps_its_values(slow_stream):
     """A saved conj view whose D2H copy lands late comes back conjugated (torch's
     D2H copy_ of a conj view conjugates on the host too early, pytorch#146286;
     the copier resolves the view on the device first)."""
-    _slow_stream(monkeypatch, "out")
+    slow_stream("out")
     z = torch.randn(64, 1024, dtype=torch.complex64, device=DEV, requires_grad=True)
     off = tiermem.Offloader(policy="cpu", min_offload_bytes=0)
     with off:

@@ -311,10 +311,11 @@ def test_a_slow_read_does_not_hold_back_a_finished_one(streams, tmp_path):
             busy = fa.read(aligned_empty(big), 0)          # the worker is busy a while
             dst_a = torch.empty(n, device="cuda")
             dst_b = torch.empty(n, device="cuda")
-            chain = chain_engine._cuda()
-            fut_a = chain.read_to_device(fa._f, 0, _pinned(4 * n).view(torch.float32), dst_a,
+            chain = tiermem.testing.cuda_chain_of(chain_engine)
+            native_a, native_b = tiermem.testing.native_file(fa), tiermem.testing.native_file(fb)
+            fut_a = chain.read_to_device(native_a, 0, _pinned(4 * n).view(torch.float32), dst_a,
                                          h2d.cuda_stream, compute.cuda_stream)
-            fut_b = chain.read_to_device(fb._f, 0, _pinned(4 * n).view(torch.float32), dst_b,
+            fut_b = chain.read_to_device(native_b, 0, _pinned(4 * n).view(torch.float32), dst_b,
                                          h2d.cuda_stream, compute.cuda_stream)
             fut_b.wait()                                   # B read and its copy issued
             a_still_on_disk = not busy.done()
@@ -436,9 +437,8 @@ def test_nvme_tier_exact_with_slow_chain_copies(eng, deterministic, tmp_path, mo
                                                 which):
     """Every copy of the chain runs late (a sleep queued on its side stream
     first): consumers and reused blocks must still be ordered after it."""
-    from tiermem.io import cpp
-
-    original = getattr(cpp._CppFile, which)
+    file_type = tiermem.testing.engine_file_type()
+    original = getattr(file_type, which)
 
     def slowed(self, a, b, offset, stream, after):
         with torch.cuda.stream(stream):
@@ -448,7 +448,7 @@ def test_nvme_tier_exact_with_slow_chain_copies(eng, deterministic, tmp_path, mo
     model = _model(layers=2)
     x = torch.randn(4, 64, 256, device="cuda")
     ref = _step(model, x, contextlib.nullcontext())
-    monkeypatch.setattr(cpp._CppFile, which, slowed)
+    monkeypatch.setattr(file_type, which, slowed)
     off = _nvme(tmp_path, prefetch_bytes="1GiB")
     assert_same_step(_step(model, x, off), ref)
     assert tiermem.testing.uses_engine_chain(off)
@@ -526,7 +526,6 @@ def test_refused_chain_submit_falls_back_to_the_python_chain(eng, deterministic,
     chain; after a CUDA error (RuntimeError) every later one does too, after a
     rejected argument (ValueError) only that one; one warning; gradients exact;
     nothing raised into the training step."""
-    from tiermem.io import cpp
 
     model = _model()
     x = torch.randn(8, 64, 256, device="cuda")
@@ -536,7 +535,7 @@ def test_refused_chain_submit_falls_back_to_the_python_chain(eng, deterministic,
     def refuse(self, *args, **kwargs):
         calls.append(which)
         raise error("refusal injected by the test")
-    monkeypatch.setattr(cpp._CppFile, which, refuse)
+    monkeypatch.setattr(tiermem.testing.engine_file_type(), which, refuse)
     off = _nvme(tmp_path)
     with caplog.at_level("WARNING", logger="tiermem"):
         for _ in range(2):

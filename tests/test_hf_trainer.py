@@ -1,9 +1,11 @@
 """A Hugging Face ``Trainer`` run with tiermem attached (``off.attach(trainer.model)``,
 no change to the loop) matches the same run without tiermem, loss for loss
 (exact float equality of the logged losses) and parameter for parameter
-(``torch.equal`` of the final parameters), under keep, cpu, nvme and
-recompute. A small random-init GPT-2 with dropout on the CPU, with gradient
-accumulation (two forwards per optimizer step). The training code is
+(``torch.equal`` of the final parameters), under keep, cpu, nvme,
+recompute and auto (50% and 25% of a plain step). A small random-init GPT-2
+with dropout on the CPU, with gradient accumulation (two forwards per
+optimizer step); a Llama (RoPE, grouped-query attention) under recompute and
+auto. The training code is
 ``examples/hf_trainer.py``; the last test runs it as a script.
 """
 
@@ -38,22 +40,45 @@ def setup(tmp_path_factory):
     return cfg, data, ref
 
 
-@pytest.mark.parametrize("policy", ["keep", "cpu", "nvme", "recompute"])
-def test_trainer_with_attached_offloader_matches_plain_run(setup, policy, tmp_path):
-    cfg, data, (ref_losses, ref_params, _) = setup
+@pytest.fixture(scope="module")
+def llama_setup(tmp_path_factory):
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=SEQ, attention_dropout=0.1, use_cache=False,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    data = hf_trainer.make_dataset(VOCAB, STEPS * BATCH * ACCUM, SEQ, seed=1)
+    out = str(tmp_path_factory.mktemp("trainer_llama"))
+    ref = hf_trainer.train(None, cfg, data, out, steps=STEPS, batch=BATCH, grad_accum=ACCUM)
+    return cfg, data, ref
+
+
+@pytest.mark.parametrize("arch, policy", [
+    *(("gpt2", p) for p in ("keep", "cpu", "nvme", "recompute", "auto@50%", "auto@25%")),
+    ("llama", "recompute"), ("llama", "auto@25%")])
+def test_trainer_with_attached_offloader_matches_plain_run(arch, policy, tmp_path, request):
+    cfg, data, (ref_losses, ref_params, _) = request.getfixturevalue(
+        "setup" if arch == "gpt2" else "llama_setup")
+    policy, _, budget = policy.partition("@")
     losses, params, stats = hf_trainer.train(
         policy, cfg, data, str(tmp_path), steps=STEPS, batch=BATCH, grad_accum=ACCUM,
-        min_offload_bytes=4096, nvme_dir=str(tmp_path / "nvme"))
+        min_offload_bytes=4096, nvme_dir=str(tmp_path / "nvme"), device_budget=budget or None)
     assert len(ref_losses) == STEPS
     assert losses == ref_losses, (losses, ref_losses)
     differ = [n for n in ref_params if not (params[n] == ref_params[n]).all()
               or params[n].dtype != ref_params[n].dtype]
     assert not differ, f"final parameters differ: {differ[:5]}"
-    # Every optimizer step ran under the Offloader with the policy's tier.
+    # Every optimizer step ran under the Offloader with the policy's tier (auto:
+    # the last micro-batch of each step follows a plan that moves tensors).
     assert len(stats) == STEPS, stats
     for line in stats:
-        m = re.search(rf"\b{policy} (\d+) \(", line)
-        assert m and int(m.group(1)) > 10, line
+        if policy == "auto":
+            moved = re.findall(r"\b(?:cpu|nvme|recompute) (\d+) \(", line)
+            assert sum(map(int, moved)) > 0, line
+        else:
+            m = re.search(rf"\b{policy} (\d+) \(", line)
+            assert m and int(m.group(1)) > 10, line
 
 
 def test_example_script_runs(tmp_path):

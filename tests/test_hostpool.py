@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from tiermem.memory import hostpool
+import tiermem.testing
 from tiermem.memory.hostpool import HostPool
 
 KiB = 1024
@@ -44,8 +44,8 @@ def fake_pinned(monkeypatch):
     real_empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda n, dtype, pin_memory: real_empty(n, dtype=dtype))
     returns = []
-    monkeypatch.setattr(hostpool, "_return_pinned_cache", lambda: returns.append(1))
-    return returns
+    with tiermem.testing.pinned_cache_returns(lambda: returns.append(1)):
+        yield returns
 
 
 def test_pinned_requests_take_an_idle_buffer_of_the_next_class(fake_pinned):

@@ -12,7 +12,6 @@ import torch
 
 import tiermem
 import tiermem.testing
-import tiermem.tiers.host
 from tiermem.tiers import moving
 
 import helpers
@@ -122,7 +121,7 @@ def test_a_release_interrupted_anywhere_gives_its_room_back_once(make_off, tier)
     assert leaked <= 2 * held
 
 
-def test_a_release_that_fails_is_given_up_and_holds_back_no_other(make_off, monkeypatch):
+def test_a_release_that_fails_is_given_up_and_holds_back_no_other(make_off):
     """A release that raises an ``Exception`` (a bug, not an interruption) is
     given up, as Python gives up a ``__del__`` that raises: it is not run
     again at every later death, nor does it keep the later ones from running."""
@@ -130,13 +129,9 @@ def test_a_release_that_fails_is_given_up_and_holds_back_no_other(make_off, monk
     x = torch.randn(1 << 12, requires_grad=True)
     loss, held = _graph(off, x)
 
-    def failing(self, h):
-        raise RuntimeError("a bug")
-    monkeypatch.setattr(tiermem.tiers.host.HostStore, "_free", failing)
-    with _unraisable() as caught:
+    with tiermem.testing.failing_host_releases(RuntimeError("a bug")), _unraisable() as caught:
         del loss
     assert caught == [RuntimeError]
-    monkeypatch.undo()
     for _ in range(2):
         other, _ = _graph(off, x)
         with _unraisable() as caught:
@@ -203,6 +198,6 @@ def test_reading_del_of_a_live_handle_does_not_release_it(make_off, monkeypatch)
     assert _in_use(off, "cpu") == held
     loss.backward()
     assert torch.equal(x.grad, x.detach().exp())
-    moving._DYING.pop(h)   # what rule 4 leaves behind, dropped: h dies now
+    tiermem.testing.release_kept_handle(h)   # what rule 4 leaves behind, dropped: h dies now
     del h, handles[:], loss
     assert _in_use(off, "cpu") == 0

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import tiermem
+import tiermem.testing
 import tiermem.io as tio
 from tiermem.io import ALIGN_BYTES, IOEngine, IOFile, IOFuture, aligned_empty, get_engine
 from helpers import cpp_engine_unavailable, mounted
@@ -56,8 +57,7 @@ def make_engine(kind):
     made = []
 
     def make(threads: int = 4) -> IOEngine:
-        from tiermem.io import _new
-        eng = _new(kind, threads)
+        eng = tiermem.testing.new_engine(kind, threads)
         made.append(eng)
         return eng
 
@@ -570,25 +570,23 @@ def test_engine_info_follows_tiermem_engine(monkeypatch):
         tio.engine_info("rust")
 
 
-def _broken_build(monkeypatch, tmp_path):
+@pytest.fixture
+def broken_build(monkeypatch, tmp_path):
     """No engine at hand (none installed, an empty build cache) and a compiler that fails."""
-    from tiermem.io import buildkey, cpp
+    from tiermem.io import buildkey
     from torch.utils import cpp_extension
 
     def fail(*args, **kwargs):
         raise RuntimeError("Error building extension 'tiermem_C': bindings.cpp:1: error: boom")
 
-    monkeypatch.setattr(cpp, "_module", None)
-    monkeypatch.setattr(cpp, "_error", None)
     monkeypatch.setattr(cpp_extension, "load", fail)
-    monkeypatch.setattr(buildkey, "PREBUILT_MODULE", "tiermem._not_installed")
+    monkeypatch.setattr(buildkey, "PREBUILT_MODULE", "tiermem_not_installed")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "torch_extensions"))
-    monkeypatch.setattr(tio, "_engines", {})
-    monkeypatch.setattr(tio, "_warned_auto", False)
+    with tiermem.testing.fresh_engines():
+        yield
 
 
-def test_auto_falls_back_to_python_with_one_warning(monkeypatch, tmp_path, caplog):
-    _broken_build(monkeypatch, tmp_path)
+def test_auto_falls_back_to_python_with_one_warning(broken_build, caplog):
     with caplog.at_level(logging.WARNING, logger="tiermem"):
         engines = [get_engine("auto", 2), get_engine("auto", 3)]
     assert [e.name for e in engines] == ["python", "python"]
@@ -602,15 +600,13 @@ def test_auto_falls_back_to_python_with_one_warning(monkeypatch, tmp_path, caplo
         e.close()
 
 
-def test_engine_info_for_cpp_when_it_cannot_build_says_none(monkeypatch, tmp_path):
-    _broken_build(monkeypatch, tmp_path)
+def test_engine_info_for_cpp_when_it_cannot_build_says_none(broken_build):
     info = tio.engine_info("cpp")
     assert info["engine"] == "none" and "error: boom" in info["reason"]
     assert "'cpp'" in info["reason"]
 
 
-def test_cpp_kind_raises_with_the_compiler_output(monkeypatch, tmp_path):
-    _broken_build(monkeypatch, tmp_path)
+def test_cpp_kind_raises_with_the_compiler_output(broken_build):
     with pytest.raises(tiermem.TierMemError, match="error: boom"):
         get_engine("cpp")
 
@@ -621,15 +617,13 @@ def test_stale_build_lock_is_removed_only_where_its_existence_is_the_lock(tmp_pa
     torch >= 2.14 (FileLock, an OS lock on a file that stays): left alone."""
     import types
 
-    from tiermem.io import build
-
     lock = tmp_path / "lock"
     old = time.time() - 3600
     for torch_kind, kept in ((types.SimpleNamespace(), False),
                              (types.SimpleNamespace(FileLock=object), True)):
         lock.write_text("")
         os.utime(lock, (old, old))
-        build._clear_stale_lock(torch_kind, str(tmp_path))
+        tiermem.testing.clear_stale_build_lock(torch_kind, str(tmp_path))
         assert lock.exists() is kept
 
 

@@ -357,7 +357,7 @@ def test_a_young_directory_is_kept_whatever_its_pid_says(nvme_dir):
     assert remove_stale_dirs(nvme_dir) == [d] and not os.path.exists(d)
 
 
-def test_own_live_directory_is_never_removed_nor_probed(nvme_dir, monkeypatch):
+def test_own_live_directory_is_never_removed_nor_probed(nvme_dir):
     """Even if our start time reads differently now (a stepped wall clock) and
     locks say nothing (no flock; or NFS, where probing our own lock would
     release it)."""
@@ -367,16 +367,15 @@ def test_own_live_directory_is_never_removed_nor_probed(nvme_dir, monkeypatch):
     try:
         (own,) = os.listdir(nvme_dir)
         _age(os.path.join(nvme_dir, own))
-        monkeypatch.setattr(spilldir, "_start_ms", lambda pid: 12345)
 
         def probed(path):
             raise AssertionError(f"probed the lock of {path}")
-        monkeypatch.setattr(spilldir, "_lock_held", probed)
-        assert spilldir.remove_stale_dirs(nvme_dir) == []
-        assert os.listdir(nvme_dir) == [own]
-        off.close()
-        assert os.listdir(nvme_dir) == []
-        assert os.path.abspath(os.path.join(nvme_dir, own)) not in spilldir._LIVE_PATHS
+        with tiermem.testing.stale_dir_probes(lambda pid: 12345, probed):
+            assert spilldir.remove_stale_dirs(nvme_dir) == []
+            assert os.listdir(nvme_dir) == [own]
+            off.close()
+            assert os.listdir(nvme_dir) == []
+        assert os.path.abspath(os.path.join(nvme_dir, own)) not in tiermem.testing.live_dirs()
     finally:
         off.close()
 

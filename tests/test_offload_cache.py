@@ -6,7 +6,7 @@ import os
 import torch
 
 import tiermem
-from tiermem import oneshot as _offloader
+import tiermem.testing
 
 
 def _chain(x):
@@ -23,7 +23,7 @@ def test_evicting_an_offloader_never_loses_saved_tensors(tmp_path):
     backward comes after all of them (gradient accumulation): the evicted
     Offloaders must stay usable until their graphs are gone, and are closed
     (their directories removed) once they are."""
-    n = _offloader._CACHE_SIZE + 1
+    n = tiermem.testing.oneshot_cache_size() + 1
     xs = [torch.randn(1 << 12, requires_grad=True) for _ in range(n)]
     refs = []
     for x in xs:

@@ -202,11 +202,11 @@ def test_default_cpu_budget_respects_a_container_memory_limit(monkeypatch, tmp_p
     gib = 1 << 30
     mem = collections.namedtuple("mem", "available total")(100 * gib, 200 * gib)
     monkeypatch.setattr("psutil.virtual_memory", lambda: mem)
-    monkeypatch.setattr("tiermem.memory.cgroup._CGROUP_ROOT", str(tmp_path))
-    assert default_device_budget_bytes("cpu") == 80 * gib          # no limit: the host's
-    (tmp_path / "memory.max").write_text(str(40 * gib))
-    (tmp_path / "memory.current").write_text(str(10 * gib))
-    assert default_device_budget_bytes("cpu") == 10 * gib          # 30 GiB left - 20 GiB
+    with tiermem.testing.cgroup_root(tmp_path):
+        assert default_device_budget_bytes("cpu") == 80 * gib          # no limit: the host's
+        (tmp_path / "memory.max").write_text(str(40 * gib))
+        (tmp_path / "memory.current").write_text(str(10 * gib))
+        assert default_device_budget_bytes("cpu") == 10 * gib          # 30 GiB left - 20 GiB
 
 
 class _CountingProducers(tiermem.offloader.ProducerMode):
@@ -352,7 +352,7 @@ class _FakeTimingEvent:
 
 
 @pytest.mark.parametrize("source", ["host_waits", "gpu_events"])
-def test_a_wrong_first_plan_is_corrected_once_and_then_holds(nvme_dir, monkeypatch, source):
+def test_a_wrong_first_plan_is_corrected_once_and_then_holds(nvme_dir, source):
     # Rates that make every nvme move look free (predicted stall 0), and a
     # measured stall of 10 ms in the first planned step as the closed loop
     # reads it: written into its stats (the host's waits), or as CUDA timing
@@ -363,11 +363,9 @@ def test_a_wrong_first_plan_is_corrected_once_and_then_holds(nvme_dir, monkeypat
     # halved and the same target; every later step keeps that plan
     # (MAX_REPLANS: no oscillation, no new profile).
     from tiermem.planner.rates import Rates
-    from tiermem.planner.lifecycle import Planner
-    check = Planner._check
     seen = []
 
-    def measured(self, plan, stats, gpu_waits=None):
+    def measured(plan, stats, gpu_waits):
         assert (gpu_waits is not None) == (plan.measured_steps == 0), \
             "restore waits are timed in a plan's first step only"
         if source == "host_waits":
@@ -378,32 +376,32 @@ def test_a_wrong_first_plan_is_corrected_once_and_then_holds(nvme_dir, monkeypat
                 gpu_waits = [(_FakeTimingEvent(1.0), _FakeTimingEvent(5.0)),
                              (_FakeTimingEvent(7.0), _FakeTimingEvent(13.0))]
         seen.append(plan)
-        return check(self, plan, stats, gpu_waits)
+        return gpu_waits
 
-    monkeypatch.setattr(Planner, "_check", measured)
-    off = offloader("auto", device_budget="25%", nvme_dir=nvme_dir)
-    planner = tiermem.testing.planner_of(off)
-    planner.rates = Rates(host_copy=1e15, pointwise=1.0, disk_write=1e15, disk_read=1e15,
-                          disk_engine="fake")
-    case = make_case("mlp")
-    log = []
-    records = train_steps(case, lambda: _Recording(off, log), steps=6)
-    compare_records(records, reference_steps("mlp", steps=6), "mlp")
-    used = [plan for plan, _ in log]
-    first, fixed = used[1], used[2]
-    # (not 0.0: the first restore backward needs is a demand read, NOTE
-    # [Planner cost model]; at these fake rates it predicts picoseconds)
-    assert first.replans == 0 and first.predicted_stall_s < 1e-6
-    assert first.bytes_by_tier()["nvme"] > 0
-    assert first.measured_stall_s == pytest.approx(0.010)
-    assert fixed is not first and fixed.replans == 1
-    assert fixed.replan_reason == "stall 10.00 ms, predicted 0.00 ms"
-    assert fixed.rate_factor == 0.5
-    assert fixed.target_bytes == fixed.budget_bytes   # a stall re-plan keeps the target
-    assert not any("budget lowered" in n for n in fixed.notes), fixed.notes
-    assert all(p is fixed for p in used[2:]), "the corrected plan holds"
-    assert off.plan is fixed and planner.profiles == 1
-    off.close()
+    with tiermem.testing.plan_checks_see(measured):
+        off = offloader("auto", device_budget="25%", nvme_dir=nvme_dir)
+        planner = tiermem.testing.planner_of(off)
+        planner.rates = Rates(host_copy=1e15, pointwise=1.0, disk_write=1e15, disk_read=1e15,
+                              disk_engine="fake")
+        case = make_case("mlp")
+        log = []
+        records = train_steps(case, lambda: _Recording(off, log), steps=6)
+        compare_records(records, reference_steps("mlp", steps=6), "mlp")
+        used = [plan for plan, _ in log]
+        first, fixed = used[1], used[2]
+        # (not 0.0: the first restore backward needs is a demand read, NOTE
+        # [Planner cost model]; at these fake rates it predicts picoseconds)
+        assert first.replans == 0 and first.predicted_stall_s < 1e-6
+        assert first.bytes_by_tier()["nvme"] > 0
+        assert first.measured_stall_s == pytest.approx(0.010)
+        assert fixed is not first and fixed.replans == 1
+        assert fixed.replan_reason == "stall 10.00 ms, predicted 0.00 ms"
+        assert fixed.rate_factor == 0.5
+        assert fixed.target_bytes == fixed.budget_bytes   # a stall re-plan keeps the target
+        assert not any("budget lowered" in n for n in fixed.notes), fixed.notes
+        assert all(p is fixed for p in used[2:]), "the corrected plan holds"
+        assert off.plan is fixed and planner.profiles == 1
+        off.close()
 
 
 def test_a_planned_kept_tensor_keeps_the_in_place_check():
@@ -488,7 +486,7 @@ def test_the_plan_cache_is_bounded(nvme_dir, monkeypatch):
     # Growing sizes: each one larger than every plan, so each is profiled.
     _varying_run(off, [10, 10, 20, 20, 30, 30, 40, 40, 50, 50])
     assert planner.profiles >= 4
-    assert len(planner.plans) <= 2 and len(planner._profiles) <= 2
+    assert len(planner.plans) <= 2 and len(tiermem.testing.kept_profiles(off)) <= 2
     off.close()
 
 

@@ -249,7 +249,7 @@ def test_the_profile_records_how_long_each_first_unpack_took(nvme_dir):
                             min_offload_bytes=1024)
     _tiny_step(off, x, lin)
     assert off.plan is not None   # planned from the profile
-    prof = next(iter(tiermem.testing.planner_of(off)._profiles.values()))
+    prof = next(iter(tiermem.testing.kept_profiles(off).values()))
     used = [r for r in prof.records if r.first_use_s is not None]
     assert used and all(r.unpack_s is not None and r.unpack_s >= 0 for r in used)
     first = min(used, key=lambda r: r.first_use_s)
@@ -276,7 +276,7 @@ def test_the_profile_records_a_regeneration_reading_a_saved_tensor_first(nvme_di
         loss = forward()
     loss.backward()
     assert off.plan is not None
-    s, d = next(iter(tiermem.testing.planner_of(off)._profiles.values())).records
+    s, d = next(iter(tiermem.testing.kept_profiles(off).values())).records
     assert (s.profile_tier, d.profile_tier) == ("nvme", "recompute")
     assert d.first_use_s <= s.leaf_use_s <= d.first_use_s + d.recompute_s < s.first_use_s
     assert s.leaf_reader == d.index and d.leaf_use_s is None
@@ -357,7 +357,7 @@ def _entered(off, x, lin):
 
 def test_rates_measure_the_move_cpu_and_both_directions(nvme_dir):
     off = tiermem.Offloader(policy="nvme", nvme_dir=nvme_dir)
-    store = off._placement.stores[Tier.NVME]
+    store = tiermem.testing.store_of(off, Tier.NVME)
     rates = measure_rates(store)
     assert rates.move_cpu and rates.move_cpu > 0
     assert rates.move_fixed_cpu_s > 0
@@ -390,16 +390,15 @@ def test_the_planner_reads_the_device_of_the_model_not_the_current_one():
     memory the planner reads; none: the CPU's. Without CUDA a device name
     reads as no device (nothing is initialised)."""
     from types import SimpleNamespace as NS
-    from tiermem.planner.rates import _cuda_device
-    from tiermem.planner.planning import _cuda_of
-    assert _cuda_of([NS(device="cpu"), NS(device="cuda:1"), NS(device="cuda:0")]) == "cuda:1"
-    assert _cuda_of([NS(device="cpu")]) is None and _cuda_of([]) is None
-    assert _cuda_device(False) is None and _cuda_device("cpu") is None
+    planned, probed = tiermem.testing.planned_device, tiermem.testing.probed_device
+    assert planned([NS(device="cpu"), NS(device="cuda:1"), NS(device="cuda:0")]) == "cuda:1"
+    assert planned([NS(device="cpu")]) is None and planned([]) is None
+    assert probed(False) is None and probed("cpu") is None
     if not torch.cuda.is_available():
-        assert _cuda_device("cuda:1") is None and _cuda_device(True) is None
+        assert probed("cuda:1") is None and probed(True) is None
     else:
-        assert _cuda_device("cuda:0") == torch.device("cuda", 0)
-        assert _cuda_device(True).index == torch.cuda.current_device()
+        assert probed("cuda:0") == torch.device("cuda", 0)
+        assert probed(True).index == torch.cuda.current_device()
 
 
 def test_move_cpu_probe_makes_the_nvme_tiers_cpu_round_trip():
@@ -407,8 +406,6 @@ def test_move_cpu_probe_makes_the_nvme_tiers_cpu_round_trip():
     stages CUDA tensors only) and reads it back into a new page-aligned
     tensor (no bounce copy): no copy of its own, so it prices what the tier
     does (it copied twice before, over-pricing nvme moves of CPU tensors)."""
-    from tiermem.planner import rates as rates_mod
-
     class _Done:
         def wait(self):
             return None
@@ -436,7 +433,7 @@ def test_move_cpu_probe_makes_the_nvme_tiers_cpu_round_trip():
 
     torch.Tensor.copy_ = counting_copy
     try:
-        rates_mod._round_trip(f, srcs)
+        tiermem.testing.move_cpu_round_trip(f, srcs)
     finally:
         torch.Tensor.copy_ = real_copy
     assert not copies, copies
@@ -475,12 +472,12 @@ def test_a_profiled_cuda_step_is_timed_on_the_gpus_timeline(monkeypatch):
         loss = layers(x).sum()
     loss.backward()
     profiled_syncs = len(syncs)
-    profile = next(iter(tiermem.testing.planner_of(off)._profiles.values()), None)
+    profile = next(iter(tiermem.testing.kept_profiles(off).values()), None)
     if profile is None:   # the plan is made when the next step starts
         with off:
             loss = layers(x).sum()
         loss.backward()
-        profile = next(iter(tiermem.testing.planner_of(off)._profiles.values()))
+        profile = next(iter(tiermem.testing.kept_profiles(off).values()))
     packs = [r.pack_s for r in profile.records]
     assert packs == sorted(packs)
     # A stamp per pack and per first unpack at least, on the compute stream.

@@ -377,7 +377,7 @@ def test_the_agreed_timeline_replaces_every_planned_number():
     src, mine = _profile(step_s=0.01), _profile(step_s=0.05, pack=(0.004, 0.009))
     a = agree.combine([_row(0, profile=src), _row(1, profile=mine)])
     assert a.timeline_rank == 0
-    a.timeline = agree._timeline(src)   # what the broadcast carries
+    a.timeline = tiermem.testing.agreed_timeline(src)   # what the broadcast carries
     got = a.apply(mine)
     assert got.records == src.records
     for f in ("fixed_kept_bytes", "forward_end_s", "backward_start_s", "backward_end_s",
@@ -409,7 +409,8 @@ def test_agree_ranks_setting(monkeypatch):
 
 def test_nan_marks_a_missing_figure():
     row = _row(0)
-    assert row[agree._RANK] == 0 and math.isnan(row[agree._HASH])
+    named = tiermem.testing.agreement_row(row)
+    assert named["rank"] == 0 and math.isnan(named["structure_hash"])
 
 
 def _nccl_worker(rank: int, world: int, port: int) -> dict:
@@ -422,7 +423,7 @@ def _nccl_worker(rank: int, world: int, port: int) -> dict:
         def json_ready(values):   # NaN (no figure) as None: NaN != NaN
             return [None if math.isnan(v) else v for v in values]
         return {"agreement": a.as_dict(), "timeline": json_ready(a.timeline),
-                "sent": json_ready(agree._timeline(profile))}
+                "sent": json_ready(tiermem.testing.agreed_timeline(profile))}
     finally:
         shutdown()
 
@@ -449,4 +450,4 @@ def test_the_cost_model_rates_agree_too():
             a.rates.disk_both, a.rates.link_both) == (1e9, 3e-5, 2.0, 0.2e9, None)
     solver_fields = {f.name for f in dataclasses.fields(Rates)} - {"disk_engine",
                                                                     "disk_probe_error"}
-    assert solver_fields == set(agree._RATES_MIN + agree._RATES_MAX)
+    assert solver_fields == tiermem.testing.agreed_rate_fields()

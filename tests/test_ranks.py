@@ -47,15 +47,15 @@ def test_default_cpu_budget_is_half_the_available_ram_split_among_the_nodes_rank
         ranks, monkeypatch, tmp_path):
     mem = collections.namedtuple("mem", "available total")(8 * _GiB, 16 * _GiB)
     monkeypatch.setattr("psutil.virtual_memory", lambda: mem)
-    monkeypatch.setattr("tiermem.memory.cgroup._CGROUP_ROOT", str(tmp_path))   # no memory limit
-    assert default_cpu_budget_bytes() == 4 * _GiB
-    ranks(0, 4)
-    assert default_cpu_budget_bytes() == 1 * _GiB
-    off = tiermem.Offloader(policy="cpu")
-    try:
-        assert off.cpu_budget_bytes == 1 * _GiB
-    finally:
-        off.close()
+    with tiermem.testing.cgroup_root(tmp_path):   # no memory limit
+        assert default_cpu_budget_bytes() == 4 * _GiB
+        ranks(0, 4)
+        assert default_cpu_budget_bytes() == 1 * _GiB
+        off = tiermem.Offloader(policy="cpu")
+        try:
+            assert off.cpu_budget_bytes == 1 * _GiB
+        finally:
+            off.close()
 
 
 def test_default_nvme_budget_is_80_percent_of_free_space_split_among_the_nodes_ranks(
@@ -190,13 +190,19 @@ def test_log_lines_outside_a_distributed_launch_are_unchanged(ranks, caplog):
     assert any(r.getMessage().startswith("tiermem: the cpu tier is full") for r in caplog.records)
 
 
+def _print_report(doctor) -> None:
+    """What ``python -m tiermem doctor`` prints (a new diagnosis)."""
+    import argparse
+    doctor.run(argparse.Namespace(dir=None, mib=256, json=False))
+
+
 def test_doctor_names_the_rank_and_its_share(ranks, capsys):
     from tiermem import doctor
     ranks(1, 2)
     report = doctor.diagnose()
     assert report["rank"]["label"] == "rank 1" and report["rank"]["ranks_on_node"] == 2
     assert report["default_staging_bytes"] == 128 * _MiB
-    doctor._print(report)
+    _print_report(doctor)
     out = capsys.readouterr().out
     assert "distributed: rank 1, 2 rank(s) on this node" in out
 
@@ -205,10 +211,10 @@ def test_doctor_says_whether_the_ranks_plan_from_agreed_numbers(ranks, capsys, m
     from tiermem import doctor
     ranks(1, 2)
     monkeypatch.setenv("WORLD_SIZE", "4")
-    doctor._print(doctor.diagnose())
+    _print_report(doctor)
     assert "slowest rates of 4 ranks, agreed once" in capsys.readouterr().out
     monkeypatch.setenv("TIERMEM_AGREE_RANKS", "0")
-    doctor._print(doctor.diagnose())
+    _print_report(doctor)
     assert "each rank plans from its own budgets and rates" in capsys.readouterr().out
 
 

@@ -13,10 +13,10 @@ import threading
 import pytest
 
 import tiermem
+import tiermem.testing
 from tiermem.runtime.jobs import ReadCopyJob
 from tiermem.runtime.step import Step
 from tiermem.telemetry import StepStats
-from tiermem.tiers.moving import _Waited
 from tiermem.tiers.nvme_chain import PythonChain
 
 
@@ -53,7 +53,7 @@ def test_consumer_reads_itself_when_no_chain_thread_has_started_it():
     chain = PythonChain(1)
     gate = threading.Event()
     try:
-        chain._pool.submit(gate.wait)             # the chain's thread is busy
+        tiermem.testing.run_on_chain_thread(chain, gate.wait)   # the chain's thread is busy
         c = _Counts()
         job = ReadCopyJob(chain.read_then(c.read, c.copy, "reading x", c.release))
         assert not job.host_ready() and not job.done()
@@ -100,7 +100,7 @@ def test_read_and_copy_run_exactly_once_under_races(rounds):
             job = ReadCopyJob(chain.read_then(c.read, c.copy, "reading z", c.release))
             job.order_before_use()
             job.wait_host()
-            chain._pool.submit(lambda: None).result()   # the chain's run has returned too
+            tiermem.testing.run_on_chain_thread(chain, lambda: None).result()   # its run returned
             assert len(c.reads) == 1 and c.copies == 1 and c.releases == [None]
     finally:
         chain.shutdown()
@@ -141,7 +141,7 @@ class _Job:
 
 
 class _Step:
-    """What _Waited reports to: Step.restored on a fresh StepStats."""
+    """What a finished restore reports to: Step.restored on a fresh StepStats."""
 
     def __init__(self) -> None:
         self.stats = StepStats()
@@ -152,6 +152,6 @@ class _Step:
 @pytest.mark.parametrize("host_ready, host_waits", [(True, 0), (False, 1)])
 def test_only_restores_that_block_the_host_count_as_host_waits(host_ready, host_waits):
     step = _Step()
-    _Waited("out", "dev", _Job(host_ready), step, True)()
+    tiermem.testing.finish_restore(_Job(host_ready), step)
     assert step.stats.late_restores == 1
     assert step.stats.host_waits == host_waits

@@ -1,6 +1,7 @@
 """The CUDA chain's read queue on the CPU (csrc/ready_queue.h, NOTE [Reads in
-completion order]): the CPU build binds it over int tickets as ``_ReadyQueue``,
-so the protocol the chain's in thread relies on runs here without a GPU. The
+completion order]): the CPU build binds it over int tickets
+(``tiermem.testing.new_ready_queue``), so the protocol the chain's in thread
+relies on runs here without a GPU. The
 chain itself (reads handed on as their preads finish) is covered on a GPU by
 tests/test_gpu_engine.py::test_a_slow_read_does_not_hold_back_a_finished_one.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import tiermem.testing
 from tiermem.io import ALIGN_BYTES
 from helpers import cpp_engine_unavailable
 
@@ -17,16 +19,15 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-def mod():
+def extension():
+    """Skips the test where the C++ extension cannot be built."""
     reason = cpp_engine_unavailable()
     if reason:
         pytest.skip(f"the C++ extension cannot be built: {reason}")
-    from tiermem.io import cpp
-    return cpp.load_extension()
 
 
-def test_items_come_out_in_completion_order_not_submission_order(mod):
-    q = mod._ReadyQueue()
+def test_items_come_out_in_completion_order_not_submission_order(extension):
+    q = tiermem.testing.new_ready_queue()
     assert q.add_pending() and q.add_pending()   # ticket 0 (slow), then ticket 1
     q.complete(1)
     assert q.pop(0.0) == ("item", 1)             # not held behind ticket 0
@@ -37,8 +38,8 @@ def test_items_come_out_in_completion_order_not_submission_order(mod):
     assert q.pending == 0
 
 
-def test_stop_refuses_new_items_and_finishes_only_after_the_pending_ones(mod):
-    q = mod._ReadyQueue()
+def test_stop_refuses_new_items_and_finishes_only_after_the_pending_ones(extension):
+    q = tiermem.testing.new_ready_queue()
     assert q.add_pending()
     q.stop()
     assert not q.add_pending()
@@ -48,7 +49,7 @@ def test_stop_refuses_new_items_and_finishes_only_after_the_pending_ones(mod):
     assert q.pop(0.0) == ("finished", None)
 
 
-def test_an_engine_future_hands_its_ticket_on_once_done(mod, tmp_path):
+def test_an_engine_future_hands_its_ticket_on_once_done(extension, tmp_path):
     """Future.on_done (io_engine.h), as read_to_device uses it: a read still
     on the disk does not hold back one already done, and a ticket comes out
     only once its future is done."""
@@ -64,7 +65,7 @@ def test_an_engine_future_hands_its_ticket_on_once_done(mod, tmp_path):
             small.wait()
             big_buf = torch.empty(nbytes, dtype=torch.uint8)
             big = fa.read(big_buf, 0)   # 4 chunks on one worker
-            q = mod._ReadyQueue()
+            q = tiermem.testing.new_ready_queue()
             big_pending = not big.done()
             assert q.watch(big, 0)
             assert q.watch(small, 1)    # done: handed on at once

@@ -14,6 +14,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tiermem
+import tiermem.testing
 from helpers import (assert_same_tensors, compare_records, expect_compact, reference_steps,
                      train_steps)
 from models import SaveIt, make_case
@@ -763,18 +764,17 @@ def test_a_kept_regenerated_tensor_is_ordered_for_a_consumer_on_another_stream(m
     an event is recorded after the recipe on the stream that ran it; a consumer
     on that stream takes the tensor as is, one on another stream waits for the
     event and records the tensor on its stream; a CPU tensor needs neither."""
-    from tiermem.tiers import recompute
     side, default = _FakeStream("side"), _FakeStream("default")
     current = [side]
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     out = _FakeCudaTensor()
-    kept = recompute._Cached(out)
+    kept = tiermem.testing.kept_recomputed(out)
     assert kept.event.on is side
     assert kept.for_current_stream() is out
     assert side.waited == [] and out.recorded_on == []
     current[0] = default
     assert kept.for_current_stream() is out
     assert default.waited == [kept.event] and out.recorded_on == [default]
-    cpu = recompute._Cached(torch.ones(2))
+    cpu = tiermem.testing.kept_recomputed(torch.ones(2))
     assert cpu.event is None and cpu.for_current_stream() is cpu.out

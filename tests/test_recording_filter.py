@@ -17,6 +17,7 @@ import torch.nn as nn
 
 import tiermem
 import tiermem.offloader
+import tiermem.testing
 import tiermem.planner.tracking_cost as runtime
 from helpers import assert_same_step, compare_records, offloader, reference_steps, run_step
 from models import make_case
@@ -35,7 +36,7 @@ class _Made(ProducerMode):
         type(self).made.append(self)
 
     def clear(self) -> None:
-        self.recorded = max(self.recorded, len(self._records))
+        self.recorded = max(self.recorded, tiermem.testing.records_held(self))
         super().clear()
 
 
@@ -65,8 +66,8 @@ def _train(name: str, steps: int, made):
         opt.step()
         params = {n: p.detach().clone() for n, p in case.model.named_parameters()}
         records.append((loss, grads, params))
-        per_step.append((_stats(off), sum(max(m.recorded, len(m._records)) for m in made.made),
-                         [m.names for m in made.made]))
+        held = sum(max(m.recorded, tiermem.testing.records_held(m)) for m in made.made)
+        per_step.append((_stats(off), held, [m.names for m in made.made]))
     plan = off.plan
     off.close()
     return records, per_step, plan

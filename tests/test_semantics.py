@@ -423,10 +423,7 @@ def test_exception_mid_forward_frees_everything_and_offloader_is_reusable():
 
 def _copies_done() -> None:
     """Wait until the CPU copy threads have run every copy queued so far."""
-    from tiermem.runtime.copier import ThreadCopier
-    copier = ThreadCopier()
-    for worker in (copier._out, copier._in):
-        worker.submit(lambda: None).wait_host()
+    tiermem.testing.wait_cpu_copies()
 
 
 @pytest.mark.slow

@@ -47,17 +47,16 @@ class Case:
         self.profile, self.rates, self.budget = profile, rates, budget
         self.has_nvme, self.cpu_budget, self.nvme_budget = has_nvme, cpu_budget, nvme_budget
 
-    def plan(self, improve=True):
+    def plan(self, improve=True, **kw):
         return make_plan(self.profile, self.rates, self.budget, "test", has_nvme=self.has_nvme,
                          cpu_budget_bytes=self.cpu_budget,
-                         nvme_budget_bytes=self.nvme_budget, improve=improve)
+                         nvme_budget_bytes=self.nvme_budget, improve=improve, **kw)
 
     def model(self):
         """The priced options, as the cost model gives them (lone prices)."""
         p = self.profile
         bwd = p.backward_start_s
-        for r in p.records:
-            r._use = r.first_use_s if r.first_use_s is not None else bwd
+        tiermem.testing.set_use_times(p)
         opts = {r.index: options_of(r, self.rates, self.has_nvme, bwd) for r in p.records}
         count = itertools.count(len(p.records))
         blocks = [BlockOption(b, p.records, set(), self.rates, self.has_nvme, bwd,
@@ -264,19 +263,29 @@ def test_a_greedy_choice_that_is_optimal_is_unchanged():
     assert not any(n.startswith("choice:") for n in improved.notes), improved.notes
 
 
-def test_hinted_tensors_keep_the_greedys_choice():
-    # The same instance as the overshoot case, with a PREFER hint on A: hints
-    # rank by preference (NOTE [Planner hints]), so A stays as the greedy took it.
+def test_hinted_moves_come_first_and_the_solver_prices_among_them():
+    # NOTE [Hints in the program]. Both large tensors are hinted PREFER_RECOMPUTE,
+    # the small one is not and is by far the cheapest. 20 MB are needed: hinted
+    # moves come first, so the unhinted one stays kept; among the hinted ones
+    # the greedy takes the 100 MB one (cheaper per byte, 5 ms), the program the
+    # 20 MB one (1.2 ms), which is enough.
     from torch.utils.checkpoint import CheckpointPolicy
     from tiermem.policy import TierOrder
-    recs = [_rec(0, 100 * MB, 0.0, 1.5, recompute_s=0.010),
-            _rec(1, 10 * MB, 0.1, 1.4, recompute_s=0.002)]
-    recs[0].hint = (TierOrder([Tier.RECOMPUTE], hint=CheckpointPolicy.PREFER_RECOMPUTE),
-                    "PREFER_RECOMPUTE")
-    case = Case(_profile(recs), _rates(), 100 * MB, has_nvme=False)
-    plan = case.plan()
-    assert [p.tier for p in plan.tensors] == ["recompute", "keep"]
-    assert "hint PREFER_RECOMPUTE followed" in plan.tensors[0].reason
+    hint = (TierOrder([Tier.RECOMPUTE], hint=CheckpointPolicy.PREFER_RECOMPUTE),
+            "PREFER_RECOMPUTE")
+    recs = [_rec(0, 100 * MB, 0.0, 1.5, recompute_s=0.005),
+            _rec(1, 20 * MB, 0.1, 1.4, recompute_s=0.0012),
+            _rec(2, 30 * MB, 0.2, 1.3, recompute_s=0.0001)]
+    recs[0].hint = recs[1].hint = hint
+    case = Case(_profile(recs), _rates(), 130 * MB, has_nvme=False)
+    greedy, plan = case.plan(improve=False), case.plan()
+    assert [p.tier for p in greedy.tensors] == ["recompute", "keep", "keep"]
+    assert [p.tier for p in plan.tensors] == ["keep", "recompute", "keep"]
+    assert plan.priced_cost_s == pytest.approx(0.0012)
+    assert "hint PREFER_RECOMPUTE followed" in plan.tensors[1].reason
+    # Without the hints the unhinted one, cheapest, is taken alone.
+    recs[0].hint = recs[1].hint = None
+    assert [p.tier for p in case.plan().tensors] == ["keep", "keep", "recompute"]
 
 
 # -- seeded random instances ---------------------------------------------------------
@@ -331,6 +340,25 @@ def test_random_instances_are_solved_to_the_optimum():
         reachable, greedy_worse, greedy_missed)
 
 
+def test_the_choice_does_not_depend_on_the_wall_clock():
+    # NOTE [Same plan on every rank]: the search is bounded by nodes, so a
+    # generous or a tight-but-sufficient wall clock gives the same plan; a
+    # clock that binds is said in the plan (ranks may then differ), and the
+    # greedy's choice is still the floor.
+    rng = random.Random(7)
+    said = 0
+    for _ in range(25):
+        case = random_case(rng)
+        tiers = lambda p: [t.tier for t in p.tensors]   # noqa: E731
+        roomy, tight = case.plan(time_limit_s=100.0), case.plan(time_limit_s=1.0)
+        assert tiers(roomy) == tiers(tight)
+        assert not any("wall-clock" in n for n in roomy.notes), roomy.notes
+        stopped, greedy = case.plan(time_limit_s=0.0), case.plan(improve=False)
+        said += any("wall-clock limit" in n for n in stopped.notes)
+        assert stopped.priced_cost_s <= greedy.priced_cost_s + 1e-12
+    assert said >= 10, said
+
+
 # -- real profiles -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("budget", [0.5, 0.25, 0.1])
@@ -347,8 +375,8 @@ def test_real_profiles_count_alike_and_never_cost_more(name, budget, nvme_dir):
     train_steps(make_case(name), contextlib.nullcontext, steps=1)   # warm-up, no hooks
     train_steps(make_case(name), lambda: off, steps=2)
     planner = tiermem.testing.planner_of(off)
-    profile = planner._profiles[off.plan.keys]
-    kw = dict(has_nvme=True, cpu_budget_bytes=off._placement.cpu_budget_bytes,
+    profile = tiermem.testing.kept_profiles(off)[off.plan.keys]
+    kw = dict(has_nvme=True, cpu_budget_bytes=off.cpu_budget_bytes,
               nvme_budget_bytes=None)
     target = int(budget * profile.baseline_bytes)
     greedy = make_plan(profile, planner.rates, target, "t", improve=False, **kw)

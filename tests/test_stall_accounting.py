@@ -5,28 +5,19 @@ compares this figure with the plan's predicted stall."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
+import tiermem.testing
 from helpers import land_moves, offloader
-from tiermem.tiers.moving import MovingStore
 
 START_DELAY_S = 0.03
 
 
 @pytest.mark.parametrize("policy", ["nvme", "cpu"])
-def test_starting_a_read_on_demand_counts_as_stall(nvme_dir, monkeypatch, policy):
+def test_starting_a_read_on_demand_counts_as_stall(nvme_dir, policy):
     """Every restore is read on demand (no prefetch) and each start is made
     to take START_DELAY_S: the stall counts at least that per read."""
-    real = MovingStore._restore
-
-    def slow_start(self, h):
-        time.sleep(START_DELAY_S)
-        return real(self, h)
-
-    monkeypatch.setattr(MovingStore, "_restore", slow_start)
     torch.manual_seed(0)
     lin = torch.nn.Linear(256, 256)
     x = torch.randn(64, 256, requires_grad=True)
@@ -34,7 +25,8 @@ def test_starting_a_read_on_demand_counts_as_stall(nvme_dir, monkeypatch, policy
     with off:
         loss = torch.tanh(lin(x)).sum()
     land_moves(off)
-    loss.backward()
+    with tiermem.testing.slow_restore_starts(START_DELAY_S):
+        loss.backward()
     s = off.stats
     moved = s.count_by_tier["cpu"] + s.count_by_tier["nvme"]
     assert moved > 0 and s.prefetch_misses == moved and s.prefetch_hits == 0, s

@@ -270,27 +270,24 @@ def test_bytes_held_never_exceed_the_bound(nvme_dir, monkeypatch):
     off.close()
 
 
-def test_backward_starts_with_no_more_in_memory_than_the_window(nvme_dir, monkeypatch):
+def test_backward_starts_with_no_more_in_memory_than_the_window(nvme_dir):
     # Held sources count in the prefetch window (NOTE [Tail hold], 4): at the
     # first unpack, restores started ahead plus sources held are no more than,
     # without the hold, the restores started ahead plus the log-softmax
     # output read on demand (a miss, not counted in prefetched_bytes).
-    from tiermem.runtime.prefetch import Prefetcher
     window = 2 * LOGPROBS_BYTES
     first = {}
-    original = Prefetcher._fill
 
-    def fill(self):
-        original(self)
-        first.setdefault("bytes", self._stats.prefetched_bytes + held())
-    monkeypatch.setattr(Prefetcher, "_fill", fill)
+    def filled(stats):
+        first.setdefault("bytes", stats.prefetched_bytes + held())
     model, tokens = _gpt()
     in_memory = {}
     for hold in (0, window):
         off = _off("nvme", f"{nvme_dir}{hold}", tail_hold_bytes=hold, prefetch_bytes=window)
         held = lambda: tiermem.testing.tail_held_bytes(off)   # noqa: E731
         first.clear()
-        _gpt_step(model, tokens, off, land=lambda: land_moves(off))
+        with tiermem.testing.after_prefetch_fills(filled):
+            _gpt_step(model, tokens, off, land=lambda: land_moves(off))
         assert off.stats.bytes_by_tier["nvme"] > 2 * window   # the window is a part
         in_memory[hold] = first["bytes"]
         off.close()

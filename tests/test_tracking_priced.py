@@ -16,6 +16,7 @@ import tiermem.testing
 import tiermem.tracking.producers as producers
 from tiermem.models import GPTConfig, TinyGPT
 from tiermem.planner.profile import Profile, TensorRecord
+from tiermem.planner import rates as rates_mod
 from tiermem.planner.rates import Rates, measure_rates
 from tiermem.planner.tracking_cost import priced_plan as _priced_plan
 from tiermem.planner.tracking_cost import tracked_op_count, tracking_shares
@@ -132,51 +133,49 @@ def test_tracking_cost_per_op_is_measured():
     assert rates.as_dict()["track_call_s"] == rates.track_call_s
 
 
-def _scripted_best(monkeypatch, script):
-    """Make the tracking probe's runs take the times ``script(way, n)`` gives
-    (``way``: chain, tracked or gated; ``n``: that way's run count so far)."""
-    from tiermem.planner import rates as rates_mod
-    monkeypatch.setattr(rates_mod, "_track_cache", [])
+def _scripted_best(script):
+    """The tracking probe, its runs taking the times ``script(way, n)`` gives
+    (``way``: chain, tracked or gated; ``n``: that way's run count so far):
+    ``probe()`` gives its prices, ``runs`` counts the runs of each way."""
     runs: dict = {}
 
     def best(fn, repeats=1, clock=None):
         assert clock is time.thread_time
         n = runs[fn.__name__] = runs.get(fn.__name__, 0) + 1
         return script(fn.__name__, n)
-    monkeypatch.setattr(rates_mod, "_best", best)
-    return rates_mod, runs
+    return (lambda: tiermem.testing.tracking_prices(best)), runs
 
 
-def test_a_disturbed_tracking_probe_runs_on_until_its_prices_are_positive(monkeypatch):
+def test_a_disturbed_tracking_probe_runs_on_until_its_prices_are_positive():
     # NOTE [A tracking price of 0]: in the first 6 runs every plain one was
     # disturbed (1.0 s) and a gated one lucky (0.95 s): no price yet; the
     # next runs give the plain chain its undisturbed time (0.8 s).
     times = {"chain": (1.0, 0.8), "tracked": (1.5, 1.3), "gated": (0.95, 0.9)}
-    rates_mod, runs = _scripted_best(monkeypatch, lambda way, n: times[way][n > 6])
-    op_s, call_s = rates_mod._tracking_cost()
+    probe, runs = _scripted_best(lambda way, n: times[way][n > 6])
+    op_s, call_s = probe()
     links = rates_mod.TRACK_PROBE_LINKS
     assert op_s == pytest.approx((1.3 - 0.8) / (3 * links))
     assert call_s == pytest.approx((0.9 - 0.8) / (2 * links))
     assert runs == {"chain": 12, "tracked": 12, "gated": 12}
 
 
-def test_a_tracking_probe_never_positive_reads_the_op_price_or_0(monkeypatch):
+def test_a_tracking_probe_never_positive_reads_the_op_price_or_0():
     """After its attempts a call price not positive reads the op price; an
     op price not positive reads 0. The probe runs on one thread, by that
     thread's CPU clock, and gives the thread count back."""
     clocks = []
-    rates_mod, runs = _scripted_best(monkeypatch, lambda way, n: (
+    probe, runs = _scripted_best(lambda way, n: (
         clocks.append(torch.get_num_threads()) or
         {"chain": 1.0, "tracked": 1.5, "gated": 0.9}[way]))
     torch.set_num_threads(2)
     op_s = pytest.approx(0.5 / (3 * rates_mod.TRACK_PROBE_LINKS))
-    assert rates_mod._tracking_cost() == (op_s, op_s)
+    assert probe() == (op_s, op_s)
     assert set(clocks) == {1} and torch.get_num_threads() == 2
     per_way = rates_mod.TRACK_PROBE_ATTEMPTS * 2 * rates_mod.REPEATS
     assert runs == {"chain": per_way, "tracked": per_way, "gated": per_way}
-    rates_mod, _ = _scripted_best(
-        monkeypatch, lambda way, n: {"chain": 1.0, "tracked": 0.9, "gated": 0.9}[way])
-    assert rates_mod._tracking_cost() == (0.0, 0.0)
+    probe, _ = _scripted_best(
+        lambda way, n: {"chain": 1.0, "tracked": 0.9, "gated": 0.9}[way])
+    assert probe() == (0.0, 0.0)
 
 
 def test_a_call_recorded_whole_is_priced_per_call():
@@ -214,9 +213,8 @@ def test_the_profile_counts_ops_per_call_and_a_followed_step_tracks_what_was_pri
         with off:
             loss = model(idx, idx)
         loss.backward()
-    planner = tiermem.testing.planner_of(off)
     plan = off.plan
-    prof = planner._profiles[plan.keys]
+    prof = tiermem.testing.kept_profiles(off)[plan.keys]
     ops = prof.call_ops
     attn = [n for (m, c), n in ops.items() if c == "scaled_dot_product_attention"]
     assert len(attn) == 2 and attn[0] == attn[1] > 5   # one call per block, same ops

@@ -125,7 +125,7 @@ def merge_config(e: dict, opts: dict) -> None:
     elif iso and iso.get("status") == "ok" and iso.get("times"):
         timing, mode = iso, "isolated"
     statuses = [r.get("status") for r in (inter, iso) if r]
-    if timing is iso and iso.get("shared_device"):   # NOTE [Timings of runs that shared the machine]
+    if timing is not None and timing is iso and iso.get("shared_device"):   # NOTE [Timings of runs that shared the machine]
         timing = None
     if "oom" in statuses:
         e["status"] = "oom"

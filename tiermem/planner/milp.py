@@ -4,18 +4,32 @@
 
 # NOTE [Planner choice]
 # The plan chosen is never worse, by (bytes short, cost), than the greedy's: both
-# are solved and the better stands, so a solver stopped by its time limit cannot
-# make the plan worse. The model: one binary per (tensor, option) (none taken:
-# kept), per auto block (checkpointed or not) and per (checkpointed block's
-# movable input, move). A tensor takes at most one option, none when its block is
-# checkpointed; an input moves only when its block is; the bytes freed reach the
-# device budget's need; cpu and nvme bytes stay within their rooms (as if all
-# held at once). MUST answers are fixed before the model; PREFER hints rank by
-# preference (NOTE [Planner hints]), so hinted tensors and blocks are fixed at the
-# greedy's choice. Objective: the sum of the options' prices (costs.py); an
-# unreachable budget frees the most bytes first, then at the least cost. HiGHS is
-# deterministic for a given model, so ranks planning the same agreed profile
-# choose alike unless the time limit cuts one short (that one keeps the greedy's).
+# are solved and the better stands, so a solver stopped early cannot make the
+# plan worse. The model: one binary per (tensor, option) (none taken: kept), per
+# auto block (checkpointed or not) and per (checkpointed block's movable input,
+# move). A tensor takes at most one option, none when its block is checkpointed;
+# an input moves only when its block is; the bytes freed reach the device
+# budget's need; cpu and nvme bytes stay within their rooms (as if all held at
+# once). MUST answers are fixed before the model. Objective: the sum of the
+# options' prices (costs.py); an unreachable budget frees the most bytes first,
+# PREFER hints come before the prices: NOTE [Hints in the program].
+
+# NOTE [Hints in the program]
+# PREFER hints rank options strictly (NOTE [Planner hints], rule 3): hinted
+# moves before unhinted tensors and blocks, keep hints after both. So the
+# program follows the greedy's rank: the level of the last option the greedy
+# took (0 hinted moves, 1 unhinted, 2 keep hints) is the one chosen freely;
+# lower levels' tensors the greedy moved must move (on any of their options),
+# higher levels stay kept. Within that, hinted tensors take their hints' first
+# tiers where they can (bytes x rank in the hint minimised first), then the
+# prices decide. Without hints every variable is level 1: nothing changes.
+
+# NOTE [Same plan on every rank]
+# HiGHS is deterministic for a given model, and its search is bounded by a node
+# count (NODE_LIMIT), which is the same on every rank: ranks planning the same
+# agreed profile choose alike however loaded each is. The wall-clock limit
+# (TIME_LIMIT_S) is a safety only: where it binds (``Model.clock_bound``) the
+# plan says so, since another rank may have gone further.
 
 from __future__ import annotations
 
@@ -26,14 +40,18 @@ import numpy as np
 # Imported with the planner (an auto Offloader's construction), not at its
 # first plan: the import takes most of a second on a cold, loaded machine.
 from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
+from scipy.sparse import coo_matrix, vstack
 
 from ..policy import Tier
+from .hints import is_move_hint
 
-__all__ = ["Model", "TIME_LIMIT_S"]
+__all__ = ["Model", "NODE_LIMIT", "TIME_LIMIT_S"]
 
-#: Seconds HiGHS may take per plan (both phases together).
-TIME_LIMIT_S = 0.2
+#: Branch-and-bound nodes HiGHS may explore per solve: the deterministic bound
+#: (NOTE [Same plan on every rank]). Measured profiles take 0 or 1 node.
+NODE_LIMIT = 200
+#: Wall-clock seconds HiGHS may take per plan (both phases together): a safety.
+TIME_LIMIT_S = 1.0
 _ROOM_TIERS = (Tier.CPU, Tier.NVME)
 _MIB = float(1 << 20)
 _SCALE_S = 1e6   # the objective in microseconds (HiGHS' absolute gap is 1e-6)
@@ -51,6 +69,8 @@ class Model:
     def __init__(self, records, options: dict, blocks, need: int, room: dict,
                  must_ids: set) -> None:
         self.need, self.room = need, room
+        #: A solve was stopped by the wall clock, not by NODE_LIMIT or optimality.
+        self.clock_bound = False
         self._records = records
         self.vars: List[tuple] = []
         self.freed: List[int] = []
@@ -82,9 +102,13 @@ class Model:
                 if x.kind == "before" and other is not None:
                     self.pairs.append((x.nbytes, bv, other))
         self.rows = rows
-        #: Variables fixed at the greedy's choice (hinted tensors, blocks
-        #: holding one, their inputs): set by :meth:`fix`.
-        self.fixed: dict = {}
+        #: NOTE [Hints in the program]: each variable's level, and the hinted
+        #: tensors' variables off their hints' first tier (-> MiB x rank).
+        self.level, self.ranked = _hint_levels(self.vars, self.freed)
+        #: Set by :meth:`follow_rank`: per variable, its upper bound, and
+        #: the tensors that must move (their variables).
+        self.ub: Optional[np.ndarray] = None
+        self.must_move: List[List[int]] = []
 
     def _add(self, var: tuple, freed: int, price: float) -> int:
         self.vars.append(var)
@@ -122,19 +146,18 @@ class Model:
         freed, cost = self.evaluate(taken)
         return max(0, self.need - freed), cost
 
-    def fix(self, greedy: set) -> None:
-        """Fix the hinted tensors, the blocks holding one and their inputs
-        at ``greedy``'s choice (NOTE [Planner choice])."""
-        hinted = {}
+    def follow_rank(self, greedy: set) -> None:
+        """NOTE [Hints in the program]: bound the program by the level of the
+        greedy's choice ``greedy``."""
+        if all(level == 1 for level in self.level):
+            return
+        top = max((self.level[v] for v in greedy), default=0)
+        self.ub = np.array([0.0 if level > top else 1.0 for level in self.level])
+        per_tensor: dict = {}
         for v, (kind, owner, _) in enumerate(self.vars):
-            if kind == "b":
-                rec = owner.rec
-                hinted[id(owner)] = any(self._records[j].hint is not None
-                                        for j in range(rec.start, rec.end))
-        for v, (kind, owner, _) in enumerate(self.vars):
-            if ((kind == "t" and owner.hint is not None) or (kind == "b" and hinted[id(owner)])
-                    or (kind == "i" and hinted.get(id(owner.block)))):
-                self.fixed[v] = v in greedy
+            if kind == "t" and self.level[v] < top:
+                per_tensor.setdefault(id(owner), []).append(v)
+        self.must_move = [vs for vs in per_tensor.values() if any(v in greedy for v in vs)]
 
     # -- HiGHS ------------------------------------------------------------------------
     def solve(self, time_limit_s: float = TIME_LIMIT_S, reach: Optional[int] = None
@@ -158,6 +181,8 @@ class Model:
             lo.append(low)
             hi.append(high)
 
+        for vs in self.must_move:
+            row([(v, 1.0) for v in vs], 1.0, np.inf)
         for entry in self.rows:
             if len(entry) == 2:
                 row([(v, 1.0) for v in entry[0]], -np.inf, entry[1])
@@ -175,11 +200,12 @@ class Model:
         base = len(lo)
         row(freed_row, -np.inf, np.inf)
         integrality = np.ones(total)
-        lb, ub = np.zeros(total), np.ones(total)
-        for v, on in self.fixed.items():
-            lb[v] = ub[v] = float(on)
-        bounds = Bounds(lb, ub)
-        options = {"time_limit": time_limit_s, "presolve": True, "mip_rel_gap": 0.0}
+        ub = np.ones(total)
+        if self.ub is not None:
+            ub[:n] = self.ub
+        bounds = Bounds(np.zeros(total), ub)
+        options = {"time_limit": time_limit_s, "node_limit": NODE_LIMIT, "presolve": True,
+                   "mip_rel_gap": 0.0}
         target = self.need if reach is None else reach
         A = coo_matrix((d_, (r_, c_)), shape=(len(lo), total)).tocsr()
         lo_arr, hi_arr = np.array(lo), np.array(hi)
@@ -198,6 +224,19 @@ class Model:
             options["time_limit"] = max(0.0, time_limit_s - (time.perf_counter() - t0))
         lo_arr = lo_arr.copy()
         lo_arr[base] = (target - 0.5) / _MIB
+        if self.ranked:   # NOTE [Hints in the program]: hinted tiers first
+            c = np.zeros(total)
+            for v, w in self.ranked.items():
+                c[v] = w
+            taken = self._run(c, A, lo_arr, hi_arr, integrality, bounds, options)
+            if taken is None:
+                return None, "no solution within the limits"
+            best = sum(w for v, w in self.ranked.items() if v in taken)
+            A = vstack([A, coo_matrix((list(self.ranked.values()), ([0] * len(self.ranked),
+                                       list(self.ranked))), shape=(1, total))]).tocsr()
+            lo_arr = np.append(lo_arr, -np.inf)
+            hi_arr = np.append(hi_arr, best + 0.5 / _MIB)
+            options["time_limit"] = max(0.0, time_limit_s - (time.perf_counter() - t0))
         c = np.zeros(total)
         c[:n] = np.array(self.price) * _SCALE_S
         taken = self._run(c, A, lo_arr, hi_arr, integrality, bounds, options)
@@ -206,8 +245,11 @@ class Model:
         return taken, "solved"
 
     def _run(self, c, A, lo, hi, integrality, bounds, options) -> Optional[set]:
+        """One HiGHS solve: the valid set of variables taken, or ``None``."""
         res = milp(c, integrality=integrality, bounds=bounds,
                    constraints=LinearConstraint(A, lo, hi), options=options)
+        if res.status == 1 and "time limit" in res.message.lower():
+            self.clock_bound = True
         if res.x is None:
             return None
         n = len(self.vars)
@@ -263,3 +305,23 @@ class Model:
                                  if x.kind == "before" and x.saved_as in checkpointed}
                 extra += sum(x.nbytes for x in b.rec.inputs if x.arg in b.before_kept)
         return self.evaluate(taken)[0], extra
+
+
+def _hint_levels(variables: List[tuple], freed: List[int]) -> Tuple[List[int], dict]:
+    """NOTE [Hints in the program]: each variable's level (0: a hinted move,
+    1: unhinted, 2: a keep hint's), and variable -> MiB x rank in the hint of
+    the hinted moves' options off the hint's first tier."""
+    levels, ranked = [], {}
+    for v, (kind, owner, o) in enumerate(variables):
+        hint = owner.hint if kind == "t" else None
+        if hint is None:
+            levels.append(1)
+        elif not is_move_hint(hint[0]):
+            levels.append(2)
+        else:
+            levels.append(0)
+            order = hint[0]
+            rank = order.index(o.tier) if o.tier in order else len(order)
+            if rank:
+                ranked[v] = rank * freed[v] / _MIB
+    return levels, ranked

@@ -286,7 +286,7 @@ def _solve(records, options, blocks, need: int, freed0: int, room0: dict, greedy
     extra kept bytes, priced cost of the choice, priced cost of the greedy's)."""
     model = Model(records, options, blocks, need - freed0, room0, must_ids)
     greedy = model.taken_of(costs, checkpointed, blocks)
-    model.fix(greedy)
+    model.follow_rank(greedy)
     got, greedy_priced = model.evaluate(greedy)
     if got != greedy_freed - freed0:
         notes.append("choice: the greedy's: the model counted it otherwise than the greedy "
@@ -296,6 +296,9 @@ def _solve(records, options, blocks, need: int, freed0: int, room0: dict, greedy
         return greedy_freed, greedy_kept, greedy_priced, greedy_priced
     # The greedy met the budget: it is reachable, no need to maximise first.
     taken, _ = model.solve(time_limit_s, reach=model.need if greedy_freed >= need else None)
+    if model.clock_bound:   # NOTE [Same plan on every rank] in planner/milp.py
+        notes.append(f"solver: HiGHS stopped at its wall-clock limit ({time_limit_s:g} s), "
+                     "not at its node limit: on a loaded machine ranks may choose differently")
     if taken is None:
         notes.append(f"choice: the greedy's: the solver found no choice within its time "
                      f"limit ({time_limit_s:g} s)")

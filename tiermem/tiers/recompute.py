@@ -403,10 +403,8 @@ class _Cached:
 def _usable(h: Any) -> bool:
     """A saved handle a recipe can take its input from: not a gapped view that
     a moving tier restores as a dense copy (other strides)."""
-    if h is None:
-        return False
     layout = getattr(h, "layout", None)
-    return layout is None or not layout.compact
+    return h is not None and (layout is None or not layout.compact)
 
 
 def _value(a: Any, step) -> Any:
@@ -434,9 +432,7 @@ def _run(node: _Node, step) -> torch.Tensor:
             out = node.func(*args, **kwargs)
         finally:
             gen.set_state(now)
-    if node.out_index is not None:
-        out = out[node.out_index]
-    return out
+    return out if node.out_index is None else out[node.out_index]
 
 
 @contextlib.contextmanager

@@ -1,11 +1,7 @@
-"""Seams for tests: what a test may see and change inside an :class:`Offloader`.
-
-Tests (ours, and a user's checking their own setup) use these functions
-instead of the Offloader's private attributes, so that the runtime's inside
-can change without rewriting the tests. Nothing here is needed to train; every
-function takes the Offloader it works on and says what it returns.
-
-Not imported by ``import tiermem``; use ``import tiermem.testing``.
+"""Seams into an :class:`Offloader`'s runtime and tiers: its stores, moves,
+handles and copies, what a test may see and change there (see the package
+docstring). Every function takes the Offloader it works on, or patches the
+process for the duration of a ``with`` block, and says what it returns.
 """
 
 from __future__ import annotations
@@ -14,10 +10,10 @@ import contextlib
 import time
 from typing import Any, Callable, Iterator, List, Tuple
 
-from .policy import Tier
+from ..policy import Tier
+from ._patch import patched
 
 __all__ = [
-    "solver_finds_nothing",
     "store_of",
     "poll",
     "pending",
@@ -34,8 +30,16 @@ __all__ = [
     "sources_in_flight",
     "set_move_window",
     "slow_copies",
-    "planner_of",
     "tail_held_bytes",
+    "in_forward",
+    "unlaunched_moves",
+    "wait_cpu_copies",
+    "slow_restore_starts",
+    "after_prefetch_fills",
+    "failing_host_releases",
+    "release_kept_handle",
+    "finish_restore",
+    "before_cuda_copies",
 ]
 
 
@@ -125,7 +129,7 @@ def deferred_param_checks() -> Iterator[None]:
     """While inside, parameter fingerprints of CPU tensors are compared the way
     CUDA ones are: a flag per comparison, read once at the end of backward
     (NOTE [Parameters changed before backward] in tracking/params.py). Process-wide."""
-    from .tracking import params as paramcheck
+    from ..tracking import params as paramcheck
     before = paramcheck.defer_on_cpu
     paramcheck.defer_on_cpu = True
     try:
@@ -157,7 +161,7 @@ def slow_copies(delay_seconds: float) -> Iterator[None]:
     the cpu tier, and of the nvme tier's staged CPU tensors) first sleeps
     ``delay_seconds`` on its worker: a copy far slower than compute, as a
     GPU running behind the host. Process-wide."""
-    from .runtime.copier import ThreadCopier
+    from ..runtime.copier import ThreadCopier
     original = ThreadCopier.copy_out
 
     def slow(self, src, dst):
@@ -170,29 +174,102 @@ def slow_copies(delay_seconds: float) -> Iterator[None]:
         ThreadCopier.copy_out = original
 
 
-def planner_of(off):
-    """The :class:`~tiermem.planner.Planner` of a ``policy="auto"`` Offloader
-    (``profiles``: profiled steps so far; ``plans``: plans by step signature),
-    ``None`` for other policies."""
-    from .planner import Planner
-    decider = getattr(off, "_decider", None)
-    return decider if isinstance(decider, Planner) else None
-
-
 def tail_held_bytes(off) -> int:
     """Bytes of moved tensors' sources the tail hold of ``off`` holds now
     (each counted as its storage, if larger than the tensor)."""
     return off._tail.held_bytes()
 
 
+def in_forward(off) -> bool:
+    """Whether a forward pass is under ``off`` in this thread now."""
+    return off._active_here()
+
+
+def unlaunched_moves(off, tier: Tier) -> int:
+    """How many moves ``tier`` has queued whose copy is not launched yet
+    (NOTE [Launch after the saving op])."""
+    return len(store_of(off, tier)._unlaunched)
+
+
+def wait_cpu_copies() -> None:
+    """Wait until the CPU copier's threads (out and in) have run every copy
+    queued so far."""
+    from ..runtime.copier import ThreadCopier
+    copier = ThreadCopier()
+    for worker in (copier._out, copier._in):
+        worker.submit(lambda: None).wait_host()
+
+
 @contextlib.contextmanager
-def solver_finds_nothing() -> Iterator[None]:
-    """Plans made inside get no choice from the planner's solver, as when it
-    hits its time limit without one: the greedy's choice stands."""
-    from .planner import milp
-    solve = milp.Model.solve
-    milp.Model.solve = lambda self, *a, **k: (None, "no solution within the time limit")
-    try:
+def slow_restore_starts(delay_seconds: float) -> Iterator[None]:
+    """While inside, each restore a moving tier (cpu, nvme) starts first
+    sleeps ``delay_seconds`` on the thread that starts it. Process-wide."""
+    from ..tiers.moving import MovingStore
+    original = MovingStore._restore
+
+    def slow(self, h):
+        time.sleep(delay_seconds)
+        return original(self, h)
+
+    with patched(MovingStore, "_restore", slow):
         yield
-    finally:
-        milp.Model.solve = solve
+
+
+@contextlib.contextmanager
+def after_prefetch_fills(fn: Callable[[Any], None]) -> Iterator[None]:
+    """While inside, ``fn(stats)`` runs each time a prefetcher has topped its
+    window up, with the :class:`~tiermem.StepStats` it counts into (``None``
+    if it counts nowhere). Process-wide."""
+    from ..runtime.prefetch import Prefetcher
+    original = Prefetcher._fill
+
+    def fill(self):
+        original(self)
+        fn(self._stats)
+
+    with patched(Prefetcher, "_fill", fill):
+        yield
+
+
+@contextlib.contextmanager
+def failing_host_releases(error: BaseException) -> Iterator[None]:
+    """While inside, the cpu tier's release of a dead handle's host buffer
+    raises ``error`` instead of freeing it. Process-wide."""
+    from ..tiers.host import HostStore
+
+    def fail(self, h):
+        raise error
+
+    with patched(HostStore, "_free", fail):
+        yield
+
+
+def release_kept_handle(handle) -> None:
+    """Drop what reading ``handle.__del__`` kept (NOTE [Interrupted releases],
+    rule 4): the handle, and its room, can then be released when it dies."""
+    from ..tiers import moving
+    moving._DYING.pop(handle)
+
+
+def finish_restore(job, step, prefetched: bool = True) -> None:
+    """Finish a restore as an unpack that takes it does: wait for ``job``
+    (``done()``, ``host_ready()``, ``order_before_use(tensor)``) and report
+    the wait to ``step.restored`` (late, and whether the host waited)."""
+    from ..tiers.moving import _Waited
+    _Waited(None, None, job, step, prefetched)()
+
+
+@contextlib.contextmanager
+def before_cuda_copies(fn: Callable[[str, Any], None]) -> Iterator[None]:
+    """While inside, ``fn(direction, stream)`` runs before each copy a CUDA
+    copier issues: ``direction`` is ``"out"`` (device to host) or ``"in"``,
+    ``stream`` the side stream the copy goes on. Process-wide."""
+    from ..runtime.copier import CudaCopier
+    original = CudaCopier._copy
+
+    def copy(self, stream, src, dst):
+        fn("out" if stream is self.d2h else "in", stream)
+        return original(self, stream, src, dst)
+
+    with patched(CudaCopier, "_copy", copy):
+        yield

@@ -59,7 +59,7 @@ def test_an_interrupted_exit_leaves_the_offloader_usable(monkeypatch, nvme_dir, 
                 raise KeyboardInterrupt   # the first Ctrl-C; the second lands in drain
     assert calls, f"{where} was not reached"
     del loss
-    assert not off._active_here()
+    assert not tiermem.testing.in_forward(off)
     for _ in range(3):
         assert_same_step(_step(case, off), _step(ref_case, contextlib.nullcontext()),
                          f"after an interrupt in {where}")

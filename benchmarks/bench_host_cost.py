@@ -1,0 +1,235 @@
+"""The forward's host cost: tiermem's producer tracking against PyTorch's own
+selective-checkpointing dispatch mode (issue 33), in one run, interleaved.
+
+Configurations, each on the same TinyGPT (same parameters, same batch):
+
+- ``plain``: no hooks, no mode;
+- ``sac_all_save``: every block under ``torch.utils.checkpoint.checkpoint``
+  (non-reentrant) with ``create_selective_checkpoint_contexts`` and a policy
+  answering ``MUST_SAVE`` for every op but dropout's mask buffer, which the
+  forward writes in place and SAC refuses to save (recomputed: an
+  ``empty_like`` and two in-place ops per dropout): the SAC dispatch mode's
+  own cost;
+- ``sac_usual``: the same with the usual policy: matmuls and attention
+  saved, every other op recomputed (``PREFER_RECOMPUTE``);
+- ``keep``, ``recompute``, ``recompute_cpu``: ``tiermem.Offloader`` with
+  policy ``keep``, ``recompute``, ``"recompute,cpu"``;
+- ``auto_scoped``: ``Offloader(policy="auto", device_budget=--budget)``
+  following its plan (tracking scoped to the plan's recipes, as shipped);
+  ``auto_whole``: the same plan with tracking forced over the whole forward.
+
+Per round (each in the order of a Williams design: NOTE [Order of the
+interleaved steps] in benchmarks/suite/roles.py), every configuration runs
+one forward, timed, and its backward, timed apart; the first ``--warmup``
+rounds are discarded. Reported per configuration and width: medians of the
+forward and of the step (forward + backward), paired ratios against
+``plain`` per round with a 90% bootstrap interval of their median (NOTE
+[Paired step ratios] in benchmarks/suite/budgets.py), and the host
+microseconds added per aten op and per saved tensor of the plain forward
+(forward time over plain's, divided by the counts).
+
+``--clock cpu --threads 1``: the main thread's CPU time
+(``time.thread_time``) instead of wall time, for a machine shared with other
+jobs; with one thread every op runs in it. Never collected by pytest.
+
+    python benchmarks/bench_host_cost.py --clock cpu --threads 1 \\
+        --out benchmarks/results/<date>-cpu-host-cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                    create_selective_checkpoint_contexts)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import emit, machine  # noqa: E402
+from benchmarks.suite.budgets import median_ci  # noqa: E402
+from benchmarks.suite.roles import round_order  # noqa: E402
+
+import tiermem  # noqa: E402
+import tiermem.testing  # noqa: E402
+from tiermem.models import GPTConfig, TinyGPT  # noqa: E402
+
+CONFIGS = ["plain", "sac_all_save", "sac_usual", "keep", "recompute", "recompute_cpu",
+           "auto_scoped", "auto_whole"]
+#: The tiermem policy of each fixed-policy configuration.
+POLICY = {"keep": "keep", "recompute": "recompute", "recompute_cpu": "recompute,cpu"}
+
+_aten = torch.ops.aten
+#: What the usual SAC policy saves (torchtitan-style: matmuls and attention).
+SAVED_BY_USUAL_SAC = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default,
+                      _aten._scaled_dot_product_flash_attention_for_cpu.default,
+                      _aten._scaled_dot_product_efficient_attention.default,
+                      _aten._scaled_dot_product_flash_attention.default}
+
+
+def _written_later(op) -> bool:
+    """Ops whose output the forward writes in place next (dropout's
+    ``empty_like`` then ``bernoulli_`` then ``div_``): SAC refuses to save
+    those ("cached ... has been mutated"), so both policies recompute them."""
+    name = op._schema.name
+    return name.endswith("_") or name in ("aten::empty_like", "aten::empty")
+
+
+def _all_save(ctx, op, *args, **kwargs):
+    return (CheckpointPolicy.PREFER_RECOMPUTE if _written_later(op)
+            else CheckpointPolicy.MUST_SAVE)
+
+
+def _usual(ctx, op, *args, **kwargs):
+    return (CheckpointPolicy.MUST_SAVE if op in SAVED_BY_USUAL_SAC and not _written_later(op)
+            else CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten ops of a forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _with_sac(model: TinyGPT, policy) -> TinyGPT:
+    """``model`` with each block's forward under selective checkpointing."""
+    for block in model.blocks:
+        fwd = block.forward
+        ctx = functools.partial(create_selective_checkpoint_contexts, policy)
+        block.forward = functools.partial(checkpoint, fwd, use_reentrant=False, context_fn=ctx)
+    return model
+
+
+def _planned(model, x, budget: str, whole: bool):
+    """An auto Offloader that has profiled ``model`` and follows its plan;
+    ``whole``: its plans track the whole forward."""
+    off = tiermem.Offloader(policy="auto", device_budget=budget)
+    for _ in range(3):
+        with off:
+            loss = model(x, x)
+        loss.backward()
+    plan = off.plan
+    if whole:
+        for p in tiermem.testing.planner_of(off).plans.values():
+            p.tracking_scope = None
+    return off, plan
+
+
+def counts(model, x) -> dict:
+    """Aten ops and saved tensors of one plain forward."""
+    saved = [0]
+
+    def pack(t):
+        saved[0] += 1
+        return t
+
+    counter = _OpCounter()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), counter:
+        model(x, x)
+    return {"aten_ops": counter.ops, "saved_tensors": saved[0]}
+
+
+def measure(width: int, a) -> dict:
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=512, layers=a.layers, width=width, heads=4, seq_len=a.seq_len)
+    base = TinyGPT(cfg)
+    x = torch.randint(0, cfg.vocab, (a.batch, a.seq_len))
+    models, contexts, notes = {}, {}, {}
+    for name in a.configs:
+        m = TinyGPT(cfg)
+        m.load_state_dict(base.state_dict())
+        if name == "sac_all_save":
+            _with_sac(m, _all_save)
+        elif name == "sac_usual":
+            _with_sac(m, _usual)
+        models[name] = m
+        if name.startswith("auto"):
+            off, plan = _planned(m, x, a.budget, whole=name == "auto_whole")
+            contexts[name] = off
+            notes[name] = {"recomputed": sum(p.tier == "recompute" for p in plan.tensors),
+                           "tensors": len(plan.tensors)}
+        elif name in ("plain", "sac_all_save", "sac_usual"):
+            contexts[name] = contextlib.nullcontext()
+        else:
+            contexts[name] = tiermem.Offloader(policy=POLICY[name])
+    n = counts(base, x)
+    clock = time.thread_time if a.clock == "cpu" else time.perf_counter
+    fwd = {k: [] for k in a.configs}
+    step = {k: [] for k in a.configs}
+    for r in range(a.warmup + a.rounds):
+        for name in round_order(a.configs, r):
+            m, ctx = models[name], contexts[name]
+            t0 = clock()
+            with ctx:
+                loss = m(x, x)
+            t1 = clock()
+            loss.backward()
+            t2 = clock()
+            for p in m.parameters():
+                p.grad = None
+            if r >= a.warmup:
+                fwd[name].append(t1 - t0)
+                step[name].append(t2 - t0)
+    out = {"width": width, "counts": n, "plans": notes, "configs": {}}
+    for name in a.configs:
+        row = {"forward_s": statistics.median(fwd[name]), "step_s": statistics.median(step[name]),
+               "forward_samples_s": fwd[name], "step_samples_s": step[name]}
+        if name != "plain":
+            rf = [f / p for f, p in zip(fwd[name], fwd["plain"])]
+            rs = [f / p for f, p in zip(step[name], step["plain"])]
+            row["forward_ratio"] = median_ci(rf)
+            row["step_ratio"] = median_ci(rs)
+            extra = row["forward_s"] - statistics.median(fwd["plain"])
+            row["forward_extra_us_per_op"] = extra * 1e6 / n["aten_ops"]
+            row["forward_extra_us_per_saved_tensor"] = extra * 1e6 / n["saved_tensors"]
+        out["configs"][name] = row
+    for c in contexts.values():
+        if isinstance(c, tiermem.Offloader):
+            c.close()
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--widths", default="256,512")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--budget", default="50%")
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: as is)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    a.configs = a.configs.split(",")
+    unknown = set(a.configs) - set(CONFIGS)
+    if unknown or "plain" not in a.configs:
+        p.error(f"--configs: unknown {sorted(unknown)} (known: {CONFIGS}); plain is required")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    with tempfile.TemporaryDirectory(prefix="bench-host-cost-"):
+        rows = [measure(int(w), a) for w in a.widths.split(",")]
+    emit({"benchmark": "forward host cost: tiermem tracking against torch SAC",
+          "machine": machine(), "torch_threads": torch.get_num_threads(),
+          "settings": {k: v for k, v in vars(a).items()}, "results": rows}, a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Seams into producer tracking and the recompute tier: what a producer
+mode holds, how it finds a view's record, the generator a random call draws
+from, and a recorded call replayed as the recompute tier replays it."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+
+from ._patch import patched
+
+__all__ = [
+    "records_held",
+    "alias_index_size",
+    "no_alias_records",
+    "generator_of_call",
+    "replay_call",
+    "kept_recomputed",
+    "before_replayed_ops",
+]
+
+
+def records_held(mode) -> int:
+    """How many tensors' records a :class:`~tiermem.tracking.producers.ProducerMode`
+    holds now (0 after ``clear()``)."""
+    return len(mode._records)
+
+
+def alias_index_size(mode) -> int:
+    """How many storages the alias index of ``mode`` (a ProducerMode) holds:
+    where a view's record is found by its storage (0 unless asked for)."""
+    return len(mode._by_storage)
+
+
+@contextlib.contextmanager
+def no_alias_records() -> Iterator[None]:
+    """While inside, a producer mode finds no record of a tensor through its
+    storage (a view of a recorded tensor has none). Process-wide."""
+    from ..tracking.producers import ProducerMode
+    with patched(ProducerMode, "_alias_record", lambda self, t: None):
+        yield
+
+
+def generator_of_call(args: tuple, kwargs: dict):
+    """The generator a random call with ``args`` and ``kwargs`` draws from
+    (a ``device`` argument first, then the tensors' device), as a producer
+    mode captures it; ``None`` if none is known (the call is then not
+    recomputable)."""
+    from ..tracking.producers import ProducerMode
+    captured = ProducerMode._capture_rng(args, kwargs)
+    return None if captured is None else captured[0]
+
+
+def replay_call(record, args: tuple) -> torch.Tensor:
+    """Run a call a producer mode recorded whole (``record``: its
+    :class:`~tiermem.tracking.producers.Record`) on ``args`` as the recompute
+    tier replays it: ``record.func`` with ``record.kwargs``, the generator set
+    to the state it drew from (``record.rng``) and put back afterwards."""
+    from ..tiers.recompute import _Node, _run
+    node = _Node()
+    node.func, node.args, node.kwargs, node.out_index, node.rng = (
+        record.func, tuple(args), dict(record.kwargs), None, record.rng)
+    return _run(node, None)
+
+
+def kept_recomputed(out: torch.Tensor):
+    """What the recompute tier keeps of a regenerated tensor ``out`` for its
+    other consumers in the same backward pass: ``.out``; ``.event``, recorded
+    on the current stream (``None`` for a CPU tensor); ``.for_current_stream()``,
+    the tensor ordered after that event on the caller's stream."""
+    from ..tiers.recompute import _Cached
+    return _Cached(out)
+
+
+@contextlib.contextmanager
+def before_replayed_ops(fn: Callable[[], Any]) -> Iterator[None]:
+    """While inside, ``fn()`` runs before each op the recompute tier replays,
+    on the thread and stream that replay it. Process-wide."""
+    from ..tiers import recompute
+    run = recompute._run
+
+    def before(node, step):
+        fn()
+        return run(node, step)
+
+    with patched(recompute, "_run", before):
+        yield
