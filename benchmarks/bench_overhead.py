@@ -23,6 +23,13 @@ configuration is ``(median(config) - median(plain)) / saved_tensors`` in
 microseconds, for the forward (pack), the backward (unpack) and the total. The
 number of saved tensors is taken from ``off.stats`` and checked against ``n``.
 
+``--configs keep,auto`` runs only those (and ``plain``). ``--clock thread``
+times with ``time.thread_time()``, the CPU time of the benchmark's thread,
+instead of the wall clock: on a machine shared with other processes their
+time slices are not counted (CPU device only: backward runs on the calling
+thread there); host work done by tiermem's worker threads is not counted
+either, so it suits the hook-only configurations (keep, auto, callable_keep).
+
 Run: ``python benchmarks/bench_overhead.py [--out results.json]``. Prints JSON.
 """
 
@@ -53,45 +60,51 @@ def _chain(x0: torch.Tensor, n: int) -> torch.Tensor:
     return x.sum()
 
 
+_clock = time.perf_counter
+
+
 def _run_once(ctx, x0: torch.Tensor, n: int, device: torch.device) -> tuple[float, float]:
     """(forward seconds, backward seconds) of one chain under ``ctx`` (or none)."""
     x0.grad = None
     gc.collect()
     sync(device)
-    t0 = time.perf_counter()
+    t0 = _clock()
     if ctx is None:
         loss = _chain(x0, n)
     else:
         with ctx:
             loss = _chain(x0, n)
     sync(device)
-    t1 = time.perf_counter()
+    t1 = _clock()
     loss.backward()
     sync(device)
-    t2 = time.perf_counter()
+    t2 = _clock()
     return t1 - t0, t2 - t1
 
 
 def bench_size(size_bytes: int, n: int, repeats: int, warmup: int,
-               device: torch.device) -> dict:
+               device: torch.device, configs: tuple = CONFIGS) -> dict:
     numel = size_bytes // 4
     x0 = torch.randn(numel, device=device, requires_grad=True)
-    ctxs = {
-        "plain": None,
-        "identity_hooks": _Identity(),
-        "keep": tiermem.Offloader(policy="keep", min_offload_bytes=0),
-        "cpu": tiermem.Offloader(policy="cpu", min_offload_bytes=0),
-        "auto": tiermem.Offloader(policy="auto", min_offload_bytes=0, device_budget="100%"),
-        "callable_keep": tiermem.Offloader(policy=lambda info: "keep", min_offload_bytes=0),
+    makers = {
+        "plain": lambda: None,
+        "identity_hooks": _Identity,
+        "keep": lambda: tiermem.Offloader(policy="keep", min_offload_bytes=0),
+        "cpu": lambda: tiermem.Offloader(policy="cpu", min_offload_bytes=0),
+        "auto": lambda: tiermem.Offloader(policy="auto", min_offload_bytes=0,
+                                          device_budget="100%"),
+        "callable_keep": lambda: tiermem.Offloader(policy=lambda info: "keep",
+                                                   min_offload_bytes=0),
     }
+    ctxs = {c: makers[c]() for c in configs}
     if warmup < 2:
         raise ValueError("bench_overhead: --warmup must be at least 2 (auto profiles its first step)")
-    fwd = {c: [] for c in CONFIGS}
-    bwd = {c: [] for c in CONFIGS}
+    fwd = {c: [] for c in configs}
+    bwd = {c: [] for c in configs}
     saved = {}
     grads = {}
     for r in range(warmup + repeats):
-        for c in CONFIGS:
+        for c in configs:
             f, b = _run_once(ctxs[c], x0, n, device)
             if r >= warmup:
                 fwd[c].append(f)
@@ -106,7 +119,9 @@ def bench_size(size_bytes: int, n: int, repeats: int, warmup: int,
                             "prefetch_hits": st.prefetch_hits,
                             "prefetch_misses": st.prefetch_misses,
                             "stall_seconds": st.stall_seconds}
-    for c in ("keep", "cpu", "auto", "callable_keep"):
+    for c in configs:
+        if not isinstance(ctxs[c], tiermem.Offloader):
+            continue
         ctxs[c].close()
         count = sum(saved[c]["count_by_tier"].values())
         if count != n:
@@ -116,9 +131,9 @@ def bench_size(size_bytes: int, n: int, repeats: int, warmup: int,
     base_b = summarize(bwd["plain"])["median"]
     out = {"size_bytes": size_bytes, "numel": numel, "dtype": "float32",
            "saved_tensors_per_run": n, "repeats": repeats, "warmup_discarded": warmup,
-           "grads_equal_plain": {c: bool(torch.equal(grads[c], grads["plain"])) for c in CONFIGS},
+           "grads_equal_plain": {c: bool(torch.equal(grads[c], grads["plain"])) for c in configs},
            "configs": {}}
-    for c in CONFIGS:
+    for c in configs:
         sf, sb = summarize(fwd[c]), summarize(bwd[c])
         tot = summarize([a + b for a, b in zip(fwd[c], bwd[c])])
         entry = {"forward_s": sf, "backward_s": sb, "total_s": tot}
@@ -148,20 +163,35 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=25, help="measured rounds (default: 25)")
     p.add_argument("--warmup", type=int, default=3, help="discarded rounds (default: 3)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--configs", default=",".join(CONFIGS[1:]),
+                   help="configurations besides plain, comma-separated (default: all)")
+    p.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                   help="wall clock, or the benchmark thread's CPU time (CPU device only)")
     p.add_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args()
+    configs = ("plain",) + tuple(c for c in args.configs.split(",") if c and c != "plain")
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        p.error(f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS[1:])}")
     sizes = [int(s) for s in args.sizes.split(",")]
     ns = [int(s) for s in args.n.split(",")]
     if len(ns) != len(sizes):
         p.error("--n needs one count per size")
     device = pick_device(args.device)
+    if args.clock == "thread":
+        if device.type != "cpu":
+            p.error(f"--clock thread: CPU device only (the device is {device})")
+        global _clock
+        _clock = time.thread_time
     torch.manual_seed(0)
     mach = machine()  # before the runs, so the commit recorded is the one measured
     t0 = time.perf_counter()
-    results = [bench_size(s, n, args.repeats, args.warmup, device) for s, n in zip(sizes, ns)]
+    results = [bench_size(s, n, args.repeats, args.warmup, device, configs)
+               for s, n in zip(sizes, ns)]
     emit({"benchmark": "overhead", "device": str(device),
           "method": "chain of torch.sin ops, one saved tensor each; "
                     "(median(config) - median(plain)) / saved tensors; configs round-robin",
+          "clock": "time.thread_time" if args.clock == "thread" else "time.perf_counter",
           "machine": mach, "wall_seconds": time.perf_counter() - t0,
           "load_average_end": list(os.getloadavg()),
           "results": results}, args.out)

@@ -148,3 +148,122 @@ def test_the_runtime_and_the_tiers_never_import_or_name_the_planner():
             if "planner" in name.lower():
                 bad.append(f"tiermem/{mod.replace('.', '/')}.py:{line} names {name}")
     assert not bad, "the runtime reaches for the planner:\n" + "\n".join(bad)
+
+
+# -- the per-step protocol (tiermem/deciders.py) ------------------------------------------
+
+#: Where the runtime holds a step's decisions, and the names that object goes
+#: by there: a ``StepDecider`` (``planning``, ``step_decider``) or the
+#: Offloader's ``Decider`` (``decider``, ``_decider``).
+PROTOCOL_USERS = ("runtime", "tiers", "offloader", "blocks")
+HOLDER_NAMES = {"planning": "StepDecider", "step_decider": "StepDecider",
+                "_step_decider": "StepDecider", "decider": "Decider", "_decider": "Decider"}
+
+
+def _protocol_methods(name: str) -> set:
+    import tiermem.deciders as deciders
+    proto = getattr(deciders, name)
+    return {n for n, v in vars(proto).items() if callable(v) and not n.startswith("_")}
+
+
+def _holder(node):
+    """The holder name ``node`` refers to (``planning``, ``self._step_decider``,
+    ``ctx.planning``, ...), else None."""
+    if isinstance(node, ast.Name):
+        return node.id if node.id in HOLDER_NAMES else None
+    if isinstance(node, ast.Attribute):
+        return node.attr if node.attr in HOLDER_NAMES else None
+    return None
+
+
+def protocol_misuse(path: str, allowed: dict) -> list:
+    """Each attribute of a decider (per HOLDER_NAMES) that ``path`` reads
+    outside its protocol's methods (``allowed``: protocol name -> method
+    names), and each attribute it writes or deletes."""
+    bad = []
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if not isinstance(node, ast.Attribute):
+            continue
+        holder = _holder(node.value)
+        if holder is None:
+            continue
+        if not isinstance(node.ctx, ast.Load):
+            bad.append(f"{path}:{node.lineno} writes {holder}.{node.attr}")
+        elif node.attr not in allowed[HOLDER_NAMES[holder]]:
+            bad.append(f"{path}:{node.lineno} reads {holder}.{node.attr}, "
+                       f"not a method of {HOLDER_NAMES[holder]}")
+    return bad
+
+
+def test_the_runtime_touches_a_decider_only_through_its_protocol():
+    """runtime/, tiers/, offloader.py and blocks.py call the methods of the
+    ``StepDecider`` and ``Decider`` protocols and read or write nothing else
+    of them; no module outside the planner writes an attribute of one."""
+    allowed = {n: _protocol_methods(n) for n in ("StepDecider", "Decider")}
+    assert {"keep_at", "decide", "dedup_hit", "block"} <= allowed["StepDecider"]
+    bad = []
+    for mod, path in _modules():
+        if mod.startswith("planner"):
+            continue
+        found = protocol_misuse(path, allowed)
+        if not mod.startswith(PROTOCOL_USERS):
+            found = [b for b in found if " writes " in b]
+        bad += found
+    assert not bad, "the per-step object touched outside its protocol:\n" + "\n".join(bad)
+
+
+def test_the_scan_sees_field_reads_and_writes(tmp_path):
+    """The scan above fails on what it forbids (the pack hook as it read the
+    planner's fields before the protocol)."""
+    src = tmp_path / "hook.py"
+    src.write_text("def pack(self, t):\n"
+                   "    planning = self.step.planning\n"
+                   "    pos = planning.pos\n"
+                   "    planning.pos = pos + 1\n"
+                   "    self._step_decider.count += 1\n"
+                   "    return planning.keep_at(t, 0)\n")
+    allowed = {n: _protocol_methods(n) for n in ("StepDecider", "Decider")}
+    bad = protocol_misuse(str(src), allowed)
+    assert len(bad) == 3, bad   # planning.pos, and two writes
+
+
+def test_the_planner_implements_the_protocols():
+    """Every protocol method exists on the implementations, with the
+    protocol's parameters."""
+    import inspect
+
+    from tiermem.deciders import PolicyDecider
+    from tiermem.planner import Planner
+    from tiermem.planner.runtime import StepPlanning
+    for proto, impls in (("StepDecider", (StepPlanning,)), ("Decider", (Planner, PolicyDecider))):
+        import tiermem.deciders as deciders
+        for name in _protocol_methods(proto):
+            want = list(inspect.signature(getattr(getattr(deciders, proto), name)).parameters)
+            for cls in impls:
+                have = list(inspect.signature(getattr(cls, name)).parameters)
+                if isinstance(inspect.getattr_static(cls, name), staticmethod):
+                    have = ["self"] + have
+                assert have == want, f"{cls.__name__}.{name}{have} is not {proto}.{name}{want}"
+
+
+def test_a_step_and_its_decider_do_not_hold_each_other():
+    import gc
+
+    import torch
+
+    import tiermem
+    off = tiermem.Offloader(policy="auto", device_budget="100%", min_offload_bytes=0)
+    x0 = torch.randn(256, requires_grad=True)
+    for _ in range(3):   # profiled, then planned
+        with off as ctx:
+            loss = torch.sin(torch.sin(x0 * 1.0)).sum()
+        loss.backward()
+    assert ctx.planning is not None
+
+    def holds(a, b) -> bool:
+        refs = gc.get_referents(a)
+        return any(r is b for r in refs) or any(
+            isinstance(r, dict) and any(v is b for v in r.values()) for r in refs)
+
+    assert not holds(ctx.planning, ctx.step) and not holds(ctx.step, ctx.planning)
+    off.close()

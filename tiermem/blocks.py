@@ -65,7 +65,8 @@ class BlockScope(threading.local):
     tiermem/deciders.py): ``stack``, the tier orders of the wrapped blocks
     running, innermost last, which the pack hook takes before the step's
     decider; ``contexts``, the tiermem contexts entered (``OffloadContext``,
-    innermost last), whose ``planning`` a ``checkpoint="auto"`` block asks.
+    innermost last), whose ``planning`` (the step's ``StepDecider``) a
+    ``checkpoint="auto"`` block asks.
     The Offloader hands it to each step's pack hook. (Attributes set in
     ``__init__``, which runs once per thread: reading them costs no failed
     lookup, and the pack hook reads ``stack`` for every tensor.)"""
@@ -175,11 +176,16 @@ class _BlockForward:
         backward (a checkpoint regenerating an enclosing region), the block
         runs plainly."""
         contexts = BLOCK_SCOPE.contexts
-        planning = contexts[-1].planning if contexts else None
+        ctx = contexts[-1] if contexts else None
+        planning = None if ctx is None else ctx.planning   # its StepDecider
         if planning is None or _in_backward() != -1:
             return fn(*args, **kwargs)
-        return planning.block(current_module(), args, _PlainRun(fn, args, kwargs),
-                              lambda: self._full(fn, args, kwargs))
+        step = ctx.step
+        out, resume_at = planning.block(current_module(), args, _PlainRun(fn, args, kwargs),
+                                        lambda: self._full(fn, args, kwargs), step)
+        if resume_at is not None:   # after a planned checkpoint: numbered as profiled
+            step.index = resume_at
+        return out
 
 
 class _PlainRun:

@@ -69,75 +69,58 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         self._off = offloader
         placement = offloader._placement
         decider = offloader._decider
-        #: The decider's planning of this step (tiermem/deciders.py), or None.
-        self.planning = decider.begin_step(unpack)
-        planning = self.planning
+        #: The step's decider (a ``StepDecider``, tiermem/deciders.py), or None:
+        #: asked through its methods only.
+        self.planning = planning = decider.begin_step()
+        tracks = decider.tracking(planning)   # what this step tracks
         #: Producer of each tensor of the forward (None unless the policy may
         #: recompute or is a callable that may read ``TensorInfo.op``).
         self.producers: Optional[ProducerMode] = None
         #: Where tracking runs when it is scoped (NOTE [Scoped tracking] in
         #: tracking/modules.py); ``None``: the whole forward, or not at all.
         self.tracking: Optional[TrackingScope] = None
-        names = None if planning is None else planning.scope
         must_blocks = blocks_need_full_tracking()
         # Whether anything reads the names of ops that are not recomputable:
-        # TensorInfo.op (a callable policy, the profile, hints), the reasons in
-        # stats.recompute_fallback_reasons (fixed policies, wrapped blocks) and
-        # a MUST_RECOMPUTE error; not a step of an auto Offloader without hints
-        # that follows a plan or the safe order (NOTE [Recording only what
-        # recipes use] in tracking/producers.py).
-        op_names = (planning is None or must_blocks or planning.recorder is not None
-                    or decider.reads_op_names or blocks_need_producers())
+        # the decider's (TensorInfo.op of a callable policy, a profile, hints),
+        # the reasons in stats.recompute_fallback_reasons (wrapped blocks) and
+        # a MUST_RECOMPUTE error (NOTE [Recording only what recipes use] in
+        # tracking/producers.py).
+        op_names = tracks.op_names or must_blocks or blocks_need_producers()
         #: A profiled step's namer of torch calls (NOTE [Tracking inside torch
         #: calls] in tracking/modules.py), entered with the producer mode.
         self._calls: Optional[CallRecorder] = None
-        if decider.tracks_producers(planning) or must_blocks:
-            profiled = planning is not None and planning.recorder is not None
-            self.producers = ProducerMode(module_names=profiled, names=op_names)
-            if profiled:
+        if tracks.whole or must_blocks:
+            self.producers = ProducerMode(module_names=tracks.profiled, names=op_names)
+            if tracks.profiled:
                 self._calls = CallRecorder(self.producers)
-                # NOTE [Tracking priced] in planner/runtime.py
-                self.producers.op_counts = planning.recorder.op_counts = {}
-                # NOTE [Calls recorded whole] in tracking/producers.py
-                planning.recorder.single_op_calls = self.producers.single_op_calls
         else:
             blocks = blocks_need_producers()
-            if names or blocks:
+            if tracks.modules or blocks:
                 self.producers = ProducerMode(names=op_names)
                 # NOTE [Views made inside untracked calls] in tracking/producers.py
                 self.producers.alias_index = True
                 self.tracking = TrackingScope(
-                    self.producers, names or (), blocks,
-                    ops=None if planning is None else planning.scope_ops,
-                    calls=None if planning is None else planning.scope_calls,
-                    direct=None if planning is None else planning.scope_direct)
+                    self.producers, tracks.modules or (), blocks, ops=tracks.ops,
+                    calls=tracks.calls, direct=tracks.direct)
         prefetch_bytes = offloader.config.prefetch_bytes
-        if (prefetch_bytes is None and self.planning is not None
-                and self.planning.plan is not None):
-            # A step that follows a plan uses the plan's window (NOTE [Planner
-            # cost model], 3, in planner/solver.py).
-            prefetch_bytes = self.planning.plan.suggested_prefetch_bytes
-        recorder = None if self.planning is None else self.planning.recorder
+        if prefetch_bytes is None and planning is not None:
+            prefetch_bytes = planning.prefetch_bytes()
+        observers = () if planning is None else planning.observers()
         self.step = Step(placement, prefetch_bytes,
-                         offloader.config.min_offload_bytes, self.producers,
-                         unpack if recorder is None else recorder.leaf_unpack,
-                         check_params=offloader.config.check_params)
+                         offloader.config.min_offload_bytes, self.producers, unpack,
+                         check_params=offloader.config.check_params, observers=observers)
         self.stats = self.step.stats
         tail_hold_bytes = offloader.config.tail_hold_bytes
         limit = tail_hold_bytes if tail_hold_bytes is not None else prefetch_bytes
-        if self.planning is None and limit != 0:   # NOTE [Tail hold] in runtime/tailhold.py
+        if planning is None and limit != 0:   # NOTE [Tail hold] in runtime/tailhold.py
             self.step.tail = offloader._tail
             self.step.tail_hold_bytes = tail_hold_bytes
-        self._packer = Packer(self.step, placement, BLOCK_SCOPE)
+        self._packer = Packer(self.step, placement, BLOCK_SCOPE, planning)
         self._modules = ModuleStack(self._packer.note_root, self.tracking, holder=offloader)
-        unpack_hook = hidden_hook("unpack", unpack)
-        if self.planning is not None:
-            self.step.planning = self.planning
-            self.planning.step = self.step
-            recorder = self.planning.recorder
-            if recorder is not None:   # a profiled step: unpacks timed
-                recorder.start(self.stats)
-                unpack_hook = opaque(recorder.unpack)
+        hook = self.step.unpack_hook
+        unpack_hook = hidden_hook("unpack", unpack) if hook is unpack else opaque(hook)
+        for o in observers:   # e.g. a profile: the forward begins now
+            o.started(self.step)
         pack = self._packer.__call__
         if self.producers is not None:   # NOTE [The pack hook runs untracked] in tracking/producers.py
             pack = untracked_pack(self.producers, pack)

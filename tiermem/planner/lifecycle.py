@@ -133,22 +133,18 @@ class Planner(PlanMaker):
         self.agreement: Optional[_agree.Agreement] = None
 
     # -- the Decider protocol (tiermem/deciders.py) -------------------------------------
-    @property
-    def reads_op_names(self) -> bool:
-        """Hints read ``TensorInfo.op``."""
-        return self.hints is not None
-
     @staticmethod
-    def tracks_producers(planning: StepPlanning) -> bool:
+    def tracking(planning: StepPlanning):
         """Over the whole forward: profiling, safe order, or a plan that
-        recomputes and names no scope (NOTE [Scoped tracking] in tracking/modules.py)."""
-        return planning.tracks and planning.scope is None
+        recomputes and names no scope (NOTE [Scoped tracking] in
+        tracking/modules.py); op names for a profile and for hints."""
+        return planning.tracking()
 
     def end_step(self, planning: StepPlanning, stats, failed: bool) -> None:
         self.end_forward(planning, stats, failed)
 
     # -- per step ----------------------------------------------------------------------
-    def begin_step(self, unpack) -> StepPlanning:
+    def begin_step(self) -> StepPlanning:
         """The planning of a step starting now (the module docstring's table).
         At the AGREE_AT_STEP-th step, under torch.distributed, first the
         exchange with the other ranks (NOTE [Ranks agree once] in planner/agree.py)."""
@@ -164,9 +160,9 @@ class Planner(PlanMaker):
             self._drop_pending()
         if self._profile_any or self.current is None:
             self._profile_any = False
-            return StepPlanning(self, None, Recorder(unpack))
+            return StepPlanning(self, None, Recorder())
         if self.requests:
-            return StepPlanning(self, None, Recorder(unpack), wanted=list(self.requests))
+            return StepPlanning(self, None, Recorder(), wanted=list(self.requests))
         return StepPlanning(self, self.current, None)
 
     def end_forward(self, sp: StepPlanning, stats, failed: bool) -> None:
@@ -179,7 +175,7 @@ class Planner(PlanMaker):
             if satisfied is None:
                 self.passed_over(sp.wanted)
                 return
-            sp.recorder.end_forward(sp.step)
+            sp.recorder.end_forward()
             self.profiles += 1
             self._pending, self._pending_at = sp.recorder, self.steps_begun
             self._pending_requests = satisfied

@@ -1,13 +1,14 @@
 """The planner's profile of one step: what each saved tensor is, when it was
 saved and when backward first needed it.
 
-A :class:`Recorder` is attached to a step run under the *safe* placement (see
-NOTE [Profile under the safe order] in planner/runtime.py). The pack hook
-reports each tensor that reaches the policy (:meth:`Recorder.record`, then
-:meth:`Recorder.placed` with the handle the tiers gave), and the step's unpack
-hook is :meth:`Recorder.unpack`, which stamps the first unpack of each handle
-and times the regeneration of recomputed ones. Only profiled steps pay for
-this: other steps use the plain unpack hook.
+A :class:`Recorder` observes a step run under the *safe* placement (see
+NOTE [Profile under the safe order] in planner/runtime.py; a
+:class:`~tiermem.runtime.contract.StepObserver` of it). The step's planning
+records each tensor that reaches the policy (:meth:`Recorder.record`); the
+step reports the handle the tiers gave (:meth:`Recorder.placed`) and dedup
+hits, and its unpack hook is :meth:`Recorder.unpack`, which stamps the first
+unpack of each handle and times the regeneration of recomputed ones. Only
+profiled steps pay for this: other steps have no observer of it.
 
 Times are ``time.perf_counter()`` seconds from the step's start (the context's
 entry), on CUDA read once the compute stream is done: NOTE [Profile times on
@@ -43,6 +44,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..policy import Tier
+from ..runtime.contract import StepObserver
 from ..tiers.keep import Kept
 from ..tiers.recompute import RecomputeHandle
 
@@ -287,14 +289,17 @@ class Profile:
         return signature_hash(self.keys)
 
 
-class Recorder:
+class Recorder(StepObserver):
     """Records one profiled step (see the module docstring). Forward calls
-    come from the pack hook's thread; :meth:`unpack` from autograd's."""
+    come from the pack hook's thread; :meth:`unpack` from autograd's.
+    ``active``: false once the step's planning stopped profiling it (passed
+    over): the step's later events are not recorded."""
 
-    def __init__(self, unpack) -> None:
+    def __init__(self) -> None:
         self.t0 = time.perf_counter()
         self.stats = None
-        self._unpack = unpack
+        self.active = True
+        self._unpack = self._leaf_unpack = None
         self.records: List[TensorRecord] = []
         self.keys: list = []
         #: Per pack position (NOTE [Planned keeps by position] in planner/runtime.py):
@@ -326,21 +331,30 @@ class Recorder:
         #: Records whose first unpack is running now, innermost last (a
         #: regeneration unpacks its recipe's inputs).
         self._reading: List[int] = []
-        #: The profiled step's producer mode's ``op_counts`` (set by the step).
+        #: The profiled step's producer mode's ``op_counts`` (NOTE [Tracking
+        #: priced] in planner/runtime.py; set at ``started``).
         self.op_counts: Optional[dict] = None
-        #: The profiled step's producer mode's ``single_op_calls`` (set by the step).
+        #: The profiled step's producer mode's ``single_op_calls`` (NOTE
+        #: [Calls recorded whole] in tracking/producers.py; set at ``started``).
         self.single_op_calls: Optional[dict] = None
         #: Weak references to the handles of the recorded tensors, the step
-        #: (set at ``end_forward``), and whether a handle could not be
+        #: (set at ``started``), and whether a handle could not be
         #: watched: ``graph_dropped`` (NOTE [Steps that never reach backward]
         #: in planner/runtime.py).
         self._handle_refs: list = []
         self._step_ref = None
         self._unwatched = False
 
-    def start(self, stats) -> None:
-        """The step starts now; its stats are ``stats``."""
-        self.stats = stats
+    # -- step events (StepObserver) ----------------------------------------------------
+    def started(self, step) -> None:
+        """The step (watched weakly) starts now: its stats, and its producer
+        mode's op counts and calls recorded whole, are the profile's."""
+        self.stats = step.stats
+        self._step_ref = weakref.ref(step)
+        producers = step.producers
+        if producers is not None:
+            producers.op_counts = self.op_counts = {}
+            self.single_op_calls = producers.single_op_calls
         if torch.cuda.is_initialized():   # NOTE [Profile times on a GPU]
             torch.cuda.current_stream().synchronize()
         self.t0 = time.perf_counter()
@@ -369,8 +383,18 @@ class Recorder:
         self._kept_before = by[Tier.KEEP.value]
         self._inputs_before = self.stats.recompute_input_bytes
 
+    def wrap_unpack(self, unpack):
+        self._unpack = unpack
+        return self.unpack
+
+    def wrap_leaf_unpack(self, unpack):
+        self._leaf_unpack = unpack
+        return self.leaf_unpack
+
     def placed(self, index: int, handle: Any) -> None:
         """Tensor ``index`` got ``handle`` (the put just made)."""
+        if not self.active:
+            return
         self.placing_s += time.perf_counter() - self._record_t
         rec = self.records[index]
         kept_delta = self.stats.bytes_by_tier[Tier.KEEP.value] - self._kept_before
@@ -397,6 +421,8 @@ class Recorder:
 
     def hit(self, handle: Any) -> None:
         """The tensor at the next pack position was a dedup hit of ``handle``."""
+        if not self.active:
+            return
         index = self._by_handle.get(id(handle))
         self.positions.append(None if index is None else ~index)
 
@@ -413,19 +439,16 @@ class Recorder:
         refs = self._handle_refs
         return bool(refs) and not self._unwatched and all(r() is None for r in refs)
 
-    def end_forward(self, step: Any = None) -> None:
-        """The forward is over; ``step``: the profiled Step (watched weakly)."""
-        if step is not None:
-            self._step_ref = weakref.ref(step)
+    def end_forward(self) -> None:
+        """The forward is over."""
         self.forward_end_s = self._now() - self.t0
         kept = self.stats.bytes_by_tier[Tier.KEEP.value]
         self.measured_kept_bytes = kept
         self.fixed_kept_bytes = max(0, kept - self._recorded_kept)
 
-    def block(self, index: int, module: str, args: tuple, run, planning):
-        """Run auto block ``index`` plainly (``run()``) and record it; the
-        pack indexes and positions are read from ``planning``."""
-        step = planning.step
+    def block(self, index: int, module: str, args: tuple, run, planning, step):
+        """Run auto block ``index`` of ``step`` plainly (``run()``) and record
+        it; the pack indexes and positions are read from ``planning``."""
         seen = set()
         input_bytes = 0
         cuda = None   # the device of the first CUDA input: its stream is timed
@@ -537,7 +560,7 @@ class Recorder:
             if rec.first_use_s is None and rec.leaf_use_s is None:
                 rec.leaf_use_s = self._now() - self.t0
                 rec.leaf_reader = self._reading[-1]
-        return self._unpack(handle)
+        return self._leaf_unpack(handle)
 
     @property
     def backward_seen(self) -> bool:

@@ -46,10 +46,12 @@ with is the per-signature state machine's (planner/lifecycle.py)."""
 # (three comparisons; the device check stands for the movable-tensor check: a
 # plan holds cpu and cuda tensors only) and a new tensor's index is i, the
 # tensor is kept at once as the keep tier keeps it: no dedup key or entry, no
-# TensorInfo unless producers are tracked. A hit takes no index, as in the
-# profile; anything else takes the general path. Exactness never rests on the
-# table: a kept tensor is a valid placement (a storage kept twice costs
-# nothing); a wrong guess costs only memory, which the closed loop measures.
+# TensorInfo unless producers are tracked (``StepDecider.keep_at``, one call
+# per tensor, the pack hook's first question to the step's decider). A hit
+# takes no index, as in the profile; anything else takes the general path
+# (``decide``). Exactness never rests on the table: a kept tensor is a valid
+# placement (a storage kept twice costs nothing); a wrong guess costs only
+# memory, which the closed loop measures.
 
 # NOTE [Stall on the GPU's timeline]
 # On CUDA the closed loop compares the plan's predicted stall, made on the
@@ -60,10 +62,10 @@ with is the per-signature state machine's (planner/lifecycle.py)."""
 # blocks the host while the GPU may still run queued work. So the first step
 # following a plan times each restore's wait on the consumer's stream: timing
 # events before the unpack waits and after its stream is ordered after the
-# copy (``Step.gpu_wait_start`` / ``gpu_wait_end``); their sum is the step's
-# stall, read when the check runs (the next step's start: one host wait per
-# plan). On the CPU, and where no restore was timed, the host's waits are the
-# stall.
+# copy (``Step.gpu_wait_start`` / ``gpu_wait_end``, reported to the step's
+# observer that asks for them, ``_GpuWaits``); their sum is the step's stall,
+# read when the check runs (the next step's start: one host wait per plan).
+# On the CPU, and where no restore was timed, the host's waits are the stall.
 
 # NOTE [Tracking priced]
 # A step following a plan that recomputes tracks producers in the (module,
@@ -120,23 +122,42 @@ import torch
 
 from ..config import BudgetShare
 from ..policy import Tier
+from ..runtime.contract import (INDEXED, KEPT_HIT, KEPT_NEW, KICK, NO_INDEX, StepObserver,
+                                Tracking)
 from .plan import Plan
 from .profile import Recorder
 from .signatures import Request, is_resized, numel
 
 __all__ = ["StepPlanning"]
 
-class StepPlanning:
-    """What the pack hook asks for one step under ``auto`` (``Step.planning``).
+_KEEP_ORDER = (Tier.KEEP,)
 
-    The pack hook reads ``kept_at`` and ``plan`` directly (NOTE [Following a
-    plan]): ``pos`` counts the tensors that reached the plan, dedup hits
-    included; ``count`` the indices handed out (``Step.index``)."""
+
+class _GpuWaits(StepObserver):
+    """The restore waits of a plan's first step, timed on the GPU (NOTE
+    [Stall on the GPU's timeline]): ``waits``, (start, end) event pairs."""
+
+    times_gpu_waits = True
+
+    def __init__(self) -> None:
+        self.waits: list = []
+
+    def gpu_wait(self, start, end) -> None:
+        self.waits.append((start, end))
+
+
+class StepPlanning:
+    """One step under ``auto``: the planner's :class:`~tiermem.deciders.StepDecider`.
+
+    The runtime calls only the protocol's methods (``keep_at``, ``decide``,
+    ``dedup_hit``, ``block``, ...); the fields are the planner's: ``pos``
+    counts the tensors that reached the plan, dedup hits included; ``count``
+    the indices handed out (the step's index)."""
 
     __slots__ = ("planner", "plan", "recorder", "safe", "off_plan", "count", "tracks", "pos",
-                 "kept_at", "step", "blocks_seen", "block_depth", "in_checkpoint", "revived",
+                 "kept_at", "blocks_seen", "block_depth", "in_checkpoint", "revived",
                  "scope", "scope_ops", "scope_calls", "scope_direct", "kick", "checkpoint_inputs",
-                 "gpu_waits", "wanted", "seen", "mixed", "ask_hints")
+                 "gpu_waits", "wanted", "seen", "mixed", "ask_hints", "_observers")
 
     def __init__(self, planner, plan: Optional[Plan], recorder: Optional[Recorder],
                  wanted: Optional[List[Request]] = None) -> None:
@@ -171,8 +192,6 @@ class StepPlanning:
         self.kick = None if plan is None else plan.kick_index
         #: Producer tracking is needed (profiling, safe order, or a plan that recomputes).
         self.tracks = plan is None or plan.recomputes
-        #: The Step (set by the OffloadContext); auto blocks move its index.
-        self.step = None
         #: NOTE [Blocks the planner may checkpoint]: outermost auto blocks
         #: entered so far, auto blocks running now, and whether a planned
         #: checkpoint is saving its inputs now.
@@ -205,9 +224,65 @@ class StepPlanning:
                              else getattr(plan, "tracking_direct", None))
         #: The first step following ``plan``: (start, end) CUDA timing events
         #: of its restore waits (NOTE [Stall on the GPU's timeline]), else None.
-        self.gpu_waits: Optional[list] = (
-            [] if plan is not None and plan.measured_steps == 0 else None)
+        timer = _GpuWaits() if plan is not None and plan.measured_steps == 0 else None
+        self.gpu_waits: Optional[list] = None if timer is None else timer.waits
+        self._observers = tuple(o for o in (recorder, timer) if o is not None)
 
+    # -- the StepDecider protocol (tiermem/deciders.py) ---------------------------------
+    def tracking(self) -> Tracking:
+        profiled = self.recorder is not None
+        return Tracking(whole=self.tracks and self.scope is None,
+                        op_names=profiled or self.planner.hints is not None,
+                        profiled=profiled, modules=self.scope, ops=self.scope_ops,
+                        calls=self.scope_calls, direct=self.scope_direct)
+
+    def prefetch_bytes(self) -> Optional[int]:
+        """A step that follows a plan uses the plan's window (NOTE [Planner
+        cost model], 3, in planner/solver.py)."""
+        return None if self.plan is None else self.plan.suggested_prefetch_bytes
+
+    def observers(self) -> tuple:
+        """The profile's recorder (a profiled step), the timing of restore
+        waits (a plan's first step)."""
+        return self._observers
+
+    def keep_at(self, t, index: int) -> int:
+        """NOTE [Planned keeps by position]: one tuple lookup, one (shape,
+        dtype, device) check, which also stands for the pack hook's movable
+        check (a plan holds cpu and cuda tensors only)."""
+        pos = self.pos
+        kept_at = self.kept_at
+        entry = kept_at[pos] if pos < len(kept_at) else None
+        if entry is not None:
+            i, shape, dtype, device = entry
+            if t.dtype is dtype and t.shape == shape and t.device == device:
+                if i < 0:   # a dedup hit in the profile, of a kept tensor
+                    self.pos = pos + 1
+                    return KEPT_HIT
+                if index == i:
+                    self.pos = pos + 1
+                    self.count = i + 1
+                    return KEPT_NEW
+        return 0
+
+    def dedup_hit(self) -> None:
+        self.pos += 1
+
+    def decide(self, index: int, t, key: tuple, nbytes: int, module: str, producers):
+        """NOTE [Following a plan]; inside a planned checkpoint its inputs
+        (NOTE [Checkpointed block inputs]); revived positions (NOTE [Blocks
+        the planner may checkpoint], rule 5)."""
+        pos = self.pos
+        self.pos = pos + 1
+        if self.in_checkpoint:
+            return self.checkpoint_inputs.get(key, _KEEP_ORDER), NO_INDEX
+        revived = self.revived
+        if revived and pos in revived:
+            return _KEEP_ORDER, NO_INDEX
+        order = self.order(index, t, nbytes, module, producers)
+        return order, (KICK if index == self.kick else INDEXED)
+
+    # -- the planner's answers ----------------------------------------------------------
     def order(self, index: int, t, nbytes: int, module: str, producers) -> tuple:
         """The tier order of tensor ``index`` (NOTE [Following a plan])."""
         self.count = index + 1
@@ -268,6 +343,7 @@ class StepPlanning:
         if plan is None:   # neither wanted nor planned: a signature of its own, profiled
             self.wanted = None
             return True
+        self.recorder.active = False   # its observer ignores the rest of the step
         self.recorder = None
         self.mixed = True
         planner.passed_over(self.wanted)
@@ -291,26 +367,28 @@ class StepPlanning:
         return None
 
 
-    def block(self, module: str, args: tuple, plain, checkpointed):
+    def block(self, module: str, args: tuple, plain, checkpointed, step):
         """Run an auto block: ``plain()`` or ``checkpointed()``, as the profile
-        or the plan says (NOTE [Blocks the planner may checkpoint])."""
+        or the plan says (NOTE [Blocks the planner may checkpoint]); returns
+        its output and, after a planned checkpoint, the index ``step``
+        resumes at (rule 4), else None."""
         if self.block_depth:   # rule 1: inside an auto block
-            return plain()
+            return plain(), None
         b = self.blocks_seen
         self.blocks_seen = b + 1
         self.block_depth = 1
         try:
             if self.recorder is not None:
-                return self.recorder.block(b, module, args, plain, self)
+                return self.recorder.block(b, module, args, plain, self, step), None
             plan = self.plan
             pb = None if plan is None or b >= len(plan.blocks) else plan.blocks[b]
             if (pb is None or not pb.checkpoint or pb.module != module
                     or self.count != pb.start or self.pos != pb.start_pos):
-                return plain()
+                return plain(), None
             self.kept_at = ()
             resized = (isinstance(self.planner.cfg.device_budget, BudgetShare)
                        if is_resized(plan) else None)
-            self.checkpoint_inputs = _input_orders(pb, args, self.step.key_of, resized)
+            self.checkpoint_inputs = _input_orders(pb, args, step.key_of, resized)
             self.in_checkpoint = True
             try:
                 out = checkpointed()
@@ -318,11 +396,11 @@ class StepPlanning:
                 self.in_checkpoint = False
                 self.checkpoint_inputs = {}
             # Rule 4: the rest of the step is numbered as in the profile.
-            self.step.index = self.count = pb.end
+            self.count = pb.end
             self.pos = pb.end_pos
             if self.plan is plan:
                 self.kept_at, self.revived = plan.kept_at, plan.revived_at
-            return out
+            return out, pb.end
         finally:
             self.block_depth = 0
 

@@ -93,6 +93,7 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..policy import Tier, TensorInfo
+from .contract import KEPT_HIT, KICK, NO_INDEX
 from ..tiers.keep import Kept, KickKept, check_version
 from ..tracking.modules import current_module
 from ..tracking.producers import storage_key
@@ -100,7 +101,6 @@ from ..tracking.producers import storage_key
 __all__ = ["Packer", "unpack", "keep_pack", "opaque"]
 
 _KEEP = Tier.KEEP.value
-_KEEP_ORDER = (Tier.KEEP,)
 _in_backward = torch._C._current_graph_task_id   # -1 outside autograd's engine
 _Parameter = torch.nn.Parameter
 _strided = torch.strided
@@ -204,12 +204,17 @@ def _capturing() -> bool:
 class Packer:
     """The pack hook of one step (``step``), placing through ``placement``;
     ``scope``: the ``wrap_blocks`` scope (its ``stack`` of tier orders, the
-    innermost block's first), asked before the step's decider."""
+    innermost block's first), asked before the step's decider; ``step_decider``:
+    the step's ``StepDecider`` (tiermem/deciders.py), asked through its
+    methods only, or ``None``: the placement's order decides."""
 
-    def __init__(self, step, placement, scope) -> None:
+    def __init__(self, step, placement, scope, step_decider=None) -> None:
         self.step = step
         self.placement = placement
         self._scope = scope
+        self._step_decider = step_decider
+        #: ``step_decider.keep_at``, bound once: it runs per tensor.
+        self._keep_at = None if step_decider is None else step_decider.keep_at
         self.min_bytes = step.min_offload_bytes
         self._polls = tuple(s.poll for s in placement.movers)
         # Storages of the parameters and buffers of the modules run in this
@@ -282,39 +287,30 @@ class Packer:
         if fixed is Tier.KEEP:
             stats.record(_KEEP, nbytes)
             return Kept(t, "")
-        planning = None
         if fixed is None:   # policy auto (or a callable policy); not inside a scoped block
-            planning = self.step.planning
-            if planning is not None and type(t) is _Tensor:
-                # The planned keep, inlined: it runs per tensor (NOTE [Following
-                # a plan] in planner/runtime.py). One tuple lookup, one (shape,
-                # dtype, device) check, which also stands for _movable below (a
-                # plan holds cpu and cuda tensors only); no dedup key, no TensorInfo.
-                pos = planning.pos
-                kept_at = planning.kept_at
-                entry = kept_at[pos] if pos < len(kept_at) else None
-                if entry is not None:
-                    i, shape, dtype, device = entry
-                    if t.dtype is dtype and t.shape == shape and t.device == device:
-                        step = self.step
-                        if i < 0:   # a dedup hit in the profile, of a kept tensor
-                            planning.pos = pos + 1
-                            stats.dedup_hits += 1
-                            return Kept(t, "")
-                        if step.index == i:
-                            planning.pos = pos + 1
-                            step.index = planning.count = i + 1
-                            stats.record(_KEEP, nbytes)
-                            kept = Kept(t, "")
-                            if step.producers is not None:   # recipes look inputs up
-                                step.remember(t, step.key_of(t), kept)
-                            return kept
+            keep_at = self._keep_at
+            if keep_at is not None and type(t) is _Tensor:
+                # The planned keep (NOTE [Planned keeps by position] in
+                # planner/runtime.py): its check also stands for _movable below;
+                # no dedup key, no TensorInfo.
+                step = self.step
+                kept = keep_at(t, step.index)
+                if kept:
+                    if kept == KEPT_HIT:   # a dedup hit in the profile, of a kept tensor
+                        stats.dedup_hits += 1
+                        return Kept(t, "")
+                    step.index += 1
+                    stats.record(_KEEP, nbytes)
+                    kept = Kept(t, "")
+                    if step.producers is not None:   # recipes look inputs up
+                        step.remember(t, step.key_of(t), kept)
+                    return kept
         if not _movable(t):
             stats.unsupported_count += 1
             stats.record(_KEEP, nbytes)
             return Kept(t, current_module())
-        if planning is not None:
-            return self._place_planned(t, nbytes, planning)
+        if fixed is None and self._step_decider is not None:
+            return self._place_decided(t, nbytes, self._step_decider)
         return self._place(t, nbytes, scoped, fixed)
 
     def _pack_after_move(self, t: torch.Tensor) -> Any:
@@ -332,50 +328,38 @@ class Packer:
             return KickKept(handle, step, step.prefetcher.scheduled)
         return handle
 
-    def _place_planned(self, t: torch.Tensor, nbytes: int, planning) -> Any:
-        """``policy="auto"``, the general path (NOTE [Following a plan] in
-        planner/runtime.py): dedup lookup, then the plan's order at the next
-        index (or the profile's safe order)."""
+    def _place_decided(self, t: torch.Tensor, nbytes: int, step_decider) -> Any:
+        """The step's decider places ``t`` (``policy="auto"``, the general
+        path: NOTE [Following a plan] in planner/runtime.py): dedup lookup,
+        then the decider's order."""
         step = self.step
-        planning.pos += 1
         storage = t.untyped_storage()
         key = storage_key(t, storage)
         handle = step.find(key, storage)
+        observers = step.observers
         if handle is not None:
             step.stats.dedup_hits += 1
             step.share(handle)
-            if planning.recorder is not None:
-                planning.recorder.hit(handle)
+            step_decider.dedup_hit()
+            for o in observers:
+                o.hit(handle)
             return handle
         module = current_module()
-        if planning.in_checkpoint:
-            # A planned checkpoint's input, not an indexed tensor (see
-            # NOTE [Checkpointed block inputs] in planner/runtime.py): kept, or moved as
-            # the plan says, or a hit of a tensor the plan keeps (counted there).
-            order = planning.checkpoint_inputs.get(key, _KEEP_ORDER)
-            if order is None:
-                step.stats.dedup_hits += 1
-                return Kept(t, module)
-            handle = self.placement.put(order, t, step, module, nbytes)
-            step.remember(t, key, handle)
-            return handle
-        revived = planning.revived
-        if revived and planning.pos - 1 in revived:
-            # A dedup hit of a tensor whose block the plan checkpoints: new
-            # here, kept, no index (NOTE [Blocks the planner may checkpoint]).
-            handle = self.placement.put(_KEEP_ORDER, t, step, module, nbytes)
-            step.remember(t, key, handle)
-            return handle
         index = step.index
-        step.index += 1
-        order = planning.order(index, t, nbytes, module, step.producers)
+        order, how = step_decider.decide(index, t, key, nbytes, module, step.producers)
+        if order is None:   # a hit of a tensor stored under another key, counted there
+            step.stats.dedup_hits += 1
+            return Kept(t, module)
+        if how != NO_INDEX:
+            step.index = index + 1
         handle = self.placement.put(order, t, step, module, nbytes)
-        if planning.recorder is not None:   # a profiled step
-            planning.recorder.placed(index, handle)
+        if how != NO_INDEX:
+            for o in observers:
+                o.placed(index, handle)
         # Kept ones too, tracked or not: the pack positions and indices of a
         # step that follows its plan are those of its profile.
         step.remember(t, key, handle)
-        if index == planning.kick and type(handle) is Kept:
+        if how == KICK and type(handle) is Kept:
             return KickKept(handle, step)   # NOTE [Restores start with backward]
         return handle
 
@@ -406,7 +390,7 @@ class Packer:
         handle = placement.put(order, t, step, module, nbytes)
         if type(handle) is not Kept or step.producers is not None:
             step.remember(t, key, handle)
-        if (not self.kick_armed and step.planning is None
+        if (not self.kick_armed and self._step_decider is None
                 and step.prefetcher.scheduled):   # NOTE [Kicks without a plan]
             self.kick_armed = True
         return handle

@@ -102,7 +102,7 @@ class Placement:
     def __init__(self, cfg: Config) -> None:
         self.fixed_order, self.policy_fn = resolve_policy(cfg.policy, nvme_dir=cfg.nvme_dir)
         auto = self.policy_fn is AUTO
-        if auto:   # the step's decider answers (Step.planning), never a policy function
+        if auto:   # the step's decider answers (its StepDecider), never a policy function
             self.policy_fn = None
         #: The first tier of a named policy (``None`` for a callable policy).
         self.fixed: Optional[Tier] = (self.fixed_order[0] if self.fixed_order is not None
@@ -111,7 +111,7 @@ class Placement:
         self._completed: dict = {}
         # Producer tracking costs a Python call per op of the forward: only
         # when a recipe may be needed or a callable policy may read info.op.
-        # Under auto the step's planning decides (StepPlanning.tracks).
+        # Under auto the step's decider says (StepDecider.tracking).
         self.tracks_producers = (
             Tier.RECOMPUTE in self.fixed_order if self.fixed_order is not None
             else not auto and not getattr(self.policy_fn, "tiermem_builtin", False))

@@ -82,12 +82,15 @@ class Step:
     """State of one step; see the module docstring.
 
     ``placement``: the Offloader's :class:`~tiermem.runtime.placement.Placement` (for a
-    recipe's inputs); ``unpack``: the unpack function (for a recipe's leaves).
+    recipe's inputs); ``unpack``: the unpack function (for a recipe's leaves);
+    ``observers``: the :class:`~tiermem.runtime.contract.StepObserver` s of its
+    events, from its decider (``unpack_hook``: the unpack hook they make of
+    ``unpack``).
     """
 
     def __init__(self, placement, prefetch_bytes: Optional[int], min_offload_bytes: int,
                  producers: Optional[ProducerMode], unpack: Callable[[Any], torch.Tensor],
-                 check_params: bool = True) -> None:
+                 check_params: bool = True, observers: tuple = ()) -> None:
         self.stats = StepStats()
         # Not a bound method of the step: the step would then be in a reference
         # cycle (step -> prefetcher -> method -> step) and outlive its graph
@@ -100,8 +103,9 @@ class Step:
         self.producers = producers
         self.min_offload_bytes = min_offload_bytes
         self.index = 0            # TensorInfo.index of the next tensor a policy sees
-        #: policy="auto": the planner's StepPlanning of this step, else None.
-        self.planning = None
+        self.observers = observers
+        #: Those observers that take the timing of restore waits on the GPU.
+        self._gpu_timers = tuple(o for o in observers if o.times_gpu_waits)
         #: The model is sharded (FSDP2, DTensor parameters): the parameters its
         #: forward uses may be freed before backward, so recipes hold none as
         #: it is (see NOTE [Sharded parameters] in runtime/hooks.py).
@@ -109,7 +113,10 @@ class Step:
         self.dedup: dict = {}     # NOTE [Dedup]: key -> (storage weak ref, handle weak ref)
         self._recipe_inputs: dict = {}   # private copies stored for recipes only
         self._placement = placement
-        self._unpack = unpack
+        self._unpack = self.unpack_hook = unpack
+        for o in observers:
+            self._unpack = o.wrap_leaf_unpack(self._unpack)
+            self.unpack_hook = o.wrap_unpack(self.unpack_hook)
         #: Parameters recipes hold as they are (NOTE [Parameters changed before
         #: backward] in tracking/params.py); fingerprints if ``check_params``.
         self.param_checks = ParamChecks(check_params)
@@ -231,11 +238,10 @@ class Step:
 
     def gpu_wait_start(self, device: torch.device):
         """A CUDA timing event recorded now on ``device``'s current stream, if
-        this step's restore waits are timed on the GPU (the first step that
-        follows an auto plan: NOTE [Stall on the GPU's timeline] in
+        an observer times this step's restore waits on the GPU (the first step
+        that follows an auto plan: NOTE [Stall on the GPU's timeline] in
         planner/runtime.py), else ``None``."""
-        planning = self.planning
-        if planning is None or planning.gpu_waits is None or device.type != "cuda":
+        if not self._gpu_timers or device.type != "cuda":
             return None
         event = torch.cuda.Event(enable_timing=True)
         event.record(torch.cuda.current_stream(device))
@@ -243,10 +249,11 @@ class Step:
 
     def gpu_wait_end(self, start, device: torch.device) -> None:
         """The restore wait begun at ``start`` (from :meth:`gpu_wait_start`)
-        is queued: record its end on the same stream."""
+        is queued: record its end on the same stream, report the pair."""
         end = torch.cuda.Event(enable_timing=True)
         end.record(torch.cuda.current_stream(device))
-        self.planning.gpu_waits.append((start, end))
+        for o in self._gpu_timers:
+            o.gpu_wait(start, end)
 
     def recomputed(self, seconds: float) -> None:
         self.stats.recompute_count += 1
