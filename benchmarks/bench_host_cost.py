@@ -28,6 +28,10 @@ forward and of the step (forward + backward), paired ratios against
 microseconds added per aten op and per saved tensor of the plain forward
 (forward time over plain's, divided by the counts).
 
+``--profile CONFIG``: instead, cProfile over ``--rounds`` forwards of that
+configuration (after ``--warmup``), and the functions with the most own
+time per forward (where tracking's host time goes).
+
 ``--clock cpu --threads 1``: the main thread's CPU time
 (``time.thread_time``) instead of wall time, for a machine shared with other
 jobs; with one thread every op runs in it. Never collected by pytest.
@@ -203,6 +207,43 @@ def measure(width: int, a) -> dict:
     return out
 
 
+def profile(width: int, a, name: str, top: int = 25) -> dict:
+    """cProfile's own time per forward of ``name``'s forwards, by function."""
+    import cProfile
+    import pstats
+    a.configs = ["plain", name] if name != "plain" else ["plain"]
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=512, layers=a.layers, width=width, heads=4, seq_len=a.seq_len)
+    m = TinyGPT(cfg)
+    x = torch.randint(0, cfg.vocab, (a.batch, a.seq_len))
+    if name.startswith("sac"):
+        _with_sac(m, _all_save if name == "sac_all_save" else _usual)
+    if name.startswith("auto"):
+        ctx, _ = _planned(m, x, a.budget, whole=name == "auto_whole")
+    elif name in POLICY:
+        ctx = tiermem.Offloader(policy=POLICY[name])
+    else:
+        ctx = contextlib.nullcontext()
+    prof = cProfile.Profile()
+    for r in range(a.warmup + a.rounds):
+        if r >= a.warmup:
+            prof.enable()
+        with ctx:
+            loss = m(x, x)
+        prof.disable()
+        loss.backward()
+    stats = pstats.Stats(prof).stats
+    # pstats rows: (primitive calls, calls, own time, cumulative time, callers)
+    rows = sorted(((v[2] / a.rounds, v[1] / a.rounds, f"{k[0].split('/site-packages/')[-1]}:"
+                    f"{k[1]}({k[2]})") for k, v in stats.items()), reverse=True)[:top]
+    total = sum(v[2] for v in stats.values()) / a.rounds
+    if isinstance(ctx, tiermem.Offloader):
+        ctx.close()
+    return {"config": name, "width": width, "profiled_s_per_forward": total,
+            "top_own_time": [{"function": f, "own_s_per_forward": s_, "calls_per_forward": c}
+                             for s_, c, f in rows]}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--widths", default="256,512")
@@ -215,8 +256,17 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: as is)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    p.add_argument("--profile", default=None, metavar="CONFIG",
+                   help="cProfile this configuration's forwards instead of timing")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
+    if a.profile:
+        if a.threads:
+            torch.set_num_threads(a.threads)
+        emit({"benchmark": "forward host cost: cProfile own time", "machine": machine(),
+              "torch_threads": torch.get_num_threads(), "settings": vars(a),
+              "profiles": [profile(int(w), a, a.profile) for w in a.widths.split(",")]}, a.out)
+        return 0
     a.configs = a.configs.split(",")
     unknown = set(a.configs) - set(CONFIGS)
     if unknown or "plain" not in a.configs:
