@@ -1,7 +1,7 @@
 """A KeyboardInterrupt (a signal handler, run in the main thread between two
 bytecodes) that lands while a handle gives its room back, or while its move is
 launched, neither loses that room for good nor gives it back twice.
-NOTE [Interrupted releases] in tiers/moving.py."""
+NOTE [Interrupted releases] in tiers/moved_handle.py."""
 
 import contextlib
 import os
@@ -12,12 +12,12 @@ import torch
 
 import tiermem
 import tiermem.testing
-from tiermem.tiers import moving
+from tiermem.tiers import moved_handle, moving
 
 import helpers
 
 _TIERMEM_DIR = os.path.dirname(tiermem.__file__) + os.sep
-_MOVING_PY = moving.__file__
+_HANDLE_PY = moved_handle.__file__   # where a handle's release starts
 
 # Where, in a release, an interrupt loses the room for good: at the entry of
 # the store's give-back, right after the release claimed it (rule 3).
@@ -89,7 +89,7 @@ def test_a_release_interrupted_at_its_first_python_code_is_done_with_the_next(ma
     x = torch.randn(1 << 12, requires_grad=True)
     loss, held = _graph(off, x, ops=3)
     assert held > 0 and _in_use(off, tier) == held
-    with _unraisable() as caught, _interrupt_at(1, in_file=_MOVING_PY) as where:
+    with _unraisable() as caught, _interrupt_at(1, in_file=_HANDLE_PY) as where:
         del loss
     assert where and caught == [KeyboardInterrupt]
     assert _in_use(off, tier) == 0

@@ -247,15 +247,15 @@ def failing_host_releases(error: BaseException) -> Iterator[None]:
 def release_kept_handle(handle) -> None:
     """Drop what reading ``handle.__del__`` kept (NOTE [Interrupted releases],
     rule 4): the handle, and its room, can then be released when it dies."""
-    from ..tiers import moving
-    moving._DYING.pop(handle)
+    from ..tiers import moved_handle
+    moved_handle._DYING.pop(handle)
 
 
 def finish_restore(job, step, prefetched: bool = True) -> None:
     """Finish a restore as an unpack that takes it does: wait for ``job``
     (``done()``, ``host_ready()``, ``order_before_use(tensor)``) and report
     the wait to ``step.restored`` (late, and whether the host waited)."""
-    from ..tiers.moving import _Waited
+    from ..tiers.restore import _Waited
     _Waited(None, None, job, step, prefetched)()
 
 

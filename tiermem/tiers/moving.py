@@ -1,8 +1,9 @@
 """Shared logic of the tiers that move a tensor away and bring it back (cpu, nvme).
 
 A moving store implements these steps; this base class does the rest (the
-launch after the saving op, the landing check, in-place safety, prefetch,
-release):
+launch after the saving op, the landing check, in-place safety; prefetch and
+take come from :class:`~.restore.RestoreSide`, the release from
+:class:`~.moved_handle.MovedHandle`):
 
 - ``_reserve(layout, t) -> reservation`` or ``None`` when full: take the room
   the tensor's bytes need (host buffer, disk extent), within the budget;
@@ -23,12 +24,8 @@ device memory is freed when the copy lands, not at backward. A store whose
 move goes through a host staging buffer first (nvme, CUDA tensors) drops the
 source earlier, once the bytes are in staging: see NOTE [Staged moves].
 
-Backward (``take``, called by the unpack hook under the prefetcher's lock):
-the restore was usually started ahead of need by the
-:class:`~tiermem.runtime.prefetch.Prefetcher` (through ``prefetch``); ``take``
-returns the rebuilt tensor and the wait that orders the consumer after the
-copy (run by the hook outside the lock). The store reports to the step it was
-given at ``put`` (``handle.step``, :class:`~tiermem.tiers.base.StepEvents`).
+Backward (``prefetch``, ``take``): restore.py. The store reports to the step
+it was given at ``put`` (``handle.step``, :class:`~tiermem.tiers.base.StepEvents`).
 """
 
 # NOTE [Copy landed]
@@ -90,10 +87,8 @@ given at ``put`` (``handle.step``, :class:`~tiermem.tiers.base.StepEvents`).
 from __future__ import annotations
 
 import collections
-import gc
 import logging
 import threading
-import time
 import weakref
 from typing import Optional
 
@@ -101,11 +96,10 @@ import torch
 
 from ..errors import TierMemError
 from ..runtime.copier import copier_for
-from ..runtime.jobs import CudaJob
-from ..runtime.prefetch import HELD
 from ..tracking.modestack import in_compiled_region
 from .base import Layout, TierStore
-from .keep import check_version
+from .moved_handle import MovedHandle   # re-exported: the tiers import it from here
+from .restore import RestoreSide
 
 _log = logging.getLogger("tiermem")
 
@@ -121,81 +115,14 @@ DEFAULT_WINDOW_TENSORS = 5
 DEFAULT_WINDOW_BYTES = 256 * 1024 ** 2
 
 
-# NOTE [Interrupted releases]
-# A handle's room (host buffer, disk extent) is given back exactly once, even when
-# a KeyboardInterrupt lands in its release (Python then prints "Exception ignored"
-# and drops it; it mostly lands at a finalizer's entry, after C work freed the handle):
-# 1. No Python code runs before a dying handle is kept: ``MovedHandle.__del__`` is
-#    a property whose C getter, ``_DYING.__getitem__``, stores the handle in
-#    ``_DYING`` under a fresh ``_Finalizer`` (made in C), which is then called.
-# 2. ``_release_dying`` releases that handle and every other whose finalizer has
-#    run (``gc.is_finalized``), then drops them: an interrupted release is run
-#    again at the next handle's death, not lost.
-# 3. A release may so run twice or on two threads: each step of
-#    ``MovingStore._release`` is idempotent or claimed first (in bytecodes where no
-#    signal handler runs), so no room is handed to two tensors; an interrupt right
-#    after a claim loses that room instead. A launch takes the reservation first.
-# 4. Reading ``__del__`` of a live handle keeps it (and its room) for good.
-
-class _Finalizer:
-    """What a dying handle's ``__del__`` returns, then called: NOTE
-    [Interrupted releases], rule 1. One per handle; made in C."""
-
-    __slots__ = ()
-
-    def __call__(self) -> None:
-        self.release_dying(self)
-
-
-#: Dying handles whose release is not over: NOTE [Interrupted releases].
-_DYING: collections.defaultdict = collections.defaultdict(_Finalizer)
-
-
-def _release_dying(token: _Finalizer, _dying=_DYING, _finalized=gc.is_finalized) -> None:
-    """Release the handle stored under ``token`` and those kept after an
-    interrupted release (NOTE [Interrupted releases], rule 2). A release that
-    fails with an ``Exception`` (not an interruption) is not tried again.
-    The defaults keep what it needs through interpreter shutdown."""
-    for h, t in list(_dying.items()):
-        if t is token or _finalized(h):
-            try:
-                store = getattr(h, "store", None)   # unset: dead inside put()
-                if store is not None:
-                    store._release(h)
-            except Exception:
-                _dying.pop(h, None)
-                raise
-            _dying.pop(h, None)
-
-
-_Finalizer.release_dying = staticmethod(_release_dying)   # kept through shutdown
-
-
-class MovedHandle:
-    """A saved tensor moved away by a :class:`MovingStore`. Owned by autograd;
-    when autograd drops it, the store gets its slot back (NOTE [Interrupted
-    releases]). ``released``: the store's ``_free`` was called (rule 3)."""
-
-    __slots__ = ("store", "step", "entry", "layout", "nbytes", "slot", "version", "module",
-                 "src", "host", "lease", "last_job", "restore", "cached", "tainted", "failed",
-                 "tail", "released", "__weakref__")
-
-    def __new__(cls) -> "MovedHandle":
-        h = super().__new__(cls)
-        h.released = False
-        return h
-
-    # NOTE [Interrupted releases], rule 1: a C getter, whose value is called.
-    __del__ = property(_DYING.__getitem__)
-
-
 def _where_kept(h: "MovedHandle") -> str:
     """Where a tensor whose move failed stays (NOTE [Staged moves])."""
     return "on its device" if h.host is None else "in its pinned staging buffer"
 
 
-class MovingStore(TierStore):
-    """Base of the cpu and nvme tiers; see the module docstring."""
+class MovingStore(RestoreSide, TierStore):
+    """Base of the cpu and nvme tiers; see the module docstring. The backward
+    side (``prefetch``, ``take``) is :class:`~.restore.RestoreSide`'s."""
 
     def __init__(self) -> None:
         # (weakref to handle, move-out job), in submission order. Weak: a handle
@@ -320,7 +247,7 @@ class MovingStore(TierStore):
             h.step.move_failed()
             return
         # Claimed: ``_launch`` gives it back if it raises, a KeyboardInterrupt
-        # too (NOTE [Interrupted releases], rule 3).
+        # too (NOTE [Interrupted releases] in moved_handle.py, rule 3).
         reservation, h.slot = h.slot, None
         try:
             slot, job = self._launch(h.src, h.layout, reservation)
@@ -503,145 +430,6 @@ class MovingStore(TierStore):
             while h.src is not None and not h.failed and self._pending:
                 self._land_first()
 
-    @staticmethod
-    def _from_host(h: MovedHandle, host: torch.Tensor) -> tuple:
-        """The tensor rebuilt from its staged copy ``host`` (NOTE [Staged moves]).
-        On CUDA the copy is queued on the current stream (where the tensor is
-        allocated and consumed), and the staging buffer's lease holds it back
-        from its pool until that copy is done."""
-        layout = h.layout
-        dev = torch.empty(layout.pad + layout.numel, dtype=layout.dtype, device=layout.device)
-        if not dev.is_cuda:
-            dev[layout.pad:].copy_(host)
-            return layout.rebuild(dev), None
-        stream = torch.cuda.current_stream(layout.device)
-        dev[layout.pad:].copy_(host, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(stream)
-        h.lease.hold_until(done)
-        # For the other consumers of this pass (the first is on ``stream``).
-        return layout.rebuild(dev), CudaJob(done, layout.device, stream, stream)
-
-    # -- backward -----------------------------------------------------------
-    def prefetch(self, h: MovedHandle):
-        """Start restoring ``h``: ``True`` if started; ``False`` if it needs none
-        (on its way, failed or tainted); ``None`` if its move out has not landed
-        yet (the prefetcher waits there rather than skipping it);
-        :data:`~tiermem.runtime.prefetch.HELD` if its source is held by the tail hold."""
-        if h.failed or h.tainted or h.restore is not None or h.cached is not None:
-            return False
-        tail = h.tail
-        if tail is not None and tail._version == h.version:
-            return HELD   # in the window until taken (NOTE [Tail hold], 4)
-        if h.src is not None or h.host is not None:
-            return None
-        h.restore = self._restore(h)
-        return True
-
-    def _restore(self, h: MovedHandle):
-        dev, job = self._start_restore(h)
-        h.last_job = job
-        return dev, job
-
-    def take(self, h: MovedHandle, more_uses: int):
-        """``(tensor, None)`` or ``(None, finish)``: ``finish()`` waits for the
-        restore (outside the prefetcher's lock) and returns the tensor.
-        ``more_uses``: uses of ``h`` still to come in this backward pass (they
-        get the same restore)."""
-        if self._unlaunched:
-            self.launch()   # every op of the forward has run
-        self.poll()
-        tail = h.tail
-        if tail is not None:   # NOTE [Tail hold] in runtime/tailhold.py, 3
-            if more_uses <= 0:
-                h.tail = None
-            if (tail._version == h.version and not h.tainted
-                    and not h.step.params_may_be_freed):   # rule 6: none after all
-                h.step.tail_taken()
-                return (h.layout.dense(tail) if h.layout.compact else tail), None
-            h.tail = None
-        if h.src is not None and not h.failed:
-            if h.src._version == h.version:
-                # Not landed yet: the original is still here and unchanged.
-                # A compact copy is dense: give a dense copy of the original,
-                # so that backward sees the same layout whatever the timing.
-                return (h.layout.dense(h.src) if h.layout.compact else h.src), None
-            self._wait_landed(h)
-        if h.failed and h.src is not None:
-            check_version(h.src, h.version, h.module)
-            return h.src, None
-        if h.tainted:
-            raise TierMemError(
-                f"tiermem: a tensor saved for backward (shape {list(h.layout.size)}, "
-                f"{h.layout.dtype}{' in module ' + h.module if h.module else ''}) was "
-                "modified by an in-place operation while tiermem was moving it to the "
-                f"{self.tier.value} tier; autograd would raise here too. Clone it "
-                "before modifying it.")
-        cached = h.cached
-        if cached is not None:   # a tensor saved by several ops: restored once
-            if more_uses <= 0:
-                h.cached = None
-        elif h.host is not None:
-            with self._lock:   # no landing may give the buffer back meanwhile
-                host = h.host
-                cached = None if host is None else self._from_host(h, host)
-            # Staged, and its move failed or has not landed: NOTE [Staged moves].
-            if cached is not None and more_uses > 0:
-                h.cached = cached
-        if cached is not None:
-            # Each consumer is ordered after the copy, on its own stream (the
-            # consumers of one tensor may run on different streams).
-            out, job = cached
-            return (out, None) if job is None else (None, _Ordered(out, job))
-        prefetched = h.restore is not None
-        start_s = 0.0
-        # NOTE [Stall on the GPU's timeline] in planner/runtime.py: None
-        # unless this step's restore waits are timed on the GPU.
-        gpu_wait = h.step.gpu_wait_start(h.layout.device)
-        if not prefetched:
-            # Read on demand: starting it (buffer, submission) is part of the
-            # unpack's wait too (counted in stall_seconds by _Waited).
-            t0 = time.perf_counter()
-            h.restore = self._restore(h)
-            start_s = time.perf_counter() - t0
-        dev, job = h.restore
-        h.restore = None
-        out = h.layout.rebuild(dev)
-        if more_uses > 0:
-            # For the other consumers of this pass (each orders itself after the copy).
-            h.cached = (out, job)
-        return None, _Waited(out, dev, job, h.step, prefetched, start_s, gpu_wait)
-
-    # -- release --------------------------------------------------------------
-    def _release(self, h: MovedHandle) -> None:
-        """Give back what a dying ``h`` holds. It may run again after an
-        interruption, or on two threads: every step is idempotent or claimed
-        first (NOTE [Interrupted releases], rule 3)."""
-        if h.released:
-            return
-        h.tail = None
-        if h.last_job is None:     # never launched (or its launch failed)
-            h.src = None
-            reservation, h.slot = h.slot, None   # claimed
-            if reservation is not None:
-                self._unreserve(reservation, h.layout)
-            return
-        if h.src is not None:      # died before its move out landed (last_job is that move)
-            h.last_job.abandon(h.src)
-            h.src = None
-        h.host = None
-        if h.lease is not None:    # the pool may reuse it once the move is over
-            h.lease.release()      # idempotent
-            h.lease = None
-        h.cached = None
-        if h.restore is not None:  # prefetched, never consumed
-            dev, job = h.restore
-            job.abandon(dev)
-            h.restore = None
-        if not h.released:
-            h.released = True      # claimed
-            self._free(h)
-
 
 def _storage_bytes(t: torch.Tensor) -> int:
     """Bytes of ``t``'s storage (what holding ``t`` holds)."""
@@ -649,46 +437,3 @@ def _storage_bytes(t: torch.Tensor) -> int:
         return t.untyped_storage().nbytes()
     except (RuntimeError, NotImplementedError):
         return 0
-
-
-class _Ordered:
-    """``finish`` of a restore already made: order the consumer after its copy."""
-
-    __slots__ = ("out", "job")
-
-    def __init__(self, out: torch.Tensor, job) -> None:
-        self.out, self.job = out, job
-
-    def __call__(self) -> torch.Tensor:
-        self.job.order_before_use(self.out)
-        return self.out
-
-
-class _Waited:
-    """``finish`` of a restore taken now: wait for it, and report the wait
-    (``start_s``: the seconds the unpack spent starting it, for a read on
-    demand; they count as stall too). ``gpu_wait``: a CUDA timing event
-    recorded on the consumer's stream before the unpack started or waited
-    for the restore, when the step times its waits on the GPU (NOTE [Stall
-    on the GPU's timeline] in planner/runtime.py), else ``None``."""
-
-    __slots__ = ("out", "dev", "job", "step", "prefetched", "start_s", "gpu_wait")
-
-    def __init__(self, out: torch.Tensor, dev: torch.Tensor, job, step,
-                 prefetched: bool, start_s: float = 0.0, gpu_wait=None) -> None:
-        self.out, self.dev, self.job, self.step = out, dev, job, step
-        self.prefetched = prefetched
-        self.start_s = start_s
-        self.gpu_wait = gpu_wait
-
-    def __call__(self) -> torch.Tensor:
-        job = self.job
-        late = not job.done()
-        host_wait = late and not job.host_ready()   # else at most a GPU-side wait
-        t0 = time.perf_counter()
-        job.order_before_use(self.dev)
-        self.step.restored(self.prefetched, self.start_s + time.perf_counter() - t0, late,
-                           host_wait)
-        if self.gpu_wait is not None:
-            self.step.gpu_wait_end(self.gpu_wait, self.dev.device)
-        return self.out
