@@ -5,7 +5,7 @@ the Conjugate/Negative keys excluded, and kernels that make a lazy conjugate
 view inside then compute wrong values (PyTorch #198118: complex
 ``linalg.pinv``; complex ``linalg.lstsq``'s residuals). tiermem runs each op
 as it would run without a mode (NOTE [Ops run as without a mode] in
-tiermem/tracking/producers.py). Checked here on every policy that tracks producers and
+tiermem/tracking/dispatch.py). Checked here on every policy that tracks producers and
 on those that do not, forward values and gradients bit for bit.
 """
 

@@ -1,7 +1,7 @@
 """A parameter or leaf that a recipe holds as it is, written in place later in
 the same forward (autograd does not mind: it did not save it), is copied just
 before the write, so the recipe regenerates what the forward computed
-(issue 14 #10; NOTE [Writes to recipe inputs] in tiermem/tracking/producers.py)."""
+(issue 14 #10; NOTE [Writes to recipe inputs] in tiermem/tracking/writes.py)."""
 
 import contextlib
 

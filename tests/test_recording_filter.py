@@ -96,7 +96,7 @@ def test_planned_steps_record_less_and_recompute_as_recording_everything_would(
         # Fewer, or as many where the scope runs no recomputable op the
         # recipes do not use (mlp, embed_gather: their scopes run only their
         # recipes' ops; the pack hook's own detaches are recorded by neither:
-        # NOTE [The pack hook runs untracked] in tracking/producers.py).
+        # NOTE [The pack hook runs untracked] in tracking/dispatch.py).
         assert 0 < records <= every_records, (records, every_records)
         if name.startswith("block"):   # attention's other ops: recorded only by "every"
             assert records < every_records, (records, every_records)

@@ -145,7 +145,7 @@ def test_ops_outside_the_scope_are_not_dispatched_to_the_mode(seen):
             loss = case.loss()
         assert seen.ops and set(seen.ops) <= scope, set(seen.ops) - scope
         # Every op the model runs in the scope (in its calls), and none of the
-        # pack hook's own (NOTE [The pack hook runs untracked] in tracking/producers.py).
+        # pack hook's own (NOTE [The pack hook runs untracked] in tracking/dispatch.py).
         got[by_call] = collections.Counter(seen.ops)
         assert got[by_call] == expected, (got, expected)
         loss.backward()

@@ -265,7 +265,7 @@ class _UserMode(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def test_the_pack_hook_runs_with_the_step_mode_off_the_dispatch_stack(monkeypatch):
-    # NOTE [The pack hook runs untracked] in tracking/producers.py: while tiermem packs,
+    # NOTE [The pack hook runs untracked] in tracking/dispatch.py: while tiermem packs,
     # its producer mode is not on the stack (its own ops are not the model's);
     # a user's mode above it stays, and both are back after.
     import tiermem.runtime.hooks as hooks

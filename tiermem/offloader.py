@@ -122,7 +122,7 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         for o in observers:   # e.g. a profile: the forward begins now
             o.started(self.step)
         pack = self._packer.__call__
-        if self.producers is not None:   # NOTE [The pack hook runs untracked] in tracking/producers.py
+        if self.producers is not None:   # NOTE [The pack hook runs untracked] in tracking/dispatch.py
             pack = untracked_pack(self.producers, pack)
         super().__init__(opaque(pack), unpack_hook)
 

@@ -48,8 +48,8 @@ def generator_of_call(args: tuple, kwargs: dict):
     (a ``device`` argument first, then the tensors' device), as a producer
     mode captures it; ``None`` if none is known (the call is then not
     recomputable)."""
-    from ..tracking.producers import ProducerMode
-    captured = ProducerMode._capture_rng(args, kwargs)
+    from ..tracking.rng import capture_rng
+    captured = capture_rng(args, kwargs)
     return None if captured is None else captured[0]
 
 

@@ -106,7 +106,7 @@ class _In:
     def snapshot(self, copies: dict) -> None:
         """The parameter or leaf this leaf holds as it is is about to be written
         in place during the forward: hold a copy of its values of now instead
-        (NOTE [Writes to recipe inputs] in tracking/producers.py). ``copies``: the
+        (NOTE [Writes to recipe inputs] in tracking/writes.py). ``copies``: the
         copies made for this write, by tensor, shared by every leaf."""
         h = self.handle
         if type(h) is not Kept or h.tensor._version != h.version:
@@ -238,8 +238,8 @@ class RecomputeStore(TierStore):
         h.tainted = False
         h.depth = plan.depth + 1
         h.entry = step.dropped(h, nbytes)
-        producers.watch(t, h)   # NOTE [Writes to dropped tensors] in tracking/producers.py
-        for x, leaf in as_is:   # NOTE [Writes to recipe inputs] in tracking/producers.py
+        producers.watch(t, h)   # NOTE [Writes to dropped tensors] in tracking/writes.py
+        for x, leaf in as_is:   # NOTE [Writes to recipe inputs] in tracking/writes.py
             producers.watch_input(x, leaf)
         return h
 

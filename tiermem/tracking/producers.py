@@ -3,35 +3,12 @@
 While an Offloader whose policy may look at ``TensorInfo.op`` (a callable) or
 may recompute is active, :class:`ProducerMode` (a ``TorchDispatchMode``, the
 same mechanism PyTorch's selective checkpointing uses) sees every aten op the
-forward runs and records, for each output tensor, a :class:`Record`: the op's
-name and, for ops on the recompute allow-list, what is needed to run it again
-(the op, its non-tensor arguments, and a :class:`Ref` per tensor argument).
-
-The allow-list (:data:`RECOMPUTABLE_OPS`) holds cheap ops that are
-deterministic on CPU and CUDA: pointwise math and activations, casts, views,
-layer/RMS/group norm, softmax, concatenation, embedding lookups, and the
-random ops whose generator state is captured (:data:`RANDOM_OPS`). Matmuls and
-attention are left out on purpose (their cost is what recomputing avoids;
-checkpointing covers them). Ops with a mutable schema (in-place, ``out=``) are
-never recomputable.
+forward runs and records, for each output tensor, a
+:class:`~tiermem.tracking.records.Record`: the op's name and, for ops on the
+recompute allow-list (tracking/ops.py), what is needed to run it again.
+:class:`CallRecorder` names the torch call each op runs in, and records a
+call whole where the profile saw it run one op (NOTE [Calls recorded whole]).
 """
-
-# NOTE [Records hold no tensor]
-# A record must never keep a tensor alive: the point of recomputing is to free
-# memory. Tensor arguments are held by weak reference, with the version they
-# had when the op ran and the record of *their* producer (records form a DAG
-# of small Python objects, dropped when the context exits). Records are found
-# by the identity of the output's Python object (``id`` checked against a weak
-# reference): PyTorch hands the pack hook the very object the op returned, and
-# an ``id`` reused by a later tensor fails the weak-reference check.
-
-# NOTE [Version of a record]
-# A record describes a tensor's values when it was made (``Record.version``).
-# After an in-place op (or an in-place op on a view of it) the version moves
-# on and the record no longer describes the tensor: it is only used while the
-# tensor's version still equals ``Record.version``; an argument only while its
-# version at the op (``Ref.version``) equals the version its own record (or
-# its stored copy) describes.
 
 from __future__ import annotations
 
@@ -39,125 +16,25 @@ import weakref
 from typing import Any, Optional
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+# Record, Ref, storage_key, the op sets and untracked_pack are re-exported: imported from
+# here. The handler calls _run_as_without_mode through this module's globals
+# (benchmarks/bench_tracking_own.py times it by replacing it here).
+from .dispatch import _run_as_without_mode, untracked_pack
 from .modules import _compiling, call_name, current_module
+from .ops import _RANDOM_NAMES, _VIEW_NAMES, RANDOM_OPS, RECOMPUTABLE_OPS, VIEW_OPS, _OpInfo
+from .records import _PLAIN_TYPES, _STRIDED, Record, Ref, _plain, _refs, storage_key
+from .rng import capture_rng, drew_nothing
+from .writes import WriteWatch
 
 __all__ = ["ProducerMode", "CallRecorder", "Record", "Ref", "call_name", "storage_key",
            "untracked_pack",
            "RECOMPUTABLE_OPS", "RANDOM_OPS", "VIEW_OPS"]
 
 _aten = torch.ops.aten
-
-# NOTE [Ops run as without a mode]
-# Tracking must not change the forward's values. PyTorch runs a dispatch mode's
-# handler with the Conjugate, Negative and ZeroTensor keys excluded, and the op
-# the handler calls runs under that exclusion: a kernel that makes a lazy
-# conjugate (or negative) view inside and hands it to another op would consume
-# it as a plain tensor (complex ``linalg.pinv`` gives wrong values under any
-# mode). So the handler runs the op with those keys allowed again, as without a
-# mode, and excludes them again after; its arguments are already resolved, so
-# only what the kernel makes inside meets them. Only when ours is the last mode
-# and no argument is a tensor subclass: otherwise the op goes on as PyTorch
-# hands it over, as it would without tiermem.
-_KEY = torch._C.DispatchKey
-_VIEW_BIT_KEYS = tuple(getattr(_KEY, n) for n in ("Conjugate", "Negative", "ZeroTensor")
-                       if hasattr(_KEY, n))
-_is_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
-_set_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
-_modes_below = torch._C._len_torch_dispatch_stack   # inside a handler: the modes under it
-_dispatch_at = torch._C._get_dispatch_stack_at
-
-
-def _run_as_without_mode(func, types, args, kwargs):
-    """``func(*args, **kwargs)`` with NOTE [Ops run as without a mode]."""
-    if types or _modes_below():   # a subclass or another mode handles it: as PyTorch does
-        return func(*args, **kwargs)
-    excluded = [k for k in _VIEW_BIT_KEYS if _is_excluded(k)]
-    if not excluded:
-        return func(*args, **kwargs)
-    for k in excluded:
-        _set_excluded(k, False)
-    try:
-        return func(*args, **kwargs)
-    finally:
-        for k in excluded:
-            _set_excluded(k, True)
-
-
-# NOTE [The pack hook runs untracked]
-# Tiermem's own ops in the pack hook (the ``detach`` of each handle, a staging
-# copy, a recipe input's copy) never go through the step's mode: autograd calls
-# the pack hook after the op's kernel, with the mode back on the stack, but none
-# of those ops is the model's (a saved tensor's record is the op's that made it,
-# recorded before its pack) and they write only tiermem's own new tensors. So
-# while the pack hook runs, the mode is taken off the dispatch stack when it is
-# the innermost mode, and put back after: one pop and one push instead of a
-# Python call per op. The same in the profiled step, so the profile's op counts
-# (NOTE [Tracking priced] in planner/runtime.py) are the followed step's.
-_pop_dispatch = torch._C._pop_torch_dispatch_stack
-_push_dispatch = torch._C._push_on_torch_dispatch_stack
-
-
-def untracked_pack(mode: "ProducerMode", pack):
-    """``pack`` run with ``mode`` off the dispatch stack: NOTE [The pack hook
-    runs untracked]."""
-    def run(t):
-        n = _modes_below()
-        if not n or _dispatch_at(n - 1) is not mode:
-            return pack(t)
-        popped = _pop_dispatch(None)
-        try:
-            return pack(t)
-        finally:
-            _push_dispatch(popped)
-    return run
-
-
-def _packets(*names: str) -> frozenset:
-    return frozenset(getattr(_aten, n) for n in names if hasattr(_aten, n))
-
-
-#: Ops that return a view of their first argument (zero FLOPs). ``op`` in
-#: :class:`~tiermem.TensorInfo` looks through them to the op that computed the values.
-VIEW_OPS = _packets(
-    "view", "_unsafe_view", "_reshape_alias", "reshape", "expand", "transpose", "t",
-    "permute", "slice", "select", "split", "split_with_sizes", "unsqueeze", "squeeze",
-    "unbind", "chunk", "narrow", "as_strided", "alias", "detach", "flatten", "unflatten",
-    "view_as_real", "view_as_complex", "diagonal", "unfold")
-
-_VIEW_NAMES = frozenset(p.__name__ for p in VIEW_OPS)
-
-#: Ops that draw random numbers from a generator; recomputed exactly by replaying
-#: the generator state captured just before they ran (no device sync).
-RANDOM_OPS = _packets("native_dropout", "bernoulli", "rand_like", "randn_like",
-                      "randint_like")
-
-_RANDOM_NAMES = frozenset(p.__name__ for p in RANDOM_OPS)
-
-#: Views that take an *absolute* storage offset or raw strides: replaying them
-#: on an input restored at another offset or with other strides (a copy) would
-#: read other elements, so they are named but never recomputed.
-_ABSOLUTE_VIEWS = _packets("as_strided", "_reshape_alias")
-
-#: Cheap, deterministic ops whose outputs the recompute tier may drop.
-RECOMPUTABLE_OPS = (VIEW_OPS - _ABSOLUTE_VIEWS) | RANDOM_OPS | _packets(
-    # activations and pointwise math
-    "relu", "gelu", "silu", "sigmoid", "tanh", "hardtanh", "leaky_relu", "elu", "celu",
-    "selu", "softplus", "mish", "hardswish", "hardsigmoid", "glu", "log_sigmoid_forward",
-    "exp", "log", "sqrt", "rsqrt", "reciprocal", "neg", "abs", "sin", "cos", "erf", "square",
-    "add", "sub", "rsub", "mul", "div", "pow", "maximum", "minimum", "clamp", "clamp_min",
-    "clamp_max", "where", "masked_fill", "lt", "le", "gt", "ge", "eq", "ne",
-    "logical_not", "logical_and", "logical_or",
-    # casts and copies
-    "_to_copy", "clone", "contiguous", "cat", "stack",
-    # normalisation and softmax (deterministic row-wise reductions)
-    "native_layer_norm", "_fused_rms_norm", "native_group_norm", "_softmax", "_safe_softmax",
-    "_log_softmax",
-    # lookups
-    "embedding", "index_select")
+_inference_mode = torch.is_inference_mode_enabled
 
 
 def _alias_fits(t: torch.Tensor, base: torch.Tensor) -> bool:
@@ -200,125 +77,6 @@ class CallRecorder(TorchFunctionMode):
         return out
 
 
-def storage_key(t: torch.Tensor, storage=None) -> tuple:
-    """Identity of a tensor's *values*: two tensors with equal keys on the same
-    live storage hold the same elements (the dedup key of the Offloader)."""
-    if storage is None:
-        storage = t.untyped_storage()
-    # conj()/_neg_view() are lazy views with the very same storage geometry:
-    # their bits are part of what the values are.
-    return (storage.data_ptr(), t.storage_offset(), tuple(t.size()), t.stride(), t.dtype,
-            t._version, t.is_conj(), t.is_neg())
-
-
-class _StorageRef:
-    """A weak reference to a storage: pins the storage object's identity (its
-    ``cdata`` address cannot be reused while held), not its memory. What
-    ``StorageWeakRef`` holds, made for half its cost (one made per tensor
-    argument of each recorded op)."""
-
-    __slots__ = ("cdata",)
-
-    def __init__(self, storage) -> None:
-        self.cdata = storage._weak_ref()
-
-    def __del__(self, _free=torch.UntypedStorage._free_weak_ref) -> None:
-        _free(self.cdata)
-
-
-class Ref:
-    """A tensor argument of a recorded op, held weakly (NOTE [Records hold no tensor]).
-
-    ``key`` and ``storage`` (a weak reference to the storage; only its
-    ``cdata`` is read) find the handle of the same values later even when
-    this Python object is gone: the pack hook often stores a different object
-    (``t.detach()``, a copy) than the one the op received.
-    """
-
-    __slots__ = ("tensor_ref", "version", "record", "nbytes", "key", "storage")
-
-    def __init__(self, t: torch.Tensor, record: Optional["Record"]) -> None:
-        self.tensor_ref = weakref.ref(t)
-        self.version = t._version
-        self.record = record
-        self.nbytes = t.nbytes
-        storage = t.untyped_storage()
-        self.key = storage_key(t, storage)
-        self.storage = _StorageRef(storage)
-
-    def alive(self) -> Optional[torch.Tensor]:
-        """The argument if it is still alive and unchanged since the op ran.
-
-        A storage resized since then (its data pointer moved or is null) counts
-        as gone: FSDP2 frees its unsharded parameters with ``resize_(0)`` after
-        a block's forward, leaving the tensor alive and its version unchanged
-        (see NOTE [Sharded parameters] in runtime/hooks.py)."""
-        t = self.tensor_ref()
-        if t is None or t._version != self.version:
-            return None
-        if t.untyped_storage().data_ptr() != self.key[0]:
-            return None
-        return t
-
-
-class Record:
-    """How one output tensor was made. ``func is None`` when only the name is
-    known (the op is not recomputable)."""
-
-    __slots__ = ("name", "func", "args", "kwargs", "out_index", "rng", "version", "is_view",
-                 "values_op", "module", "call", "returned", "__weakref__")
-
-    def __init__(self, name: str, values_op: str) -> None:
-        self.name = name
-        self.values_op = values_op
-        self.func = None
-        self.args: tuple = ()
-        self.kwargs: dict = {}
-        self.out_index: Optional[int] = None
-        self.rng = None
-        self.version = 0
-        self.is_view = False
-        #: Qualified name of the innermost module the op ran in (``""``: none),
-        #: recorded only by a mode made with ``module_names=True``; else ``None``.
-        self.module: Optional[str] = None
-        #: Name of the outermost torch call (``F.linear``: ``"linear"``) the op
-        #: ran in, recorded with ``module`` while a :class:`CallRecorder` runs
-        #: (NOTE [Tracking inside torch calls] in tracking/modules.py); ``None``: not
-        #: recorded, or the op ran outside every torch call.
-        self.call: Optional[str] = None
-        #: The torch call ``call`` returned this tensor (set by a
-        #: :class:`CallRecorder`; NOTE [Calls recorded whole]).
-        self.returned = False
-
-    def refs(self):
-        """The :class:`Ref` of every tensor argument (lists flattened)."""
-        return _refs(self.args, self.kwargs)
-
-
-def _refs(args: tuple, kwargs: dict):
-    """The :class:`Ref` of every captured tensor argument (lists flattened)."""
-    for a in args + tuple(kwargs.values()):
-        if type(a) is Ref:
-            yield a
-        elif type(a) is list:
-            yield from (x for x in a if type(x) is Ref)
-
-
-class _OpInfo:
-    __slots__ = ("name", "recomputable", "random", "view", "written")
-
-    def __init__(self, func) -> None:
-        packet = func.overloadpacket
-        self.name = packet.__name__
-        self.view = packet in VIEW_OPS
-        self.random = packet in RANDOM_OPS
-        schema = func._schema
-        self.recomputable = packet in RECOMPUTABLE_OPS and not schema.is_mutable
-        #: (position, name) of the arguments the op writes to (in-place, out=).
-        self.written = tuple((i, a.name) for i, a in enumerate(schema.arguments)
-                             if a.alias_info is not None and a.alias_info.is_write)
-
-
 class _Unsupported:
     """Marks a tensor argument the recompute tier cannot hold (inference
     tensors, sparse or other layouts, tensor subclasses)."""
@@ -327,48 +85,7 @@ class _Unsupported:
 _UNSUPPORTED = _Unsupported()
 
 
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
-_STRIDED = torch.strided
-_inference_mode = torch.is_inference_mode_enabled
-
-
-def _plain(t: torch.Tensor) -> bool:
-    """A dense tensor (or parameter) of the base class with a version counter."""
-    return type(t) in _PLAIN_TYPES and t.layout is _STRIDED and not t.is_inference()
-
-
-def _first_device(args) -> Optional[torch.device]:
-    """The device of the first tensor in ``args`` (lists and tuples looked
-    into), ``None`` if there is none."""
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            return a.device
-        if isinstance(a, (list, tuple)):
-            for x in a:
-                if isinstance(x, torch.Tensor):
-                    return x.device
-    return None
-
-
-def _drew_nothing(rng: tuple) -> bool:
-    """Whether the generator of ``rng`` (generator, state before a call) is
-    still in that state: NOTE [Calls recorded whole], rule 6."""
-    gen, before = rng
-    return gen.get_state().numpy().tobytes() == before.numpy().tobytes()
-
-
-def _generator_for(device: torch.device, explicit) -> Optional[torch.Generator]:
-    if explicit is not None:
-        return explicit
-    if device.type == "cpu":
-        return torch.default_generator
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return torch.cuda.default_generators[index]
-    return None
-
-
-class ProducerMode(TorchDispatchMode):
+class ProducerMode(WriteWatch, TorchDispatchMode):
     """Records the producer of every tensor made while it is active (one
     forward pass, one thread: the dispatch-mode stack is thread-local).
 
@@ -385,7 +102,8 @@ class ProducerMode(TorchDispatchMode):
     for recorded ops, without looking through views). ``wanted``: ``None``,
     or the op names (``aten`` packet names) to record; a
     :class:`~tiermem.tracking.modules.TrackingScope` sets it per module. See NOTE
-    [Recording only what recipes use]."""
+    [Recording only what recipes use]. The writes of the forward it watches
+    for the recompute tier: :class:`~tiermem.tracking.writes.WriteWatch`."""
 
     tiermem_mode = True   # tracking/modestack.py
 
@@ -409,18 +127,12 @@ class ProducerMode(TorchDispatchMode):
         #: (``False``: one ran some other number of ops, or another op, or
         #: one that cannot be recorded whole): NOTE [Calls recorded whole].
         self.ops_run = 0
-        self.last_op: Optional["_OpInfo"] = None
+        self.last_op: Optional[_OpInfo] = None
         self.single_op_calls: dict = {}
         #: Op names to record (``None``: every recomputable op).
         self.wanted: Optional[frozenset] = None
         self._records: dict = {}    # id(tensor) -> (weakref to tensor, Record)
         self._ops: dict = {}        # OpOverload -> _OpInfo
-        #: storage cdata -> [weakref to a dropped tensor's handle]: see NOTE
-        #: [Writes to dropped tensors].
-        self._watched: dict = {}
-        #: storage cdata -> [weakref to a handle whose recipe holds a tensor on
-        #: it as it is]: see NOTE [Writes to recipe inputs].
-        self._watched_inputs: dict = {}
 
     # -- lookup (pack hook) -----------------------------------------------------
     def record_of(self, t: torch.Tensor) -> Optional[Record]:
@@ -482,78 +194,10 @@ class ProducerMode(TorchDispatchMode):
             return None
         return hit[1].values_op
 
-    def watch(self, t: torch.Tensor, handle) -> None:
-        """Mark ``handle.tainted`` if an op of this forward writes to ``t``'s storage.
-
-        # NOTE [Writes to dropped tensors]
-        # A dropped (recompute) tensor is not held, so its version cannot be
-        # checked at unpack once the program has let go of it. Autograd raises
-        # when a saved tensor, or any view sharing its version counter, was
-        # written in place after the save; the mode sees every write of the
-        # forward, so it taints the handles of tensors on the written storage
-        # (views of one base share both), and unpack raises as autograd would.
-        """
-        # The weak storage ref is kept: it pins the storage object's address,
-        # so a later storage cannot be mistaken for this one.
-        ref = StorageWeakRef(t.untyped_storage())
-        entry = self._watched.get(ref.cdata)
-        if entry is None:
-            entry = self._watched[ref.cdata] = (ref, [])
-        entry[1].append(weakref.ref(handle))
-
-    def watch_input(self, t: torch.Tensor, leaf) -> None:
-        """Call ``leaf.snapshot(copies)`` before an op of this forward writes to
-        ``t``'s storage (``copies``: shared by the leaves of one write).
-
-        # NOTE [Writes to recipe inputs]
-        # A recipe holds parameters and leaves that require grad as they are
-        # (NOTE [What a recipe holds]): they are not modified during a forward
-        # pass, as a rule. Some programs do: nn.Embedding(max_norm=...) renorms
-        # its weight in place at each call, a leaf may be written through a
-        # .detach() alias. Autograd does not mind (it did not save them), so
-        # neither may tiermem: the mode sees the write before it happens, and
-        # each recipe leaf holding that tensor as it is takes a copy of its
-        # values of now (one copy per tensor and write, shared by the leaves),
-        # so the recipe regenerates exactly what the forward computed. Writes
-        # after the forward (a ``.data`` change before backward) are not seen.
-        """
-        ref = StorageWeakRef(t.untyped_storage())
-        entry = self._watched_inputs.get(ref.cdata)
-        if entry is None:
-            entry = self._watched_inputs[ref.cdata] = (ref, [])
-        entry[1].append(weakref.ref(leaf))
-
-    def _note_writes(self, info: "_OpInfo", args, kwargs) -> None:
-        for i, name in info.written:
-            t = args[i] if i < len(args) else kwargs.get(name)
-            if not isinstance(t, torch.Tensor) or not _plain(t):
-                continue
-            key = self._taint(t)
-            entry = self._watched_inputs.pop(key, None)
-            if entry is not None:   # after the write these leaves hold copies
-                copies: dict = {}
-                for ref in entry[1]:
-                    leaf = ref()
-                    if leaf is not None:
-                        leaf.snapshot(copies)
-
-    def _taint(self, t: torch.Tensor) -> int:
-        """Mark the handles of dropped tensors on ``t``'s storage written (NOTE
-        [Writes to dropped tensors]); returns the storage's key."""
-        key = StorageWeakRef(t.untyped_storage()).cdata
-        entry = self._watched.get(key)
-        if entry is not None:
-            for ref in entry[1]:
-                h = ref()
-                if h is not None:
-                    h.tainted = True
-        return key
-
     def clear(self) -> None:
         self._records.clear()
         self._by_storage.clear()
-        self._watched.clear()
-        self._watched_inputs.clear()
+        self._clear_watched()
 
     # -- recording ----------------------------------------------------------------
     def _ref(self, t: torch.Tensor) -> Ref:
@@ -605,7 +249,7 @@ class ProducerMode(TorchDispatchMode):
             else:
                 rargs, rkwargs = captured
                 if info.random:
-                    rng = self._capture_rng(args, kwargs)
+                    rng = capture_rng(args, kwargs)
                     if rng is None:
                         recomputable = False
         out = _run_as_without_mode(func, types, args, kwargs)
@@ -656,7 +300,7 @@ class ProducerMode(TorchDispatchMode):
     # 3. a call that wrote to or returned an argument is not recorded;
     # 4. subclass arguments and inference mode are not recorded, as by the mode;
     # 5. a call whose op draws random numbers replays the generator state captured
-    #    before it ran (``_capture_rng``); unknown generator: not recorded;
+    #    before it ran (``capture_rng``); unknown generator: not recorded;
     # 6. any other call may draw too: the state is compared after it, and a changed
     #    one is replayed as in rule 5.
     # Only returned tensors get records (``Record.returned``).
@@ -688,13 +332,13 @@ class ProducerMode(TorchDispatchMode):
         captured = None if _inference_mode() else self._capture_all(args, kwargs)
         rng = None
         if captured is not None:   # rules 5 and 6
-            rng = self._capture_rng(args, kwargs)
+            rng = capture_rng(args, kwargs)
             if rng is None:
                 captured = None
         out = func(*args, **kwargs)
         if captured is None:
             return out
-        if name not in _RANDOM_NAMES and _drew_nothing(rng):   # rule 6
+        if name not in _RANDOM_NAMES and drew_nothing(rng):   # rule 6
             rng = None
         rargs = tuple(a.copy() if type(a) is list else a for a in captured[0])   # rule 1
         rkwargs = {k: (v.copy() if type(v) is list else v) for k, v in captured[1].items()}
@@ -757,24 +401,3 @@ class ProducerMode(TorchDispatchMode):
                 return _UNSUPPORTED
             return [self._ref(x) if isinstance(x, torch.Tensor) else x for x in a]
         return a
-
-    @staticmethod
-    def _capture_rng(args, kwargs):
-        """(generator, state) of the generator the op will draw from; ``None``
-        if unknown (the op is then not recomputable). ``get_state`` copies the
-        host-side state (CUDA: seed and offset), no device sync. A ``device``
-        argument (``torch.rand_like(x, device="cuda")``) names the device the
-        op draws on, before its tensors'."""
-        device = kwargs.get("device")
-        if device is not None:
-            device = torch.device(device)
-        else:
-            device = _first_device(args)
-        if device is None:
-            device = _first_device(kwargs.values())
-        if device is None:
-            return None
-        gen = _generator_for(device, kwargs.get("generator"))
-        if gen is None:
-            return None
-        return gen, gen.get_state()
