@@ -2,6 +2,7 @@
 budgets, follow the plan, correct it from measurement, explain it.
 
 - :mod:`.profile`: what the profiled step saved and when backward needed it;
+  :mod:`.recorder`: the observer that records it;
 - :mod:`.rates`: copy, disk and pointwise rates measured on this machine;
 - :mod:`.solver`: the cost model and the choice (NOTE [Planner cost model]);
 - :mod:`.plan`: the :class:`Plan` (orders, predictions, measurements, reasons;

@@ -72,7 +72,7 @@ from . import agree as _agree
 from .hints import Hints
 from .plan import Plan
 from .planning import KEPT_TOLERANCE, MAX_REPLANS, STALL_TOLERANCE_S, PlanMaker, gpu_stall_seconds
-from .profile import Recorder
+from .recorder import Recorder
 from .runtime import StepPlanning
 from .signatures import END, Rank, Request, is_resized, numel, rank_of
 from .solver import safe_order

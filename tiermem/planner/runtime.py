@@ -55,7 +55,7 @@ with is the per-signature state machine's (planner/lifecycle.py)."""
 
 # NOTE [Stall on the GPU's timeline]
 # On CUDA the closed loop compares the plan's predicted stall, made on the
-# GPU's timeline (NOTE [Profile times on a GPU] in planner/profile.py), with
+# GPU's timeline (NOTE [Profile times on a GPU] in planner/recorder.py), with
 # a stall measured on that timeline, not with the host's waits
 # (``stats.stall_seconds``): a restore from the cpu tier makes the consumer's
 # stream wait for the copy's event while the host goes on, and a disk read
@@ -125,7 +125,7 @@ from ..policy import Tier
 from ..runtime.contract import (INDEXED, KEPT_HIT, KEPT_NEW, KICK, NO_INDEX, StepObserver,
                                 Tracking)
 from .plan import Plan
-from .profile import Recorder
+from .recorder import Recorder
 from .signatures import Request, is_resized, numel
 
 __all__ = ["StepPlanning"]
