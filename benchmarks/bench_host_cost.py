@@ -48,7 +48,6 @@ import functools
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -211,7 +210,6 @@ def profile(width: int, a, name: str, top: int = 25) -> dict:
     """cProfile's own time per forward of ``name``'s forwards, by function."""
     import cProfile
     import pstats
-    a.configs = ["plain", name] if name != "plain" else ["plain"]
     torch.manual_seed(0)
     cfg = GPTConfig(vocab=512, layers=a.layers, width=width, heads=4, seq_len=a.seq_len)
     m = TinyGPT(cfg)
@@ -273,8 +271,7 @@ def main(argv=None) -> int:
         p.error(f"--configs: unknown {sorted(unknown)} (known: {CONFIGS}); plain is required")
     if a.threads:
         torch.set_num_threads(a.threads)
-    with tempfile.TemporaryDirectory(prefix="bench-host-cost-"):
-        rows = [measure(int(w), a) for w in a.widths.split(",")]
+    rows = [measure(int(w), a) for w in a.widths.split(",")]
     emit({"benchmark": "forward host cost: tiermem tracking against torch SAC",
           "machine": machine(), "torch_threads": torch.get_num_threads(),
           "settings": {k: v for k, v in vars(a).items()}, "results": rows}, a.out)

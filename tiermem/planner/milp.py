@@ -12,7 +12,8 @@
 # budget's need; cpu and nvme bytes stay within their rooms (as if all held at
 # once). MUST answers are fixed before the model. Objective: the sum of the
 # options' prices (costs.py); an unreachable budget frees the most bytes first,
-# PREFER hints come before the prices: NOTE [Hints in the program].
+# then at the least cost. PREFER hints come before the prices: NOTE [Hints in
+# the program].
 
 # NOTE [Hints in the program]
 # PREFER hints rank options strictly (NOTE [Planner hints], rule 3): hinted
@@ -71,7 +72,6 @@ class Model:
         self.need, self.room = need, room
         #: A solve was stopped by the wall clock, not by NODE_LIMIT or optimality.
         self.clock_bound = False
-        self._records = records
         self.vars: List[tuple] = []
         self.freed: List[int] = []
         self.price: List[float] = []
