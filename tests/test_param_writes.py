@@ -246,3 +246,66 @@ def test_cuda_data_write_raises_at_the_end_of_backward_after_one_sync(policy):
     assert syncs_in_backward(True) == syncs_in_backward(False) + 1
     with pytest.raises(tiermem.TierMemError, match="_Net.ln.bias"):
         syncs_in_backward(True, lambda n: _data_add(n.ln.bias))
+
+
+def _flip(p):
+    p.data.copy_(p.data.flip(0))
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+@pytest.mark.parametrize("param", ["ln.bias", "gain"])
+def test_a_write_that_only_permutes_a_small_parameter_raises(param, deferred):
+    """A parameter of at most ``SNAPSHOT_MAX_BYTES`` is compared word for word
+    (NOTE [Parameters changed before backward], rule 3): reordering its values
+    keeps their sum and xor, and is still seen."""
+    from tiermem.tracking.params import SNAPSHOT_MAX_BYTES
+    net = _net()
+    assert PARAMS[param](net).nbytes <= SNAPSHOT_MAX_BYTES
+    ctx = tiermem.testing.deferred_param_checks() if deferred else contextlib.nullcontext()
+    with ctx:
+        off = tiermem.Offloader(policy="recompute", min_offload_bytes=0)
+        with pytest.raises(tiermem.TierMemError, match=f"_Net.{param}"):
+            _step(net, off, lambda n: _flip(PARAMS[param](n)))
+        off.close()
+
+
+class _Wide(torch.nn.Module):
+    """A recipe holding a parameter larger than ``SNAPSHOT_MAX_BYTES``."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.randn(features))
+
+    def forward(self, x):
+        return (x * self.gain).sin().square().sum()
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_a_large_parameter_written_before_backward_raises(deferred):
+    """Above ``SNAPSHOT_MAX_BYTES`` the fingerprint (sum and xor of the
+    words) is compared: a ``.data`` write raises, no write gives plain
+    autograd's gradients."""
+    from tiermem.tracking.params import SNAPSHOT_MAX_BYTES
+    features = SNAPSHOT_MAX_BYTES // 4 + 16
+    ctx = tiermem.testing.deferred_param_checks() if deferred else contextlib.nullcontext()
+    with ctx:
+        torch.manual_seed(0)
+        net = _Wide(features)
+        x = torch.randn(4, features, requires_grad=True)
+        off = tiermem.Offloader(policy="recompute", min_offload_bytes=0)
+        with off:
+            loss = net(x)
+        net.gain.data.add_(0.5)
+        with pytest.raises(tiermem.TierMemError, match="_Wide.gain"):
+            loss.backward()
+        net.gain.data.sub_(0.5)
+        with off:
+            loss = net(x)
+        x.grad = None
+        loss.backward()
+        assert off.stats.recompute_count > 0
+        got = x.grad.clone()
+        x.grad = None
+        net(x).backward()
+        assert torch.equal(got, x.grad)
+        off.close()

@@ -22,8 +22,8 @@ __all__ = ["untracked_pack"]
 # and no argument is a tensor subclass: otherwise the op goes on as PyTorch
 # hands it over, as it would without tiermem.
 _KEY = torch._C.DispatchKey
-_VIEW_BIT_KEYS = tuple(getattr(_KEY, n) for n in ("Conjugate", "Negative", "ZeroTensor")
-                       if hasattr(_KEY, n))
+_CONJ, _NEG = _KEY.Conjugate, _KEY.Negative
+_ZERO = getattr(_KEY, "ZeroTensor", None)
 _is_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
 _set_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
 _modes_below = torch._C._len_torch_dispatch_stack   # inside a handler: the modes under it
@@ -31,19 +31,31 @@ _dispatch_at = torch._C._get_dispatch_stack_at
 
 
 def _run_as_without_mode(func, types, args, kwargs):
-    """``func(*args, **kwargs)`` with NOTE [Ops run as without a mode]."""
+    """``func(*args, **kwargs)`` with NOTE [Ops run as without a mode]. Runs
+    per op of a tracked forward: the keys are tested and set one by one,
+    without a loop."""
     if types or _modes_below():   # a subclass or another mode handles it: as PyTorch does
         return func(*args, **kwargs)
-    excluded = [k for k in _VIEW_BIT_KEYS if _is_excluded(k)]
-    if not excluded:
+    conj = _is_excluded(_CONJ)
+    neg = _is_excluded(_NEG)
+    zero = _ZERO is not None and _is_excluded(_ZERO)
+    if not (conj or neg or zero):
         return func(*args, **kwargs)
-    for k in excluded:
-        _set_excluded(k, False)
+    if conj:
+        _set_excluded(_CONJ, False)
+    if neg:
+        _set_excluded(_NEG, False)
+    if zero:
+        _set_excluded(_ZERO, False)
     try:
         return func(*args, **kwargs)
     finally:
-        for k in excluded:
-            _set_excluded(k, True)
+        if conj:
+            _set_excluded(_CONJ, True)
+        if neg:
+            _set_excluded(_NEG, True)
+        if zero:
+            _set_excluded(_ZERO, True)
 
 
 # NOTE [The pack hook runs untracked]

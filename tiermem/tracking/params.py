@@ -10,12 +10,12 @@ made between the forward and the backward.
 # 1. ``p.data = new``: the alias keeps the old storage, so the values are the forward's.
 # 2. ``with torch.no_grad(): p.add_(...)``: the version moves; the recompute raises
 #    a TierMemError naming the parameter (always on).
-# 3. ``p.data.add_(...)``: only the values show it. With ``check_params`` a
-#    fingerprint (64-bit sum and xor of the 32-bit words) taken at the first pack
-#    of each step is compared at the first recompute; a difference raises. On CUDA
-#    each comparison leaves a flag on the device, read by one callback after the
-#    backward's last gradient (no wait for the device; the error says the
-#    gradients are wrong). A write that only permutes words is not seen.
+# 3. ``p.data.add_(...)``: only the values show it. With ``check_params`` its words
+#    (a copy up to ``SNAPSHOT_MAX_BYTES``, else their 64-bit sum and xor) taken at
+#    the first pack of each step are compared at the first recompute; a difference
+#    raises. On CUDA the comparison's flag is read by one callback after the
+#    backward's last gradient (the error says the gradients are wrong). A write
+#    that only permutes the words of a larger tensor is not seen.
 # A write during the forward gives the recipe a copy (producer tracking).
 
 from __future__ import annotations
@@ -28,32 +28,52 @@ import torch
 from ..errors import TierMemError
 from .modules import param_name
 
-__all__ = ["ParamChecks", "ParamWatch", "fingerprint"]
+__all__ = ["ParamChecks", "ParamWatch", "fingerprint", "SNAPSHOT_MAX_BYTES"]
 
 _current_task = torch._C._current_graph_task_id   # -1 outside autograd's engine
+_no_dispatch_modes = torch._C._DisableTorchDispatch
 
 #: Compare on the device and read the flags at the end of backward also for
 #: CPU tensors (what CUDA tensors do); for tests (tiermem.testing).
 defer_on_cpu = False
 
 
-def fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """Two int64 values on ``t``'s device: the sum and the xor of the 32-bit
-    words (16- or 8-bit when the byte count is odd) of ``t``'s elements in
-    order. Asynchronous on CUDA (nothing is read back). ``t`` is a plain dense
-    tensor (what a recipe holds): its ops skip the Python dispatch modes, so
-    that producer tracking neither records nor slows them."""
-    with torch.no_grad(), torch._C._DisableTorchDispatch():
-        if t.is_conj() or t.is_neg():
-            t = t.resolve_conj().resolve_neg()
-        if not t.is_contiguous():
-            t = t.contiguous()
-        nbytes = t.numel() * t.element_size()
-        word = torch.int32 if nbytes % 4 == 0 else torch.int16 if nbytes % 2 == 0 else torch.uint8
-        if t.dim() == 0:
-            t = t.reshape(1)
-        words = t.view(word) if t.element_size() == word.itemsize else (
-            t.reshape(-1).view(torch.uint8).view(word))
+#: A tensor of at most this many bytes is checked against a copy of its words
+#: (one op at pack, where a fingerprint takes three, and every change is seen);
+#: a larger one by its fingerprint (two int64 values, whatever its size).
+SNAPSHOT_MAX_BYTES = 64 << 10
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s memory, in order, as 32-bit words (16- or 8-bit when the byte
+    count is odd): a view where ``t`` is dense, else a copy. Run with the
+    Python dispatch modes off (:func:`fingerprint`)."""
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    nbytes = t.numel() * t.element_size()
+    word = torch.int32 if nbytes % 4 == 0 else torch.int16 if nbytes % 2 == 0 else torch.uint8
+    if t.dim() == 0:
+        t = t.reshape(1)
+    return t.view(word) if t.element_size() == word.itemsize else (
+        t.reshape(-1).view(torch.uint8).view(word))
+
+
+def fingerprint(t: torch.Tensor, copy: bool = True) -> torch.Tensor:
+    """What :class:`ParamWatch` compares of ``t``, on ``t``'s device: for a
+    tensor of at most :data:`SNAPSHOT_MAX_BYTES`, its words (a copy; with
+    ``copy=False`` possibly a view, for a comparison made at once), else two
+    int64 values, the sum and the xor of the words in order. Asynchronous on
+    CUDA (nothing is read back). ``t`` is a plain dense tensor (what a recipe
+    holds): its ops skip the Python dispatch modes, so that producer tracking
+    neither records nor slows them."""
+    if t.requires_grad:   # a recipe's alias never does: no op below is recorded by autograd
+        t = t.detach()
+    with _no_dispatch_modes():
+        words = _words(t)
+        if t.numel() * t.element_size() <= SNAPSHOT_MAX_BYTES:
+            return words.clone() if copy else words
         return torch.stack((words.sum(dtype=torch.int64),
                             torch.hash_tensor(words).view(torch.int64)))
 
@@ -114,7 +134,8 @@ class ParamChecks:
         w = self._watches.get(key)
         if w is None or w.stale:
             fp = fingerprint(held) if self.fingerprints else None
-            if fp is not None and fp.device.type == "cpu" and not defer_on_cpu:
+            if (fp is not None and fp.device.type == "cpu" and not defer_on_cpu
+                    and held.numel() * held.element_size() > SNAPSHOT_MAX_BYTES):
                 fp = tuple(fp.tolist())   # compared at once: no tensor held
             w = self._watches[key] = ParamWatch(held, param_name(held), fp)
         return w
@@ -136,9 +157,13 @@ class ParamChecks:
         if task != -1 and w.checked_task == task:
             return
         w.checked_task = task
-        now = fingerprint(w.held)
-        if type(w.fp) is tuple or task == -1:
-            if tuple(now.tolist()) != tuple(w.fp.tolist() if type(w.fp) is not tuple else w.fp):
+        now = fingerprint(w.held, copy=False)
+        if type(w.fp) is tuple or task == -1 or (now.device.type == "cpu" and not defer_on_cpu):
+            if type(w.fp) is tuple:
+                same = tuple(now.tolist()) == w.fp
+            else:
+                same = now.shape == w.fp.shape and bool(torch.equal(now, w.fp))
+            if not same:
                 raise w.changed_error(deferred=False)
             return
         flag = torch.ne(now, w.fp).any()

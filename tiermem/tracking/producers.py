@@ -22,10 +22,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 # Record, Ref, storage_key, the op sets and untracked_pack are re-exported: imported from
 # here. The handler calls _run_as_without_mode through this module's globals
 # (benchmarks/bench_tracking_own.py times it by replacing it here).
+from .capture import capture_args
 from .dispatch import _run_as_without_mode, untracked_pack
 from .modules import _compiling, call_name, current_module
 from .ops import _RANDOM_NAMES, _VIEW_NAMES, RANDOM_OPS, RECOMPUTABLE_OPS, VIEW_OPS, _OpInfo
-from .records import _PLAIN_TYPES, _STRIDED, Record, Ref, _plain, _refs, storage_key
+from .records import _PLAIN_TYPES, _STRIDED, Record, Ref, _refs, storage_key
 from .rng import capture_rng, drew_nothing
 from .writes import WriteWatch
 
@@ -35,6 +36,10 @@ __all__ = ["ProducerMode", "CallRecorder", "Record", "Ref", "call_name", "storag
 
 _aten = torch.ops.aten
 _inference_mode = torch.is_inference_mode_enabled
+_weakref = weakref.ref
+#: What producer tracking knows of each op overload, shared by every mode
+#: (an overload's schema never changes).
+_OP_INFO: dict = {}
 
 
 def _alias_fits(t: torch.Tensor, base: torch.Tensor) -> bool:
@@ -75,14 +80,6 @@ class CallRecorder(TorchFunctionMode):
         if counting:   # NOTE [Calls recorded whole]: was this call one op?
             p.note_call(module, name, p.ops_run - before, out)
         return out
-
-
-class _Unsupported:
-    """Marks a tensor argument the recompute tier cannot hold (inference
-    tensors, sparse or other layouts, tensor subclasses)."""
-
-
-_UNSUPPORTED = _Unsupported()
 
 
 class ProducerMode(WriteWatch, TorchDispatchMode):
@@ -132,7 +129,6 @@ class ProducerMode(WriteWatch, TorchDispatchMode):
         #: Op names to record (``None``: every recomputable op).
         self.wanted: Optional[frozenset] = None
         self._records: dict = {}    # id(tensor) -> (weakref to tensor, Record)
-        self._ops: dict = {}        # OpOverload -> _OpInfo
 
     # -- lookup (pack hook) -----------------------------------------------------
     def record_of(self, t: torch.Tensor) -> Optional[Record]:
@@ -200,11 +196,6 @@ class ProducerMode(WriteWatch, TorchDispatchMode):
         self._clear_watched()
 
     # -- recording ----------------------------------------------------------------
-    def _ref(self, t: torch.Tensor) -> Ref:
-        hit = self._records.get(id(t))
-        rec = hit[1] if hit is not None and hit[0]() is t else None
-        return Ref(t, rec)
-
     # NOTE [Recording only what recipes use]
     # Only the recompute tier needs records of recomputable ops; to it a record
     # with ``func=None`` and no record at all both mean "no recipe from here". So:
@@ -220,10 +211,10 @@ class ProducerMode(WriteWatch, TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
-        counts = self.op_counts
-        info = self._ops.get(func)
+        info = _OP_INFO.get(func)
         if info is None:
-            info = self._ops[func] = _OpInfo(func)
+            info = _OP_INFO[func] = _OpInfo(func)
+        counts = self.op_counts
         if counts is not None:
             key = (current_module(), self.call)
             counts[key] = counts.get(key, 0) + 1
@@ -238,39 +229,53 @@ class ProducerMode(WriteWatch, TorchDispatchMode):
             wanted = self.wanted
             if wanted is not None and info.name not in wanted:
                 recomputable = False
-        if not recomputable and not self.names:   # NOTE [Recording only what recipes use]
-            return _run_as_without_mode(func, types, args, kwargs)
+        records = self._records
+        if not recomputable:
+            if not self.names:   # NOTE [Recording only what recipes use]
+                return _run_as_without_mode(func, types, args, kwargs)
+            out = _run_as_without_mode(func, types, args, kwargs)
+            values_op = info.name
+            if info.view and args and isinstance(args[0], torch.Tensor):
+                base = records.get(id(args[0]))
+                if base is not None and base[0]() is args[0]:
+                    values_op = base[1].values_op
+            for o in (out if isinstance(out, (tuple, list)) else (out,)):
+                if type(o) in _PLAIN_TYPES and o.layout is _STRIDED and not o.is_inference():
+                    records[id(o)] = (_weakref(o), Record(info.name, values_op, version=o._version))
+            return out
+        # Arguments are captured before the op runs (their versions then).
+        captured = capture_args(records, args, kwargs)
         rng = None
-        if recomputable:
-            # Arguments are captured before the op runs (their versions then).
-            captured = self._capture_all(args, kwargs)
-            if captured is None:
-                recomputable = False
-            else:
-                rargs, rkwargs = captured
-                if info.random:
-                    rng = capture_rng(args, kwargs)
-                    if rng is None:
-                        recomputable = False
+        if captured is not None and info.random:
+            rng = capture_rng(args, kwargs)
+            if rng is None:
+                captured = None
         out = _run_as_without_mode(func, types, args, kwargs)
         values_op = info.name
         if self.names and info.view and args and isinstance(args[0], torch.Tensor):
-            base = self._records.get(id(args[0]))
+            base = records.get(id(args[0]))
             if base is not None and base[0]() is args[0]:
                 values_op = base[1].values_op
+        if captured is None:   # a name only
+            func = rargs = rkwargs = None
+        else:
+            rargs, rkwargs = captured
+        if self.module_names:
+            module, call = current_module(), self.call
+        else:
+            module = call = None
         multi = isinstance(out, (tuple, list))
-        outs = out if multi else (out,)
-        records = self._records
-        for i, o in enumerate(outs):
+        for i, o in enumerate(out if multi else (out,)):
             if type(o) not in _PLAIN_TYPES or o.layout is not _STRIDED or o.is_inference():
                 continue   # not a tensor, or one the recompute tier cannot hold
-            rec = Record(info.name, values_op)
-            rec.version = o._version
-            if recomputable:
-                rec.rng = rng
-                self._recipe(rec, o, func, rargs, rkwargs, i if multi else None, info.view,
-                             self.call)
-            records[id(o)] = (weakref.ref(o), rec)
+            if func is None:
+                rec = Record(info.name, values_op, version=o._version)
+            else:
+                rec = Record(info.name, values_op, func, rargs, rkwargs, i if multi else None,
+                             rng, o._version, info.view, module, call)
+                if self.alias_index:
+                    self._index_alias(o, rec)
+            records[id(o)] = (_weakref(o), rec)
         return out
 
     def _recipe(self, rec: Record, o: torch.Tensor, func, args: tuple, kwargs: dict,
@@ -283,11 +288,17 @@ class ProducerMode(WriteWatch, TorchDispatchMode):
         if self.module_names:
             rec.module = current_module()
             rec.call = call
-        if self.alias_index and o.is_contiguous():   # NOTE [Views made inside untracked calls]
+        if self.alias_index:
+            self._index_alias(o, rec)
+
+    def _index_alias(self, o: torch.Tensor, rec: Record) -> None:
+        """Index ``o`` (recorded by ``rec``) by storage and offset: NOTE [Views
+        made inside untracked calls]."""
+        if o.is_contiguous():
             key = (o.untyped_storage()._cdata, o.storage_offset())
             hit = self._by_storage.get(key)
             if hit is None or hit[0]() is None:
-                self._by_storage[key] = (weakref.ref(o), rec)
+                self._by_storage[key] = (_weakref(o), rec)
 
     # NOTE [Calls recorded whole]
     # A torch call that the profile saw run exactly one recomputable aten op, always
@@ -329,7 +340,7 @@ class ProducerMode(WriteWatch, TorchDispatchMode):
         """``func(*args, **kwargs)`` (a torch call that ran the one op ``name``
         in the profile), its outputs recorded as made by the call itself: NOTE
         [Calls recorded whole]."""
-        captured = None if _inference_mode() else self._capture_all(args, kwargs)
+        captured = None if _inference_mode() else capture_args(self._records, args, kwargs)
         rng = None
         if captured is not None:   # rules 5 and 6
             rng = capture_rng(args, kwargs)
@@ -371,33 +382,3 @@ class ProducerMode(WriteWatch, TorchDispatchMode):
                          call_name(func))
             records[id(o)] = (weakref.ref(o), rec)
         return out
-
-    def _capture_all(self, args, kwargs) -> Optional[tuple]:
-        """``(args, kwargs)`` as a record holds them, or ``None`` if an
-        argument cannot be held (then the op is not recomputable)."""
-        capture = self._capture
-        rargs = []
-        for a in args:
-            c = capture(a)
-            if c is _UNSUPPORTED:
-                return None
-            rargs.append(c)
-        rkwargs = {}
-        for k, v in kwargs.items():
-            c = capture(v)
-            if c is _UNSUPPORTED:
-                return None
-            rkwargs[k] = c
-        return tuple(rargs), rkwargs
-
-    def _capture(self, a: Any) -> Any:
-        t = type(a)
-        if t is torch.Tensor or t is torch.nn.Parameter:
-            return self._ref(a) if a.layout is _STRIDED and not a.is_inference() else _UNSUPPORTED
-        if isinstance(a, torch.Tensor):   # a subclass
-            return _UNSUPPORTED
-        if isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a):
-            if not all(_plain(x) for x in a if isinstance(x, torch.Tensor)):
-                return _UNSUPPORTED
-            return [self._ref(x) if isinstance(x, torch.Tensor) else x for x in a]
-        return a

@@ -37,6 +37,7 @@ __all__ = ["Record", "Ref", "storage_key"]
 #: (and parameters) of the base class.
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _STRIDED = torch.strided
+_weakref = weakref.ref
 
 
 def _plain(t: torch.Tensor) -> bool:
@@ -82,12 +83,14 @@ class Ref:
     __slots__ = ("tensor_ref", "version", "record", "nbytes", "key", "storage")
 
     def __init__(self, t: torch.Tensor, record: Optional["Record"]) -> None:
-        self.tensor_ref = weakref.ref(t)
-        self.version = t._version
+        self.tensor_ref = _weakref(t)
+        self.version = version = t._version
         self.record = record
         self.nbytes = t.nbytes
         storage = t.untyped_storage()
-        self.key = storage_key(t, storage)
+        # storage_key(t, storage), inlined: one Ref per tensor argument of each recorded op.
+        self.key = (storage.data_ptr(), t.storage_offset(), tuple(t.size()), t.stride(),
+                    t.dtype, version, t.is_conj(), t.is_neg())
         self.storage = _StorageRef(storage)
 
     def alive(self) -> Optional[torch.Tensor]:
@@ -112,25 +115,32 @@ class Record:
     __slots__ = ("name", "func", "args", "kwargs", "out_index", "rng", "version", "is_view",
                  "values_op", "module", "call", "returned", "__weakref__")
 
-    def __init__(self, name: str, values_op: str) -> None:
+    def __init__(self, name: str, values_op: str, func=None, args: tuple = (),
+                 kwargs: Optional[dict] = None, out_index: Optional[int] = None, rng=None,
+                 version: int = 0, is_view: bool = False, module: Optional[str] = None,
+                 call: Optional[str] = None) -> None:
         self.name = name
         self.values_op = values_op
-        self.func = None
-        self.args: tuple = ()
-        self.kwargs: dict = {}
-        self.out_index: Optional[int] = None
-        self.rng = None
-        self.version = 0
-        self.is_view = False
+        #: The op to run again (``None``: only the name is known), its held
+        #: arguments (:class:`Ref` per tensor), which output is this one
+        #: (``None``: the only one), and the generator state it drew from.
+        self.func = func
+        self.args: tuple = args
+        self.kwargs: dict = {} if kwargs is None else kwargs
+        self.out_index: Optional[int] = out_index
+        self.rng = rng
+        #: The output's version when it was made (NOTE [Version of a record]).
+        self.version = version
+        self.is_view = is_view
         #: Qualified name of the innermost module the op ran in (``""``: none),
         #: recorded only by a mode made with ``module_names=True``; else ``None``.
-        self.module: Optional[str] = None
+        self.module: Optional[str] = module
         #: Name of the outermost torch call (``F.linear``: ``"linear"``) the op
         #: ran in, recorded with ``module`` while a
         #: :class:`~tiermem.tracking.producers.CallRecorder` runs
         #: (NOTE [Tracking inside torch calls] in tracking/modules.py); ``None``: not
         #: recorded, or the op ran outside every torch call.
-        self.call: Optional[str] = None
+        self.call: Optional[str] = call
         #: The torch call ``call`` returned this tensor (set by a
         #: :class:`~tiermem.tracking.producers.CallRecorder`; NOTE [Calls recorded
         #: whole] in tracking/producers.py).
