@@ -127,6 +127,20 @@ def test_second_fit_with_the_same_callback_gets_a_new_offloader(tmp_path):
     _assert_left_nothing(cb, model)
 
 
+def test_pickled_callback_builds_its_own_offloader(tmp_path):
+    """A copy sent to another process (``ddp_spawn``) carries the settings,
+    not the Offloader (its threads and pools are this process's)."""
+    import pickle
+
+    cb = _callback("cpu", tmp_path)
+    copy = pickle.loads(pickle.dumps(cb))
+    assert copy.offloader is None and not cb.offloader.closed
+    _, _, model = example.fit(copy, validate=False)
+    assert copy.offloader.stats.count_by_tier["cpu"] > 0
+    _assert_left_nothing(copy, model)
+    cb.offloader.close()
+
+
 class _Recording(TierMemCallback):
     """Remembers the module it was fitted with."""
 
