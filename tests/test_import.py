@@ -25,3 +25,13 @@ def test_public_names_are_exported():
     assert issubclass(tiermem.ConfigError, ValueError)
     assert issubclass(tiermem.TierMemError, RuntimeError)
     assert [t.value for t in tiermem.Tier] == ["keep", "cpu", "nvme", "recompute"]
+
+
+def test_import_does_not_import_the_integrations_frameworks():
+    """``tiermem.integrations`` imports its frameworks only in their submodules."""
+    code = ("import sys, tiermem, tiermem.integrations; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('lightning', 'pytorch_lightning', 'transformers')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
