@@ -166,14 +166,6 @@ def _storage_ptrs(t: torch.Tensor):
         yield ptr
 
 
-def _has_fsdp_module(module: torch.nn.Module) -> bool:
-    """Whether ``module`` or a submodule is managed by FSDP2 (``fully_shard``).
-    Only asks when ``torch.distributed.fsdp`` was imported (fully_shard needs it)."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    cls = getattr(fsdp, "FSDPModule", None)
-    return cls is not None and any(isinstance(m, cls) for m in module.modules())
-
-
 def _movable(t: torch.Tensor) -> bool:
     if type(t) is not torch.Tensor:
         return False
@@ -232,15 +224,30 @@ class Packer:
             return
         self._seen_roots.add(id(module))
         sharded = False
-        for tensors in (module.parameters(), module.buffers()):
-            for p in tensors:
-                if p.layout != _strided:   # sparse ones have no storage
-                    continue
-                if type(p) is not torch.Tensor and type(p) is not _Parameter:
-                    sharded = sharded or is_traceable_wrapper_subclass(p)
-                self.param_storages.update(_storage_ptrs(p))
-        if sharded or _has_fsdp_module(module):
+        storages = self.param_storages
+        fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+        # One walk over the modules (each once), their own parameters and
+        # buffers: what module.parameters() and module.buffers() yield, and
+        # whether one is managed by FSDP2, without their generators per step.
+        todo, seen = [module], set()
+        while todo:
+            m = todo.pop()
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            if fsdp is not None and isinstance(m, fsdp):
+                sharded = True
+            for tensors in (m._parameters, m._buffers):
+                for p in tensors.values():
+                    if p is None or p.layout != _strided:   # sparse ones have no storage
+                        continue
+                    if type(p) is not torch.Tensor and type(p) is not _Parameter:
+                        sharded = sharded or is_traceable_wrapper_subclass(p)
+                    storages.update(_storage_ptrs(p))
+            todo.extend(c for c in m._modules.values() if c is not None)
+        if sharded:
             self.step.params_may_be_freed = True
+
     def clear(self) -> None:
         self.param_storages.clear()
         self._seen_roots.clear()

@@ -76,6 +76,13 @@ def capture_args(records: dict, args: tuple, kwargs: dict) -> Optional[tuple]:
             hit = records.get(id(a))
             append(Ref(a, hit[1] if hit is not None and hit[0]() is a else None))
         else:
+            if ta is list or ta is tuple:   # sizes, dims: held as they are
+                for x in a:
+                    if isinstance(x, _Tensor):
+                        break
+                else:
+                    append(a)
+                    continue
             c = _capture(records, a)
             if c is UNSUPPORTED:
                 return None
