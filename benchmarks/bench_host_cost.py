@@ -148,12 +148,13 @@ def counts(model, x) -> dict:
 
 def measure(width: int, a) -> dict:
     torch.manual_seed(0)
+    dev = torch.device(a.device)
     cfg = GPTConfig(vocab=512, layers=a.layers, width=width, heads=4, seq_len=a.seq_len)
-    base = TinyGPT(cfg)
-    x = torch.randint(0, cfg.vocab, (a.batch, a.seq_len))
+    base = TinyGPT(cfg).to(dev)
+    x = torch.randint(0, cfg.vocab, (a.batch, a.seq_len), device=dev)
     models, contexts, notes = {}, {}, {}
     for name in a.configs:
-        m = TinyGPT(cfg)
+        m = TinyGPT(cfg).to(dev)
         m.load_state_dict(base.state_dict())
         if name == "sac_all_save":
             _with_sac(m, _all_save)
@@ -171,26 +172,41 @@ def measure(width: int, a) -> dict:
             contexts[name] = tiermem.Offloader(policy=POLICY[name])
     n = counts(base, x)
     clock = time.thread_time if a.clock == "cpu" else time.perf_counter
+    # CUDA: the forward's host time (until it returns) and its time to the
+    # device's end (synchronised): see docs/host-cost.md.
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     fwd = {k: [] for k in a.configs}
+    host = {k: [] for k in a.configs}
     step = {k: [] for k in a.configs}
     for r in range(a.warmup + a.rounds):
         for name in round_order(a.configs, r):
             m, ctx = models[name], contexts[name]
+            sync()
             t0 = clock()
             with ctx:
                 loss = m(x, x)
+            th = clock()
+            sync()
             t1 = clock()
             loss.backward()
+            sync()
             t2 = clock()
             for p in m.parameters():
                 p.grad = None
             if r >= a.warmup:
                 fwd[name].append(t1 - t0)
+                host[name].append(th - t0)
                 step[name].append(t2 - t0)
-    out = {"width": width, "counts": n, "plans": notes, "configs": {}}
+    out = {"width": width, "device": str(dev), "counts": n, "plans": notes, "configs": {}}
     for name in a.configs:
         row = {"forward_s": statistics.median(fwd[name]), "step_s": statistics.median(step[name]),
                "forward_samples_s": fwd[name], "step_samples_s": step[name]}
+        if dev.type == "cuda":
+            row["forward_host_s"] = statistics.median(host[name])
+        if name not in ("plain", "sac_all_save") and "sac_all_save" in fwd:
+            # The bar of issue 33: this forward against SAC's, paired per round.
+            row["forward_ratio_to_sac_all_save"] = median_ci(
+                [f / s_ for f, s_ in zip(fwd[name], fwd["sac_all_save"])])
         if name != "plain":
             rf = [f / p for f, p in zip(fwd[name], fwd["plain"])]
             rs = [f / p for f, p in zip(step[name], step["plain"])]
@@ -254,6 +270,7 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: as is)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (wall clock; adds forward_host_s)")
     p.add_argument("--profile", default=None, metavar="CONFIG",
                    help="cProfile this configuration's forwards instead of timing")
     p.add_argument("--out", default=None)
@@ -271,10 +288,17 @@ def main(argv=None) -> int:
         p.error(f"--configs: unknown {sorted(unknown)} (known: {CONFIGS}); plain is required")
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {a.device}: no CUDA device here")
+    if a.device.startswith("cuda") and a.clock == "cpu":
+        p.error("--device cuda times the wall clock (the device runs apart): drop --clock cpu")
+    load_before = list(os.getloadavg())
     rows = [measure(int(w), a) for w in a.widths.split(",")]
     emit({"benchmark": "forward host cost: tiermem tracking against torch SAC",
           "machine": machine(), "torch_threads": torch.get_num_threads(),
-          "settings": {k: v for k, v in vars(a).items()}, "results": rows}, a.out)
+          "settings": {k: v for k, v in vars(a).items()},
+          "load_average_before_after": [load_before, list(os.getloadavg())],
+          "results": rows}, a.out)
     return 0
 
 
