@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import json
 import os
 import statistics
 import sys
@@ -258,6 +259,32 @@ def profile(width: int, a, name: str, top: int = 25) -> dict:
                              for s_, c, f in rows]}
 
 
+def _ci(c) -> str:
+    return "-" if not c else f"{c['median']:.3f} ({c['low']:.3f}-{c['high']:.3f})"
+
+
+def summarize(data: dict) -> str:
+    """A Markdown table of a result of :func:`measure` (``--summarize FILE``)."""
+    lines = []
+    for r in data["results"]:
+        n = r["counts"]
+        lines += [f"Width {r['width']} on {r.get('device', 'cpu')}: {n['aten_ops']} aten ops, "
+                  f"{n['saved_tensors']} saved tensors per forward.", "",
+                  "| config | forward ms | / plain (90% CI) | / SAC all-save (90% CI) | "
+                  "step / plain | +µs per op | +µs per saved tensor | host ms |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for name, c in r["configs"].items():
+            host = c.get("forward_host_s")
+            lines.append(
+                f"| {name} | {c['forward_s'] * 1e3:.2f} | {_ci(c.get('forward_ratio'))} | "
+                f"{_ci(c.get('forward_ratio_to_sac_all_save'))} | {_ci(c.get('step_ratio'))} | "
+                f"{c.get('forward_extra_us_per_op', 0):.2f} | "
+                f"{c.get('forward_extra_us_per_saved_tensor', 0):.2f} | "
+                f"{'-' if host is None else f'{host * 1e3:.2f}'} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--widths", default="256,512")
@@ -274,7 +301,13 @@ def main(argv=None) -> int:
     p.add_argument("--profile", default=None, metavar="CONFIG",
                    help="cProfile this configuration's forwards instead of timing")
     p.add_argument("--out", default=None)
+    p.add_argument("--summarize", default=None, metavar="FILE",
+                   help="print a Markdown table of a result JSON, run nothing")
     a = p.parse_args(argv)
+    if a.summarize:
+        with open(a.summarize) as f:
+            print(summarize(json.load(f)))
+        return 0
     if a.profile:
         if a.threads:
             torch.set_num_threads(a.threads)

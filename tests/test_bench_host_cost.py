@@ -36,6 +36,9 @@ def test_host_cost_bench_reports_every_configuration(tmp_path):
         assert "forward_extra_us_per_op" in c and "forward_extra_us_per_saved_tensor" in c
         if name != "sac_all_save":
             assert c["forward_ratio_to_sac_all_save"]["n"] == 4
+    table = subprocess.run([sys.executable, BENCH, "--summarize", str(out)], check=True,
+                           cwd=ROOT, timeout=120, capture_output=True, text=True).stdout
+    assert "| recompute |" in table and "/ SAC all-save" in table
 
 
 def test_cuda_without_a_device_is_refused_clearly():
