@@ -60,8 +60,16 @@ def _runs(seq):
     return [x for j, x in enumerate(seq) if j == 0 or seq[j - 1] != x]
 
 
-@pytest.mark.parametrize("kind", SCHEDULES)
-@pytest.mark.parametrize("policy", POLICIES)
+def _cases():
+    """Every policy under 1F1B and cpu under GPipe by default; the rest slow."""
+    for kind in SCHEDULES:
+        for policy in POLICIES:
+            fast = (kind == "1f1b" and policy != "recompute,nvme") or policy == "cpu"
+            yield pytest.param(policy, kind, marks=() if fast else pytest.mark.slow,
+                               id=f"{policy}-{kind}")
+
+
+@pytest.mark.parametrize("policy,kind", list(_cases()))
 def test_schedule_is_exact_and_restores_in_backward_order(policy, kind, nvme_dir):
     batches = make_batches(MICRO_BATCHES, BATCH, CFG)
     ref = train(make_stages(STAGES, CFG), batches, kind)
@@ -174,7 +182,7 @@ def test_auto_keeps_a_stage_within_its_budget_across_micro_batches():
     # budget is 3/4 of what they keep at once without tiermem (within what
     # the tiers can free here); a plan made for one micro-batch at a time
     # would keep everything.
-    kind, stages, n = "1f1b", 4, 8
+    kind, stages, n = "1f1b", 4, 6
     _, plain, _ = _stage0_kept(kind, stages, n, 1, policy="keep")
     budget = plain[0] * 3 // 4
     off, peaks, plans = _stage0_kept(kind, stages, n, 3, policy="auto",
