@@ -126,7 +126,7 @@ class PlanMaker:
         micro-batches])."""
         plan = self.current
         if (plan is None or is_resized(plan) or isinstance(self.cfg.device_budget, BudgetShare)
-                or getattr(plan, "in_flight", 1) >= self._in_flight()):
+                or plan.in_flight >= self._in_flight()):
             return
         profile = self._profiles.get(plan.keys)
         if profile is not None:

@@ -343,7 +343,8 @@ class Packer:
         handle = self(t)
         step = self.step
         if type(handle) is Kept and step.order is not None and _in_backward() == -1:
-            return MarkedKept(handle, step)
+            handle = MarkedKept(handle, step)
+        step.saved_first(handle)
         return handle
 
     def _place_decided(self, t: torch.Tensor, nbytes: int, step_decider) -> Any:

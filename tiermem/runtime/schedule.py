@@ -7,9 +7,10 @@ flight (forward over, backward not), for whoever plans their budgets."""
 # Invariant: restores and the tail hold serve the step whose backward comes
 # next, and the order only decides *when* a restore starts, never what it
 # returns (exact whatever the real order). Why:
-# 1. Steps enter in forward order; a step is *pending* from its forward until
-#    the end of the first backward pass that unpacked one of its handles (a
-#    moved, dropped or kick handle, or the marker its first kept pack gets).
+# 1. Steps enter in forward order, *pending* until the end of the first backward
+#    pass that unpacked one of their handles (moved, dropped, kick, or the marker
+#    of a first kept pack); *in flight* from the forward's end while the first
+#    handle lives. Freed graphs, dead steps and forwards that raised drop out.
 # 2. Next: the step named by ``Offloader.expect_backward`` while pending, else
 #    the oldest pending step that has restores to make (FIFO: GPipe, 1F1B and
 #    gradient accumulation run their backwards in forward order).
@@ -17,7 +18,6 @@ flight (forward over, backward not), for whoever plans their budgets."""
 #    runtime/tailhold.py); naming another step releases the others' sources.
 # 4. When a backward ends, the next step whose forward is over is kicked
 #    (``Prefetcher.kick``): its restores start within its own window.
-# 5. Dead steps (graph freed) are forgotten; a forward that raised is dropped.
 
 from __future__ import annotations
 
@@ -55,12 +55,12 @@ class BackwardOrder:
             return self._count - 1
 
     def forward_ended(self, step, failed: bool) -> None:
-        """``step``'s forward is over (``failed``: it raised, dropped: rule 5)."""
+        """``step``'s forward is over (``failed``: it raised, dropped: rule 1)."""
         if failed:
             self._tail.release_step(step)
             self._remove(step)
             return
-        n = len([s for s in self._live() if s.forward_over])
+        n = len([s for s in self._live() if s.in_flight])
         if n > self.peak_in_flight:
             self.peak_in_flight = n
 
@@ -93,7 +93,7 @@ class BackwardOrder:
         if named is not None:
             return named
         for s in self._live():
-            if s.has_restores or not s.forward_over:
+            if not s.forward_over or (s.has_restores and s.in_flight):
                 return s
         return None
 
@@ -104,7 +104,7 @@ class BackwardOrder:
     def name_next(self, which, owner) -> None:
         """``Offloader.expect_backward``: see its contract. ``owner``: the
         Offloader (a context of another one is refused)."""
-        live = [s for s in self._live() if s.forward_over]
+        live = [s for s in self._live() if s.in_flight]
         if isinstance(which, bool) or not isinstance(which, int):
             ctx_step = getattr(which, "step", None)
             if getattr(which, "_off", None) is not owner or ctx_step is None:

@@ -136,6 +136,7 @@ class Step:
         self.number = -1
         self.forward_over = False
         self._backward_task = -1   # the graph task that last unpacked a handle
+        self._first_handle = None   # a weak reference to the first handle packed
 
     def join(self, order) -> None:
         """Enter ``order`` (the Offloader's backward order) as its latest forward."""
@@ -228,6 +229,21 @@ class Step:
         """Whether this step moved or dropped a tensor (its backward restores)."""
         by = self.stats.count_by_tier
         return any(n for tier, n in by.items() if tier != _KEEP)
+
+    def saved_first(self, handle) -> None:
+        """``handle`` is the first this step packed: while autograd holds it,
+        the step's graph is alive (``in_flight``)."""
+        try:
+            self._first_handle = weakref.ref(handle)
+        except TypeError:   # not weakly referable: the step counts as alive
+            pass
+
+    @property
+    def in_flight(self) -> bool:
+        """Forward over, something saved, and its graph not freed (the first
+        handle alive): a backward may still come (NOTE [Backward order], 1)."""
+        first = self._first_handle
+        return self.forward_over and first is not None and first() is not None
 
     def note_backward(self) -> None:
         """An unpack of this step's handle inside autograd's engine: once per

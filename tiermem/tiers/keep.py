@@ -53,7 +53,7 @@ class KickKept:
     so every other use of the tensor sees a plain :class:`Kept`.
     """
 
-    __slots__ = ("kept", "step", "top")
+    __slots__ = ("kept", "step", "top", "__weakref__")
 
     def __init__(self, kept: Kept, step, top: Optional[int] = None) -> None:
         self.kept = kept
@@ -83,7 +83,7 @@ class MarkedKept:
     runtime/schedule.py, 1), then unpacks as :class:`Kept`. Only autograd
     holds it; the step's dedup table and recipes hold ``kept``."""
 
-    __slots__ = ("kept", "step")
+    __slots__ = ("kept", "step", "__weakref__")
 
     def __init__(self, kept: Kept, step) -> None:
         self.kept = kept
