@@ -196,3 +196,26 @@ def test_auto_keeps_a_stage_within_its_budget_across_micro_batches():
     assert len(last) == n and all(p is last[0] for p in last) and last[0] is not None
     assert planner.profiles == 1 and len(planner.plans) == 1
     off.close()
+
+
+def test_only_forwards_a_backward_may_follow_count_as_in_flight():
+    # A forward under no_grad (nothing saved) and one whose graph was dropped
+    # without a backward are not in flight, even while their contexts live.
+    off = offloader("cpu")
+    lin = torch.nn.Linear(16, 16)
+    x = torch.randn(4, 16)
+    with torch.no_grad(), off as c_eval:
+        lin(x)
+    with off as c_dropped:
+        y = lin(x).relu().sum()
+    del y
+    with off as c0:
+        y0 = lin(x).relu().sum()
+    assert tiermem.testing.peak_in_flight(off) == 1
+    with off as c1:
+        y1 = lin(x).relu().sum()
+    assert tiermem.testing.peak_in_flight(off) == 2
+    y0.backward()
+    y1.backward()
+    assert c_eval is not None and c_dropped is not None and c0 is not None and c1 is not None
+    off.close()

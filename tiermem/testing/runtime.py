@@ -42,6 +42,7 @@ __all__ = [
     "before_cuda_copies",
     "step_number",
     "record_restores",
+    "peak_in_flight",
 ]
 
 
@@ -308,3 +309,10 @@ def record_restores(off) -> Iterator[List[Tuple[int, str]]]:
             stack.enter_context(patched(store, "prefetch", ahead))
             stack.enter_context(patched(store, "take", taken))
         yield seen
+
+
+def peak_in_flight(off) -> int:
+    """The most forwards of ``off`` seen in flight at once (forward over,
+    backward not run, graph alive), counted at each forward's end: what
+    ``policy="auto"`` divides a size budget by (NOTE [Backward order])."""
+    return off._order.peak_in_flight
