@@ -7,7 +7,9 @@ schedule and against full checkpointing (torch.utils.checkpoint per block).
   the bytes of saved activations its forwards in flight keep in memory, as
   tiermem counts them (``stats.bytes_by_tier['keep']``; the plain schedule
   and checkpointing are counted under ``policy="keep"``, which moves
-  nothing). On a CPU, "kept" and "moved to cpu" are the same RAM.
+  nothing), and the bytes restored (or held by the tail hold) ahead of their
+  unpack (``ctx.prefetcher.inflight_bytes``). On a CPU, "kept" and "moved to
+  cpu" are the same RAM.
 - Time: medians of ``--rounds`` rounds, the configurations interleaved in
   each round, after ``--warmup`` steps each (auto profiles and plans there);
   each configuration's ratio to the plain step of the same round.
@@ -69,21 +71,22 @@ def _timeline(stage_list, batches, opt, offs, stages):
     and per stage the restores of the step: read on demand (misses), started
     ahead (hits), and seconds waited for them."""
     live = [dict() for _ in range(stages)]
-    rows, stats = [], [[] for _ in range(stages)]
+    rows, ahead, stats = [], [], [[] for _ in range(stages)]
 
     def on_op(s, op, ctx):
         if op[0] == "F":
-            live[s][op[1]] = ctx.stats.bytes_by_tier["keep"]
+            live[s][op[1]] = ctx
             stats[s].append(ctx.stats)
         else:
             live[s].pop(op[1], None)
-        rows.append([sum(d.values()) for d in live])
+        rows.append([sum(c.stats.bytes_by_tier["keep"] for c in d.values()) for d in live])
+        ahead.append([sum(c.prefetcher.inflight_bytes for c in d.values()) for d in live])
     _step(stage_list, batches, opt, offs, on_op)
     restores = [{"misses": sum(x.prefetch_misses for x in st),
                  "hits": sum(x.prefetch_hits for x in st),
                  "tail_hits": sum(x.tail_hits for x in st),
                  "stall_seconds": sum(x.stall_seconds for x in st)} for st in stats]
-    return rows, restores
+    return rows, ahead, restores
 
 
 def main(argv=None) -> int:
@@ -118,8 +121,8 @@ def main(argv=None) -> int:
     # The plain schedule's kept bytes (policy keep moves nothing): the budget.
     st, opt = fresh()
     keep = [tiermem.Offloader(policy="keep", min_offload_bytes=0) for _ in range(S)]
-    timelines, restores = {}, {}
-    timelines["plain"], restores["plain"] = _timeline(st, batches, opt, keep, S)
+    timelines, ahead, restores = {}, {}, {}
+    timelines["plain"], ahead["plain"], restores["plain"] = _timeline(st, batches, opt, keep, S)
     plain_peak0 = max(r[0] for r in timelines["plain"])
     budget = int(args.auto_budget * plain_peak0)
 
@@ -137,7 +140,7 @@ def main(argv=None) -> int:
         st, opt, offs = runs[name]
         count = offs if offs is not None else [
             tiermem.Offloader(policy="keep", min_offload_bytes=0) for _ in range(S)]
-        timelines[name], restores[name] = _timeline(st, batches, opt, count, S)
+        timelines[name], ahead[name], restores[name] = _timeline(st, batches, opt, count, S)
     times = {n: [] for n in CONFIGS}
     for _ in range(args.rounds):
         for name in CONFIGS:
@@ -152,6 +155,9 @@ def main(argv=None) -> int:
                          "ratio_to_plain_median": statistics.median(ratios),
                          "peak_kept_bytes_per_stage": peaks,
                          "restores_per_stage": restores[name],
+                         "peak_restored_ahead_bytes_per_stage": [
+                             max(r[s] for r in ahead[name]) for s in range(S)],
+                         "timeline_restored_ahead_bytes": ahead[name],
                          "timeline_kept_bytes": timelines[name]}
     auto_offs = runs["auto"][2]
     plan = auto_offs[0].plan
@@ -187,12 +193,13 @@ def plot(res: dict, path: str) -> None:
     fig, axes = plt.subplots(1, S, figsize=(4 * S, 3.6), sharey=True)
     for s, ax in enumerate(axes):
         for name, e in res["configs"].items():
-            ys = [r[s] / (1 << 20) for r in e["timeline_kept_bytes"]]
+            ys = [(r[s] + a[s]) / (1 << 20) for r, a in
+                  zip(e["timeline_kept_bytes"], e["timeline_restored_ahead_bytes"])]
             ax.step(range(len(ys)), ys, where="post", label=name)
         if s == 0:
             ax.axhline(res["auto"]["device_budget_bytes"] / (1 << 20), ls="--", c="gray",
                        label="auto budget")
-            ax.set_ylabel("saved bytes kept (MiB)")
+            ax.set_ylabel("saved bytes kept + restored ahead (MiB)")
         ax.set_title(f"stage {s}")
         ax.set_xlabel("op of the 1F1B step (all stages)")
     axes[0].legend(fontsize=8)

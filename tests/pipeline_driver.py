@@ -79,10 +79,13 @@ def make_batches(micro_batches: int, batch: int, cfg: GPTConfig, seed: int = 1):
             for _ in range(micro_batches)]
 
 
+ContextFactory = Callable[[], contextlib.AbstractContextManager]
+
+
 def run_schedule(stages: Sequence[Stage], batches, kind: str,
-                 contexts: Optional[Sequence[Callable[[], contextlib.AbstractContextManager]]]
-                 = None, seed: int = 100,
-                 on_op: Optional[Callable[[int, Op, object], None]] = None) -> Dict[int, torch.Tensor]:
+                 contexts: Optional[Sequence[ContextFactory]] = None, seed: int = 100,
+                 on_op: Optional[Callable[[int, Op, object], None]] = None
+                 ) -> Dict[int, torch.Tensor]:
     """One optimizer step's forwards and backwards of every micro-batch in
     ``kind`` order (:func:`stage_ops`); stage s's forwards run under
     ``contexts[s]()`` when given. Dropout of stage s on micro-batch i draws

@@ -90,7 +90,7 @@ class BackwardOrder:
     def next_step(self):
         """The step whose backward comes next (rule 2), or ``None``."""
         named = self._named() if self._named is not None else None
-        if named is not None:
+        if named is not None and named.in_flight:
             return named
         for s in self._live():
             if not s.forward_over or (s.has_restores and s.in_flight):
