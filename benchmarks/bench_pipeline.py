@@ -8,8 +8,9 @@ schedule and against full checkpointing (torch.utils.checkpoint per block).
   tiermem counts them (``stats.bytes_by_tier['keep']``; the plain schedule
   and checkpointing are counted under ``policy="keep"``, which moves
   nothing), and the bytes restored (or held by the tail hold) ahead of their
-  unpack (``ctx.prefetcher.inflight_bytes``). On a CPU, "kept" and "moved to
-  cpu" are the same RAM.
+  unpack (``ctx.prefetcher.inflight_bytes``); per stage the peak of sources
+  the tail hold keeps (counted in "ahead" too once its backward starts). On a
+  CPU, "kept" and "moved to cpu" are the same RAM.
 - Time: medians of ``--rounds`` rounds, the configurations interleaved in
   each round, after ``--warmup`` steps each (auto profiles and plans there);
   each configuration's ratio to the plain step of the same round.
@@ -70,8 +71,9 @@ def _timeline(stage_list, batches, opt, offs, stages):
     """Bytes each stage's forwards in flight keep, after each op of the step;
     and per stage the restores of the step: read on demand (misses), started
     ahead (hits), and seconds waited for them."""
+    import tiermem.testing
     live = [dict() for _ in range(stages)]
-    rows, ahead, stats = [], [], [[] for _ in range(stages)]
+    rows, ahead, stats, tail = [], [], [[] for _ in range(stages)], [0] * stages
 
     def on_op(s, op, ctx):
         if op[0] == "F":
@@ -81,11 +83,13 @@ def _timeline(stage_list, batches, opt, offs, stages):
             live[s].pop(op[1], None)
         rows.append([sum(c.stats.bytes_by_tier["keep"] for c in d.values()) for d in live])
         ahead.append([sum(c.prefetcher.inflight_bytes for c in d.values()) for d in live])
+        tail[s] = max(tail[s], tiermem.testing.tail_held_bytes(offs[s]))
     _step(stage_list, batches, opt, offs, on_op)
     restores = [{"misses": sum(x.prefetch_misses for x in st),
                  "hits": sum(x.prefetch_hits for x in st),
                  "tail_hits": sum(x.tail_hits for x in st),
-                 "stall_seconds": sum(x.stall_seconds for x in st)} for st in stats]
+                 "stall_seconds": sum(x.stall_seconds for x in st),
+                 "peak_tail_held_bytes": tail[s]} for s, st in enumerate(stats)]
     return rows, ahead, restores
 
 
@@ -185,28 +189,37 @@ def main(argv=None) -> int:
 
 
 def plot(res: dict, path: str) -> None:
-    """Kept bytes per stage over the schedule's ops, one panel per stage."""
+    """Per stage (columns): the bytes kept (top row) and kept plus restored
+    ahead (bottom row) over the schedule's ops, one line per configuration."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     S = res["args"]["stages"]
-    fig, axes = plt.subplots(1, S, figsize=(4 * S, 3.6), sharey=True)
-    for s, ax in enumerate(axes):
-        for name, e in res["configs"].items():
-            ys = [(r[s] + a[s]) / (1 << 20) for r, a in
-                  zip(e["timeline_kept_bytes"], e["timeline_restored_ahead_bytes"])]
-            ax.step(range(len(ys)), ys, where="post", label=name)
-        if s == 0:
-            ax.axhline(res["auto"]["device_budget_bytes"] / (1 << 20), ls="--", c="gray",
-                       label="auto budget")
-            ax.set_ylabel("saved bytes kept + restored ahead (MiB)")
-        ax.set_title(f"stage {s}")
-        ax.set_xlabel("op of the 1F1B step (all stages)")
-    axes[0].legend(fontsize=8)
+    fig, axes = plt.subplots(2, S, figsize=(4 * S, 6.4), sharey=True, sharex=True)
+    styles = {"plain": ("black", "-"), "checkpoint": ("tab:orange", "-"),
+              "cpu": ("tab:green", "-"), "nvme": ("tab:red", ":"), "auto": ("tab:blue", "-")}
+    for row, with_ahead in enumerate((False, True)):
+        for s in range(S):
+            ax = axes[row][s]
+            for name, e in res["configs"].items():
+                ys = [(r[s] + (a[s] if with_ahead else 0)) / (1 << 20) for r, a in
+                      zip(e["timeline_kept_bytes"], e["timeline_restored_ahead_bytes"])]
+                color, ls = styles.get(name, (None, "-"))
+                ax.step(range(len(ys)), ys, where="post", label=name, color=color, ls=ls)
+            if s == 0:
+                ax.axhline(res["auto"]["device_budget_bytes"] / (1 << 20), ls="--",
+                           c="gray", label="auto's budget (stage 0)")
+                ax.set_ylabel("kept + restored ahead (MiB)" if with_ahead else "kept (MiB)")
+            if row == 0:
+                ax.set_title(f"stage {s}")
+            else:
+                ax.set_xlabel("op of the 1F1B step (all stages)")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9)
     a = res["args"]
-    fig.suptitle(f"1F1B, {S} stages x {a['micro_batches']} micro-batches, one process, "
-                 f"{a['threads']} thread(s)")
-    fig.tight_layout()
+    fig.suptitle(f"Saved activations per stage: 1F1B, {S} stages x {a['micro_batches']} "
+                 f"micro-batches, one process, {a['threads']} thread(s) (cpu and nvme coincide)")
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(path, dpi=110)
 
 
