@@ -60,7 +60,11 @@ class BackwardOrder:
             self._tail.release_step(step)
             self._remove(step)
             return
-        n = len([s for s in self._live() if s.in_flight])
+        live = self._live()
+        gone = [s for s in live if s.forward_over and not s.in_flight]
+        for s in gone:   # graph freed without a backward, or nothing saved
+            self._remove(s)
+        n = sum(1 for s in live if s.in_flight)
         if n > self.peak_in_flight:
             self.peak_in_flight = n
 
