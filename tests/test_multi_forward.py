@@ -8,7 +8,8 @@ come in the same order, in reverse, or interleaved with further forwards
 backward are bit-identical (``torch.equal``) to plain autograd run in the same
 order with the same RNG seeds (the transformer block has attention and
 residual dropout). Each forward's stats are its own; ``off.stats`` is the most
-recent forward's. A backward restores only its own micro-batch's tensors, and
+recent forward's. A backward restores its own micro-batch's tensors and, at its
+end, starts those of the one expected next (the oldest pending forward), and
 once every backward has run (and the graphs are gone) the pools are idle.
 """
 
@@ -141,32 +142,48 @@ def _prefetch_spy(off, tiers):
     return started
 
 
+def _next_in_fifo(order: str, done: int) -> int:
+    """The micro-batch whose backward FIFO expects after ``done``'s backward
+    in ``order``: the oldest forward so far whose backward has not run, or -1."""
+    ops = order.split()
+    ran = ops[:ops.index(f"B{done}") + 1]
+    pending = [int(o[1:]) for o in ran if o[0] == "F" and f"B{o[1:]}" not in ran]
+    return pending[0] if pending else -1
+
+
 @pytest.mark.parametrize("window", [None, "16KiB"], ids=["auto_window", "small_window"])
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("policy", [("cpu", None), ("nvme", "python"), ("nvme", "cpp")],
                          ids=_policy_id)
 def test_backward_restores_only_its_own_micro_batch(policy, schedule, window, make_off):
-    """A backward prefetches its own step's tensors, each once, none of another
-    micro-batch's; a later micro-batch's backward finds its own tensors still
-    saved and restores them then; no restore is left in flight, and the pools
-    are idle at the end."""
+    """A backward prefetches its own step's tensors, each once, and at its end
+    the first window of the step whose backward FIFO expects next (NOTE
+    [Backward order] in tiermem/runtime/schedule.py), none of any other
+    micro-batch's; every moved tensor is restored once, in its own backward or
+    ahead of it; no restore but the next step's is left in flight, and the
+    pools are idle at the end."""
     tier, engine = policy
+    order = SCHEDULES[schedule]
     off = _make(make_off, tier, engine, prefetch_bytes=window)
     started = _prefetch_spy(off, [tiermem.Tier(tier)])
     ctxs = {}
-    log = []
+    restores = {}   # micro-batch -> restores started for it
 
     def before_backward(i):
         land_moves(off)   # every move landed: each restore comes from host or disk
-        started.clear()
 
     def on_backward(i):
-        step = ctxs[i].step
-        mine = [s for s in started if s is step]
-        log.append((i, len(mine), len(started)))
-        assert len(mine) == len(started), f"backward {i} prefetched another micro-batch's tensors"
+        step, nxt = ctxs[i].step, _next_in_fifo(order, i)
+        allowed = {step} | ({ctxs[nxt].step} if nxt >= 0 else set())
+        assert all(s in allowed for s in started), \
+            f"backward {i} prefetched a micro-batch's tensors other than {i} and {nxt}"
         for j, ctx in ctxs.items():
-            assert ctx.prefetcher.inflight_bytes == 0, f"after backward {i}: step {j} in flight"
+            restores[j] = restores.get(j, 0) + sum(s is ctx.step for s in started)
+            if j != nxt:
+                assert ctx.prefetcher.inflight_bytes == 0, f"after backward {i}: step {j}"
+        if nxt >= 0:   # its restores started (the window fills as at a kick)
+            assert ctxs[nxt].prefetcher.inflight_bytes > 0
+        started.clear()
 
     class _Recording:
         def __enter__(self):
@@ -177,15 +194,15 @@ def test_backward_restores_only_its_own_micro_batch(policy, schedule, window, ma
         def __exit__(self, *exc):
             return off.__exit__(*exc)
 
-    _run(SCHEDULES[schedule], _Recording, before_backward, on_backward)
-    for i, n_mine, _ in log:
+    _run(order, _Recording, before_backward, on_backward)
+    for i in range(MICRO_BATCHES):
         s = ctxs[i].stats
         moved = s.count_by_tier[tier]
         assert moved > 0
-        # Every moved tensor restored exactly once in its own backward; all but
-        # the first unpacked were prefetched (the first had nothing before it).
+        # Every moved tensor restored exactly once; all but the first unpacked
+        # were prefetched (the first had nothing before it).
         assert s.prefetch_hits + s.prefetch_misses == moved, s
-        assert s.prefetch_misses <= 1 and n_mine == moved - s.prefetch_misses, (s, n_mine)
+        assert s.prefetch_misses <= 1 and restores[i] == moved - s.prefetch_misses, (s, restores)
         assert s.prefetched_bytes <= s.bytes_by_tier[tier]
     if window is not None:
         assert ctxs[0].prefetcher.budget_bytes == 16 << 10

@@ -29,7 +29,7 @@ import tiermem.runtime.hooks
 from helpers import compare_records, offloader, reference_steps, run_step, train_steps
 from models import make_case
 from tiermem.planner.lifecycle import KEPT_TOLERANCE
-from tiermem.tiers.keep import Kept, KickKept
+from tiermem.tiers.keep import Kept, KickKept, MarkedKept
 from tiermem.tiers.recompute import RecomputeHandle
 
 STEPS = 4
@@ -37,7 +37,7 @@ RECOMPUTABLE = ("native_layer_norm", "mul", "gelu")
 
 
 def _tier_of(handle) -> str:
-    if type(handle) in (Kept, KickKept):   # NOTE [Restores start with backward]
+    if type(handle) in (Kept, KickKept, MarkedKept):   # NOTE [Restores start with backward]
         return "keep"
     if type(handle) is RecomputeHandle:
         return "recompute"

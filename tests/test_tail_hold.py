@@ -402,33 +402,68 @@ def test_close_releases_holds(nvme_dir):
     del y
 
 
-def test_several_forwards_share_one_bound(nvme_dir):
-    # Forward, forward, then the backwards in reverse order: the second
-    # forward's moves push the first's out (one bound for the Offloader);
-    # both backwards exact.
-    model, tokens = _gpt()
-    model.eval()   # no dropout: the reference draws nothing
-    tok2 = tokens.flip(0)
-    hold = 2 * LOGPROBS_BYTES
-    off = _off("nvme", nvme_dir, tail_hold_bytes=hold)
+def _two_forwards(off, model, tokens):
+    """Two forwards (the second on flipped tokens): their losses and stats."""
     losses, stats = [], []
-    for t in (tokens, tok2):
+    for t in (tokens, tokens.flip(0)):
         with off as ctx:
             logits = model(t[:, :-1])
             losses.append(F.cross_entropy(logits.flatten(0, 1), t[:, 1:].flatten()))
         stats.append(ctx.stats)
-        assert 0 < tiermem.testing.tail_held_bytes(off) <= hold
-    land_moves(off)
-    losses[1].backward()
-    assert stats[1].tail_hits > 0 and stats[1].prefetch_misses == 0
-    losses[0].backward()   # its tail was pushed out: read as without the hold
-    assert stats[0].tail_hits == 0 and stats[0].prefetch_misses == 1
-    assert tiermem.testing.tail_held_bytes(off) == 0
-    got = [p.grad.clone() for p in model.parameters()]
+    return losses, stats
+
+
+def _assert_grads_of(model, got, order, tokens):
     model.zero_grad(set_to_none=True)
-    for t in (tok2, tokens):
+    toks = (tokens, tokens.flip(0))
+    for i in order:
+        t = toks[i]
         F.cross_entropy(model(t[:, :-1]).flatten(0, 1), t[:, 1:].flatten()).backward()
     assert all(torch.equal(g, p.grad) for g, p in zip(got, model.parameters()))
+
+
+def test_several_forwards_hold_the_next_backwards_tail(nvme_dir):
+    # Forward, forward, then the backwards in forward order (accumulation,
+    # GPipe): the hold keeps the first forward's end, whose backward comes
+    # next, not the second's (NOTE [Backward order] in runtime/schedule.py);
+    # the end of the first backward starts the second's restores.
+    model, tokens = _gpt()
+    model.eval()   # no dropout: the reference draws nothing
+    hold = 2 * LOGPROBS_BYTES
+    off = _off("nvme", nvme_dir, tail_hold_bytes=hold)
+    losses, stats = _two_forwards(off, model, tokens)
+    assert 0 < tiermem.testing.tail_held_bytes(off) <= hold
+    assert stats[0].peak_tail_hold_bytes > 0 and stats[1].peak_tail_hold_bytes == 0
+    land_moves(off)
+    losses[0].backward()
+    assert stats[0].tail_hits > 0 and stats[0].prefetch_misses == 0
+    assert tiermem.testing.tail_held_bytes(off) == 0
+    losses[1].backward()   # nothing held for it, but restored ahead
+    assert stats[1].tail_hits == 0 and stats[1].prefetch_misses == 0
+    got = [p.grad.clone() for p in model.parameters()]
+    _assert_grads_of(model, got, (0, 1), tokens)
+    off.close()
+
+
+def test_expect_backward_moves_the_restores_to_the_named_step(nvme_dir):
+    # The backwards in reverse order, said with expect_backward(-1): the first
+    # forward's held sources are released, the second's restores start at the
+    # call; both backwards exact.
+    model, tokens = _gpt()
+    model.eval()
+    off = _off("nvme", nvme_dir, tail_hold_bytes=2 * LOGPROBS_BYTES)
+    losses, stats = _two_forwards(off, model, tokens)
+    land_moves(off)
+    assert tiermem.testing.tail_held_bytes(off) > 0
+    off.expect_backward(-1)
+    assert tiermem.testing.tail_held_bytes(off) == 0
+    assert stats[1].prefetched_bytes > 0
+    losses[1].backward()
+    assert stats[1].prefetch_misses == 0
+    losses[0].backward()   # its tail was released: read as without the hold
+    assert stats[0].tail_hits == 0
+    got = [p.grad.clone() for p in model.parameters()]
+    _assert_grads_of(model, got, (1, 0), tokens)
     off.close()
 
 

@@ -126,13 +126,15 @@ class PolicyDecider:
         return None
 
 
-def make_decider(cfg, placement, hints=None) -> Decider:
+def make_decider(cfg, placement, hints=None, order=None) -> Decider:
     """The decider of an Offloader with settings ``cfg`` over ``placement``:
-    the planner for ``policy="auto"`` (with its ``hints``), else the policy's."""
+    the planner for ``policy="auto"`` (with its ``hints``, and the Offloader's
+    :class:`~tiermem.runtime.schedule.BackwardOrder` ``order``, whose
+    ``peak_in_flight`` it reads), else the policy's."""
     _, fn = resolve_policy(cfg.policy, nvme_dir=cfg.nvme_dir)
     if fn is AUTO:
         from .planner import Planner
-        return Planner(placement, cfg, hints)
+        return Planner(placement, cfg, hints, order)
     return PolicyDecider(placement.tracks_producers)
 
 

@@ -40,6 +40,7 @@ from .deciders import check_hints, make_decider
 from .errors import TierMemError
 from .runtime.hooks import Packer, opaque, unpack
 from .runtime.placement import Placement
+from .runtime.schedule import BackwardOrder
 from .runtime.step import Step
 from .runtime.tailhold import TailHold
 from .telemetry import StepStats
@@ -109,6 +110,7 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         self.step = Step(placement, prefetch_bytes,
                          offloader.config.min_offload_bytes, self.producers, unpack,
                          check_params=offloader.config.check_params, observers=observers)
+        self.step.join(offloader._order)   # NOTE [Backward order] in runtime/schedule.py
         self.stats = self.step.stats
         tail_hold_bytes = offloader.config.tail_hold_bytes
         limit = tail_hold_bytes if tail_hold_bytes is not None else prefetch_bytes
@@ -179,7 +181,7 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
             lambda: torch.autograd.graph.saved_tensors_hooks.__exit__(self, exc_type, exc, tb),
             lambda: self._modules.__exit__(exc_type, exc, tb),
             lambda: self._off._decider.end_step(planning, self.stats, failed),
-            self.step.end_forward,
+            lambda: self.step.end_forward(failed),
             self._packer.clear,
             lambda: self._off._exit(self, failed=failed))
 
@@ -261,10 +263,11 @@ class Offloader:
         if cfg.disable:
             return
         self._placement = Placement(cfg)
-        #: Who answers each step's orders (tiermem/deciders.py).
-        self._decider = make_decider(cfg, self._placement, hints)
         #: NOTE [Tail hold] in runtime/tailhold.py: the sources of the last moves.
         self._tail = TailHold()
+        self._order = BackwardOrder(self._tail)   # NOTE [Backward order] in runtime/schedule.py
+        #: Who answers each step's orders (tiermem/deciders.py).
+        self._decider = make_decider(cfg, self._placement, hints, self._order)
         self.cpu_budget_bytes = self._placement.cpu_budget_bytes
         # Steps whose saved tensors may still be unpacked (a handle, or the
         # context, holds each): see ``in_use``.
@@ -326,8 +329,7 @@ class Offloader:
             if failed:
                 # The forward pass is abandoned: finish copies now so that the
                 # partial graph's handles free their buffers when it is dropped.
-                self._tail.release_step(ctx.step)
-                self._placement.drain()
+                self._placement.drain()   # (its tail released: Step.end_forward)
             else:
                 self._placement.launch()
                 self._placement.poll()
@@ -358,6 +360,17 @@ class Offloader:
         """Undo :meth:`attach` for ``module`` (:class:`TierMemError` if it is
         not attached), or for every attached module (``None``; idempotent)."""
         detach_modules(self, module)
+
+    def expect_backward(self, which) -> None:
+        """Say whose backward comes next when it is not the oldest forward
+        whose backward has not run (the default: GPipe, 1F1B, accumulation).
+        ``which``: a context of this Offloader (``with off as ctx``) or an int
+        among those forwards (0: the oldest, -1: the latest). Its restores start
+        now, within its window, and the tail hold keeps only its moves, until
+        its backward ends. Only timing follows: a wrong guess is still exact.
+        :class:`ConfigError` for any other value."""
+        if not self.config.disable:   # NOTE [Backward order] in runtime/schedule.py
+            self._order.name_next(which, self)
 
     # -- inspection / lifetime ------------------------------------------------
     @property

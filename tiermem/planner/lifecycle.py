@@ -103,9 +103,11 @@ class Planner(PlanMaker):
     ``profiles``: profiled steps whose forward ended; ``profiles_dropped``:
     those of them dropped (graph freed or expired before backward)."""
 
-    def __init__(self, placement, cfg, hints=None) -> None:
+    def __init__(self, placement, cfg, hints=None, order=None) -> None:
         self._placement = placement
         self.cfg = cfg
+        #: The Offloader's backward order (its ``peak_in_flight``), or None.
+        self._order = order
         self.has_nvme = Tier.NVME in placement.stores
         self.safe = {"cpu": safe_order("cpu", self.has_nvme),
                      "cuda": safe_order("cuda", self.has_nvme)}
@@ -211,6 +213,7 @@ class Planner(PlanMaker):
             self._profiles[profile.keys] = profile
             self.current = self._plan(profile)
             self.requests = [r for r in self.requests if not r.matches(profile.keys)]
+        self._follow_in_flight()   # NOTE [Budget across micro-batches] in planner/planning.py
         if self._last is not None:
             plan, stats, gpu_waits = self._last
             self._last = None

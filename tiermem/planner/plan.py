@@ -186,6 +186,9 @@ class Plan:
     #: the mode (NOTE [Calls recorded whole] in tracking/producers.py).
     direct_calls: int = 0
     predicted_tracking_s: float = 0.0
+    #: Forwards in flight the plan was made for: ``budget_bytes`` is one step's
+    #: share (NOTE [Budget across micro-batches] in planner/planning.py).
+    in_flight: int = 1
 
     @property
     def predicted_step_cost_s(self) -> float:

@@ -1,8 +1,21 @@
 """From a profile to a plan at run time: the budget (a share, a size, or the
-free memory; agreed among ranks once), the measured rates (a failed disk
-probe is retried at the next profile and named in the plan), the choice with
-its tracking priced, and the closed loop's check of a plan's first step
-(NOTE [Closed loop] in planner/lifecycle.py)."""
+free memory; agreed among ranks once; shared by the forwards in flight), the
+measured rates (a failed disk probe is retried at the next profile and named
+in the plan), the choice with its tracking priced, and the closed loop's
+check of a plan's first step (NOTE [Closed loop] in planner/lifecycle.py).
+
+# NOTE [Budget across micro-batches]
+# Invariant: what a stage keeps at once stays within ``device_budget`` when
+# several forwards are in flight (pipeline schedules, accumulation). Why: a
+# step's saved tensors live from its forward to its backward, so k forwards in
+# flight keep k steps' bytes at once. The planner reads the most forwards seen
+# in flight (the Offloader's backward order, counted at each forward's end)
+# and plans each step for ``device_budget / k``; a percentage is already per
+# step (a share of what a plain step keeps, so of k steps' too) and is not
+# divided. When k grows after a plan was made, the current plan is made again
+# from its profile (its closed-loop count unchanged); plans stay shared by
+# every step of one signature.
+"""
 
 from __future__ import annotations
 
@@ -85,18 +98,40 @@ class PlanMaker:
         return measure_rates(self._placement.stores.get(Tier.NVME), cuda=cuda or False)
 
     # -- planning ----------------------------------------------------------------------
+    def _in_flight(self) -> int:
+        """The most forwards in flight at once on this Offloader (at least 1)."""
+        order = self._order
+        return 1 if order is None else max(1, order.peak_in_flight)
+
     def _budget(self, profile: Profile) -> tuple:
+        """``(bytes, setting)``: one step's share of the budget (NOTE [Budget
+        across micro-batches])."""
         a = self.agreement
         setting = self.cfg.device_budget if a is None else a.device_budget
         agreed = "" if a is None else f", smallest of {a.ranks} ranks"
         if isinstance(setting, BudgetShare):
             return int(setting.fraction * profile.baseline_bytes), str(setting) + agreed
+        k = self._in_flight()
+        per = "" if k == 1 else f", divided among {k} forwards in flight"
         if setting is not None:
-            return setting, ("device_budget" if a is None or self.cfg.device_budget is not None
-                             else "default: free memory") + agreed
+            return setting // k, ("device_budget" if a is None or self.cfg.device_budget
+                                  is not None else "default: free memory") + agreed + per
         cuda = _cuda_of(profile.records)
-        return (default_device_budget_bytes("cuda" if cuda else "cpu", device=cuda),
-                "default: free memory")
+        return (default_device_budget_bytes("cuda" if cuda else "cpu", device=cuda) // k,
+                "default: free memory" + per)
+
+    def _follow_in_flight(self) -> None:
+        """More forwards are in flight than the current plan was made for:
+        plan its profile again for the smaller share (NOTE [Budget across
+        micro-batches])."""
+        plan = self.current
+        if (plan is None or is_resized(plan) or isinstance(self.cfg.device_budget, BudgetShare)
+                or plan.in_flight >= self._in_flight()):
+            return
+        profile = self._profiles.get(plan.keys)
+        if profile is not None:
+            self.current = self._plan(profile, None, plan.rate_factor, plan.replans,
+                                      f"{self._in_flight()} forwards in flight")
 
     def _plan(self, profile: Profile, target: Optional[int] = None, rate_factor: float = 1.0,
               replans: int = 0, reason: str = "") -> Plan:
@@ -116,6 +151,7 @@ class PlanMaker:
             nvme_budget_bytes=nvme_room, replans=replans, replan_reason=reason,
             prefetch_bytes=self.cfg.prefetch_bytes))
         plan.budget_bytes = budget
+        plan.in_flight = self._in_flight()
         plan.follow(profile.keys, profile.positions)
         plan.rate_factor = rate_factor
         plan.target_bytes = budget if target is None else target

@@ -94,7 +94,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..policy import Tier, TensorInfo
 from .contract import KEPT_HIT, KICK, NO_INDEX
-from ..tiers.keep import Kept, KickKept, check_version
+from ..tiers.keep import Kept, KickKept, MarkedKept, check_version
 from ..tracking.modules import current_module
 from ..tracking.producers import storage_key
 
@@ -136,9 +136,12 @@ def unpack(handle: Any) -> torch.Tensor:
         if t._version != handle.version:   # NOTE [In-place check]
             check_version(t, handle.version, handle.module)
         return t
-    if type(handle) is KickKept:   # NOTE [Restores start with backward]
-        return handle.unpack()
-    prefetcher = handle.step.prefetcher
+    if type(handle) is KickKept or type(handle) is MarkedKept:
+        return handle.unpack()   # NOTE [Restores start with backward]
+    step = handle.step
+    if step._backward_task != _in_backward():   # NOTE [Backward order] in runtime/schedule.py
+        step.note_backward()
+    prefetcher = step.prefetcher
     entry = handle.entry
     with prefetcher.lock:
         more_uses = prefetcher.begin_use(entry)
@@ -214,8 +217,10 @@ class Packer:
         self.param_storages: set = set()
         self._seen_roots: set = set()
         #: A tensor of this step, which follows no plan, went to a moving tier:
-        #: later kept packs get a KickKept (NOTE [Kicks without a plan]).
-        self.kick_armed = False
+        #: later kept packs get a KickKept (NOTE [Kicks without a plan]). Armed
+        #: at first for the first pack: ``_pack_first``.
+        self.kick_armed = True
+        self._first = True
 
     def note_root(self, module: torch.nn.Module) -> None:
         """A root module started its forward: remember its parameters' storages
@@ -325,6 +330,8 @@ class Packer:
         already: a kept tensor's handle is wrapped in a
         :class:`~tiermem.tiers.keep.KickKept` (NOTE [Restores start with
         backward], 5); the dedup table and recipes hold the inner Kept (rule 1)."""
+        if self._first:
+            return self._pack_first(t)
         self.kick_armed = False   # the plain pack path, once
         try:
             handle = self(t)
@@ -333,6 +340,18 @@ class Packer:
         if type(handle) is Kept and _in_backward() == -1:
             step = self.step
             return KickKept(handle, step, step.prefetcher.scheduled)
+        return handle
+
+    def _pack_first(self, t: torch.Tensor) -> Any:
+        """The step's first pack: a kept handle becomes a :class:`MarkedKept`
+        that tells the step its backward runs (NOTE [Backward order] in
+        runtime/schedule.py, 1); the dedup table and recipes hold the inner Kept."""
+        self._first = self.kick_armed = False   # a move in ``self(t)`` arms it again
+        handle = self(t)
+        step = self.step
+        if type(handle) is Kept and step.order is not None and _in_backward() == -1:
+            handle = MarkedKept(handle, step)
+        step.saved_first(handle)
         return handle
 
     def _place_decided(self, t: torch.Tensor, nbytes: int, step_decider) -> Any:

@@ -51,6 +51,8 @@ from .prefetch import Entry, Prefetcher, auto_window_bytes
 __all__ = ["Step", "is_stable_param"]
 
 dedup_key = storage_key
+_KEEP = Tier.KEEP.value
+_graph_task = torch._C._current_graph_task_id   # -1 outside autograd's engine
 
 
 def _is_parameter(t: torch.Tensor) -> bool:
@@ -127,9 +129,26 @@ class Step:
         self.tail = None
         self.tail_hold_bytes: Optional[int] = None
         self._tail_release_queued = False
+        #: The Offloader's :class:`~tiermem.runtime.schedule.BackwardOrder`
+        #: (NOTE [Backward order] in runtime/schedule.py), ``None`` when not in one;
+        #: ``number``: this forward's number in it.
+        self.order = None
+        self.number = -1
+        self.forward_over = False
+        self._backward_task = -1   # the graph task that last unpacked a handle
+        self._first_handle = None   # a weak reference to the first handle packed
 
-    def end_forward(self) -> None:
-        """The forward pass is over: drop what only packing needed."""
+    def join(self, order) -> None:
+        """Enter ``order`` (the Offloader's backward order) as its latest forward."""
+        self.order = order
+        self.number = order.add(self)
+
+    def end_forward(self, failed: bool = False) -> None:
+        """The forward pass is over (``failed``: it raised): drop what only
+        packing needed."""
+        self.forward_over = True
+        if self.order is not None:
+            self.order.forward_ended(self, failed)
         self.dedup.clear()
         self._recipe_inputs.clear()
         self.param_checks.end_forward()
@@ -171,6 +190,8 @@ class Step:
         steps without a plan have ``tail``: the Offloader gives it)."""
         if self.params_may_be_freed:
             return False
+        if self.order is not None and not self.order.is_next(self):
+            return False   # NOTE [Backward order] in runtime/schedule.py, 3
         limit = self.tail_hold_bytes
         if limit is None:
             limit = self.prefetcher.budget_bytes
@@ -201,6 +222,51 @@ class Step:
             torch.autograd.Variable._execution_engine.queue_callback(release)
         except RuntimeError:   # not inside the engine after all: released otherwise
             self._tail_release_queued = False
+
+    # -- the backward order (NOTE [Backward order] in runtime/schedule.py) ----------
+    @property
+    def has_restores(self) -> bool:
+        """Whether this step moved or dropped a tensor (its backward restores)."""
+        by = self.stats.count_by_tier
+        return any(n for tier, n in by.items() if tier != _KEEP)
+
+    def saved_first(self, handle) -> None:
+        """``handle`` is the first this step packed: while autograd holds it,
+        the step's graph is alive (``in_flight``)."""
+        try:
+            self._first_handle = weakref.ref(handle)
+        except TypeError:   # not weakly referable: the step counts as alive
+            pass
+
+    @property
+    def in_flight(self) -> bool:
+        """Forward over, something saved, and its graph not freed (the first
+        handle alive): a backward may still come (NOTE [Backward order], 1)."""
+        first = self._first_handle
+        return self.forward_over and first is not None and first() is not None
+
+    def note_backward(self) -> None:
+        """An unpack of this step's handle inside autograd's engine: once per
+        backward pass, queue the order's ``backward_over`` for its end (rule 1)."""
+        task = _graph_task()
+        order = self.order
+        if order is None or task == -1 or task == self._backward_task:
+            return
+        self._backward_task = task
+        # Held by the callback until the pass ends: its handles die during it.
+        over = functools.partial(order.backward_over, self)
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(over)
+        except RuntimeError:   # not inside the engine after all
+            self._backward_task = -1
+
+    def start_restores(self) -> None:
+        """This step's backward comes next: start its restores within its
+        window, as a kick does, unless they have started (rule 4)."""
+        prefetcher = self.prefetcher
+        if self.has_restores and not prefetcher.started:
+            with prefetcher.lock:
+                prefetcher.kick()
 
     def dropped(self, handle, nbytes: int) -> Entry:
         """A tensor was dropped, to be recomputed: count its uses."""

@@ -5,17 +5,17 @@ backward's first unpacks (NOTE [Tail hold])."""
 # Invariant: from the forward to backward's first unpacks, memory is higher by at
 # most ``W`` bytes (``tail_hold_bytes``; unset: the prefetch window) than without
 # the hold, and every unpack returns the values saved at pack time. Why:
-# 1. Each move of a step that follows no plan enters the tail in packing order; a
-#    move that pushes the tail past ``W`` releases the oldest sources (bytes
-#    counted as the source's whole storage), and a tensor over ``W`` is not held.
+# 1. Moves of the step whose backward is next (NOTE [Backward order] in runtime/
+#    schedule.py) enter the tail in packing order; one pushing it past ``W`` releases
+#    the oldest sources (counted as whole storages); a tensor over ``W`` is not held.
 # 2. The handle keeps a second reference to its source: only the free is delayed.
 # 3. An unpack of a held, unmodified source returns it (no read); a source changed
 #    in place is released and the copy, holding the pack-time values, is restored.
 # 4. The prefetcher counts a held source as in flight until taken.
 # 5. Released when taken, pushed out, at the end of the backward, when its handle
 #    dies, when the forward raises and at ``close()``: nothing outlives the handle.
-# 6. Not held under an auto plan, nor when parameters may be freed (FSDP2).
-# 7. CUDA: the store's reference already orders the free after the copy (no record_stream).
+# 6. Not under an auto plan, nor when parameters may be freed (FSDP2). 7. CUDA: the
+#    store's reference already orders the free after the copy (no record_stream).
 
 from __future__ import annotations
 

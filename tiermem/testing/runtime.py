@@ -40,6 +40,9 @@ __all__ = [
     "release_kept_handle",
     "finish_restore",
     "before_cuda_copies",
+    "step_number",
+    "record_restores",
+    "peak_in_flight",
 ]
 
 
@@ -273,3 +276,43 @@ def before_cuda_copies(fn: Callable[[str, Any], None]) -> Iterator[None]:
 
     with patched(CudaCopier, "_copy", copy):
         yield
+
+
+def step_number(ctx) -> int:
+    """The number of the forward ``ctx`` (what ``with off as ctx`` gives) ran:
+    its Offloader's forwards counted from 0 (NOTE [Backward order])."""
+    return ctx.step.number
+
+
+@contextlib.contextmanager
+def record_restores(off) -> Iterator[List[Tuple[int, str]]]:
+    """Record ``(step number, how)`` for each restore of ``off``'s saved
+    tensors while inside, in the order they happen: ``"ahead"`` when a store
+    starts one before its unpack (a prefetch, or a source the tail hold
+    keeps), ``"take"`` at each unpack of a moved or dropped tensor (a restore
+    taken, read on demand, or a recipe run). Step numbers: :func:`step_number`."""
+    seen: List[Tuple[int, str]] = []
+    stores = [s for tier, s in off._placement.stores.items() if tier is not Tier.KEEP]
+    with contextlib.ExitStack() as stack:
+        for store in stores:
+            prefetch, take = store.prefetch, store.take
+
+            def ahead(h, prefetch=prefetch):
+                out = prefetch(h)
+                if out:
+                    seen.append((h.step.number, "ahead"))
+                return out
+
+            def taken(h, more_uses, take=take):
+                seen.append((h.step.number, "take"))
+                return take(h, more_uses)
+            stack.enter_context(patched(store, "prefetch", ahead))
+            stack.enter_context(patched(store, "take", taken))
+        yield seen
+
+
+def peak_in_flight(off) -> int:
+    """The most forwards of ``off`` seen in flight at once (forward over,
+    backward not run, graph alive), counted at each forward's end: what
+    ``policy="auto"`` divides a size budget by (NOTE [Backward order])."""
+    return off._order.peak_in_flight

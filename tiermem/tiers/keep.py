@@ -10,7 +10,7 @@ from ..errors import TierMemError
 from ..policy import Tier
 from .base import TierStore
 
-__all__ = ["KeepStore", "Kept", "KickKept", "check_version"]
+__all__ = ["KeepStore", "Kept", "KickKept", "MarkedKept", "check_version"]
 
 
 class Kept:
@@ -53,7 +53,7 @@ class KickKept:
     so every other use of the tensor sees a plain :class:`Kept`.
     """
 
-    __slots__ = ("kept", "step", "top")
+    __slots__ = ("kept", "step", "top", "__weakref__")
 
     def __init__(self, kept: Kept, step, top: Optional[int] = None) -> None:
         self.kept = kept
@@ -65,10 +65,35 @@ class KickKept:
         step = self.step
         if step is not None:
             self.step = None
+            step.note_backward()   # NOTE [Backward order] in runtime/schedule.py
             prefetcher = step.prefetcher
             if not prefetcher.started:   # else the kick would do nothing
                 with prefetcher.lock:
                     prefetcher.kick(self.top)
+        kept = self.kept
+        t = kept.tensor
+        if t._version != kept.version:   # NOTE [In-place check]
+            check_version(t, kept.version, kept.module)
+        return t
+
+
+class MarkedKept:
+    """Handle of a step's first saved tensor when it is kept: its first
+    unpack tells the step that its backward runs (NOTE [Backward order] in
+    runtime/schedule.py, 1), then unpacks as :class:`Kept`. Only autograd
+    holds it; the step's dedup table and recipes hold ``kept``."""
+
+    __slots__ = ("kept", "step", "__weakref__")
+
+    def __init__(self, kept: Kept, step) -> None:
+        self.kept = kept
+        self.step = step
+
+    def unpack(self) -> torch.Tensor:
+        step = self.step
+        if step is not None:
+            self.step = None
+            step.note_backward()
         kept = self.kept
         t = kept.tensor
         if t._version != kept.version:   # NOTE [In-place check]
