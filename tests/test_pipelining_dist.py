@@ -1,0 +1,334 @@
+"""tiermem under ``torch.distributed.pipelining`` (issue 32, item 1): one
+Offloader attached per stage with ``tiermem.integrations.pipelining.attach_stage``,
+each microbatch's forward its own step.
+
+One process group runs every case of a world size (spawning one per case would
+cost more than the cases): for each schedule a reference training of two SGD
+steps without tiermem, then the same training under each policy. Every rank
+compares, bit for bit, the losses (last stage), each of its stages' gradients
+at both steps and its parameters after them with the reference, and checks
+that the tier was used in every microbatch step of each of its stages. Each
+case is reported as a test of its own.
+
+The stage modules are small transformer-ish blocks (Linear, GELU, Linear,
+dropout, residual, LayerNorm); dropout is on, with the same seed per rank and
+step in both runs. Stages infer their shapes from the first microbatch
+(PipelineStage without ``input_args``): that inference forward, run once per
+stage at the first schedule step, is a step of the Offloader too.
+
+Runtime here (2 cores): about 15 s for the 2-rank group (18 cases); the
+4-rank group and the zero-bubble and frontend cases (``slow``) about 40 s.
+"""
+
+from __future__ import annotations
+
+import copy
+import traceback
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tiermem
+from distributed import init_gloo, run_ranks, shutdown
+from tiermem.integrations.pipelining import StageAttachment, attach_stage
+
+WIDTH, SEQ, BATCH, MICROBATCHES, STEPS = 32, 8, 8, 4, 2
+POLICIES = ("keep", "cpu", "nvme", "recompute", "recompute,nvme", "auto")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+CASES = [f"{s}/{p}" for s in SCHEDULES for p in POLICIES]
+SLOW_CASES = ([f"zbv/{p}" for p in POLICIES] + [f"frontend/{p}" for p in ("cpu", "recompute")]
+              + [f"static/{p}" for p in ("cpu", "recompute")]
+              + [f"shared/{p}" for p in ("cpu", "auto")])
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(WIDTH, 2 * WIDTH), nn.Linear(2 * WIDTH, WIDTH)
+        self.ln = nn.LayerNorm(WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(self.fc2(F.gelu(self.fc1(x))), 0.1, self.training)
+        return self.ln(x + h)
+
+
+def _stage_modules(n_stages: int) -> list:
+    torch.manual_seed(0)   # the same model on every rank and in every run
+    return [nn.Sequential(Block(), Block()) for _ in range(n_stages)]
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, target)
+
+
+def _layout(schedule: str, rank: int, world: int):
+    """(number of stages, this rank's stage indices)."""
+    if schedule == "interleaved":
+        return 2 * world, [rank, rank + world]
+    if schedule == "zbv":   # the V: rank r holds stages r and 2W-1-r
+        return 2 * world, [rank, 2 * world - 1 - rank]
+    return world, [rank]
+
+
+def _build(schedule: str, rank: int, world: int, offloaders):
+    """This rank's stage modules, their attachments, the schedule, and whether
+    this rank holds the first and the last stage; ``offloaders(i)`` gives stage
+    ``i``'s Offloader (``None``: none), attached before the stage is built
+    (``pipeline()``: after, to the module it built)."""
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                              ScheduleInterleaved1F1B, ScheduleZBVZeroBubble,
+                                              SplitPoint, pipeline)
+    cpu = torch.device("cpu")
+    attached = []
+    if schedule == "frontend":   # the tracing frontend: pipeline() splits one model
+        full = nn.Sequential(*_stage_modules(world))
+        pipe = pipeline(full, mb_args=(torch.zeros(BATCH // MICROBATCHES, SEQ, WIDTH),),
+                        split_spec={str(i): SplitPoint.BEGINNING for i in range(1, world)})
+        stage = pipe.build_stage(rank, cpu)
+        off = offloaders(rank)
+        if off is not None:
+            attached.append(attach_stage(off, stage))
+        return ([stage.submod], attached, ScheduleGPipe(stage, MICROBATCHES, loss_fn=_loss),
+                rank == 0, rank == world - 1)
+    n_stages, indices = _layout(schedule, rank, world)
+    every = _stage_modules(n_stages)
+    modules = [copy.deepcopy(every[i]) for i in indices]
+    for i, m in zip(indices, modules):
+        off = offloaders(i)
+        if off is not None:
+            attached.append(attach_stage(off, m))
+    kw = {}
+    stages = []
+    for i, m in zip(indices, modules):
+        if schedule == "static":   # shapes given: no inference forward
+            example = torch.zeros(BATCH // MICROBATCHES, SEQ, WIDTH)
+            grad_example = example.clone().requires_grad_()   # requires_grad marks "has a gradient"
+            kw = {"input_args": example if i == 0 else grad_example, "output_args": grad_example}
+        stages.append(PipelineStage(m, i, n_stages, cpu, **kw))
+    ends = (0 in indices, n_stages - 1 in indices)
+    if schedule in ("interleaved", "zbv"):
+        cls = ScheduleInterleaved1F1B if schedule == "interleaved" else ScheduleZBVZeroBubble
+        return (modules, attached, cls(stages, MICROBATCHES, loss_fn=_loss)) + ends
+    cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+    return (modules, attached, cls(stages[0], MICROBATCHES, loss_fn=_loss)) + ends
+
+
+def _train(schedule: str, rank: int, world: int, offloaders):
+    """Two SGD steps of the pipeline; (losses, grads per step, params, stats
+    of each attached stage per step)."""
+    modules, attached, sched, first, last = _build(schedule, rank, world, offloaders)
+    opt = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=0.1)
+    gen = torch.Generator().manual_seed(7)   # the same batches on every rank
+    losses, grads, stats = [], [], [[] for _ in attached]
+    for step in range(STEPS):
+        x = torch.randn(BATCH, SEQ, WIDTH, generator=gen)
+        y = torch.randn(BATCH, SEQ, WIDTH, generator=gen)
+        torch.manual_seed(1000 * rank + step)   # dropout: the same stream in both runs
+        opt.zero_grad(set_to_none=True)
+        step_losses: list = []
+        args = (x,) if first else ()
+        if last:
+            sched.step(*args, target=y, losses=step_losses)
+        else:
+            sched.step(*args)
+        losses += [t.detach().clone() for t in step_losses]
+        grads.append([p.grad.clone() for m in modules for p in m.parameters()])
+        for out, a in zip(stats, attached):
+            out.append(a.take_stats())
+        opt.step()
+    for a in attached:
+        a.detach()
+    params = [p.detach().clone() for m in modules for p in m.parameters()]
+    return losses, grads, params, stats
+
+
+def _compare(got, ref) -> str:
+    """'' when losses, gradients and parameters are bit-identical, else what differs."""
+    (losses, grads, params, _), (rlosses, rgrads, rparams, _) = got, ref
+    if len(losses) != len(rlosses):
+        return f"{len(losses)} losses, the reference has {len(rlosses)}"
+    for i, (a, b) in enumerate(zip(losses, rlosses)):
+        if not torch.equal(a, b):
+            return f"loss {i}: {a.item()!r} != {b.item()!r}"
+    for s, (g, rg) in enumerate(zip(grads, rgrads)):
+        for i, (a, b) in enumerate(zip(g, rg)):
+            if not torch.equal(a, b):
+                return f"gradient {i} of step {s} differs"
+    for i, (a, b) in enumerate(zip(params, rparams)):
+        if not torch.equal(a, b):
+            return f"parameter {i} differs"
+    if all(torch.equal(g, torch.zeros_like(g)) for g in grads[-1]):
+        return "the gradients are all zero: nothing was compared"
+    return ""
+
+
+def _used(policy: str, st) -> bool:
+    """Whether one microbatch step used the policy's tiers."""
+    c = st.count_by_tier
+    if policy == "keep":
+        return c["keep"] > 0 and st.offloaded_bytes == 0
+    if policy == "cpu":
+        return c["cpu"] > 0
+    if policy == "nvme":
+        return c["nvme"] > 0
+    if policy == "recompute":
+        return c["recompute"] > 0 and st.recompute_count > 0
+    if policy == "recompute,nvme":
+        return st.recompute_count > 0 and c["nvme"] > 0
+    return st.offloaded_bytes > 0   # auto, once planned
+
+
+def _check_stats(policy: str, schedule: str, stats) -> str:
+    """'' when every stage ran one step per microbatch (and one for the shape
+    inference at the first schedule step) and used the tiers, else what did not."""
+    for stage, per_step in enumerate(stats):
+        for step, steps in enumerate(per_step):
+            inference = 1 if step == 0 and schedule not in ("static", "frontend") else 0
+            if len(steps) != MICROBATCHES + inference:
+                return (f"stage {stage}, step {step}: {len(steps)} microbatch steps recorded, "
+                        f"expected {MICROBATCHES + inference}")
+        real = [st for steps in per_step for st in steps[-MICROBATCHES:]]
+        check = real[-1:] if policy == "auto" else real   # auto profiles first, then plans
+        for st in check:
+            if not _used(policy, st):
+                return f"stage {stage}: a microbatch step did not use {policy}: {st}"
+    return ""
+
+
+def _offloader(policy: str, nvme_dir: str) -> tiermem.Offloader:
+    settings = {"min_offload_bytes": 0}
+    if "nvme" in policy or policy == "auto":
+        settings.update(nvme_dir=nvme_dir, engine="python")
+    if policy == "auto":
+        settings.update(device_budget="50%", agree_ranks=False)
+    return tiermem.Offloader(policy=policy, **settings)
+
+
+def _case(schedule: str, policy: str, rank: int, world: int, ref, nvme_dir: str) -> str:
+    offs: dict = {}
+    shared = schedule == "shared"
+    base = "interleaved" if shared else schedule
+
+    def offloader_of(stage: int):
+        key = 0 if shared else stage
+        if key not in offs:
+            offs[key] = _offloader(policy, nvme_dir)
+        return offs[key]
+    try:
+        got = _train(base, rank, world, offloader_of)
+    finally:
+        for off in offs.values():
+            off.close()
+    return _compare(got, ref) or _check_stats(policy, base, got[3])
+
+
+def _worker(rank: int, world: int, port: int, nvme_dir: str, cases) -> dict:
+    init_gloo(rank, world, port)
+    results, refs = {}, {}
+    try:
+        for case in cases:
+            schedule, policy = case.split("/")
+            base = "interleaved" if schedule == "shared" else schedule
+            try:
+                if base not in refs:
+                    refs[base] = _train(base, rank, world, lambda stage: None)
+                results[case] = _case(schedule, policy, rank, world, refs[base], nvme_dir)
+            except Exception:
+                results[case] = traceback.format_exc()
+    finally:
+        shutdown()
+    return results
+
+
+def _check(results, case: str) -> None:
+    for rank, res in enumerate(results):
+        assert res[case] == "", f"rank {rank}, {case}: {res[case]}"
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    nvme_dir = str(tmp_path_factory.mktemp("pp-nvme"))
+    return run_ranks(_worker, 2, nvme_dir, CASES, timeout_s=90)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    nvme_dir = str(tmp_path_factory.mktemp("pp-nvme-four"))
+    return run_ranks(_worker, 4, nvme_dir, CASES, timeout_s=150)
+
+
+@pytest.fixture(scope="module")
+def two_ranks_more(tmp_path_factory):
+    nvme_dir = str(tmp_path_factory.mktemp("pp-nvme-more"))
+    return run_ranks(_worker, 2, nvme_dir, SLOW_CASES, timeout_s=90)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_pipeline_on_two_ranks_is_bit_identical(two_ranks, case):
+    """Under GPipe, 1F1B and interleaved 1F1B, each policy gives the losses,
+    gradients and parameters of the same schedule without tiermem, and every
+    microbatch's forward is a step that used the policy's tiers."""
+    _check(two_ranks, case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_pipeline_on_four_ranks_is_bit_identical(four_ranks, case):
+    """The same on four ranks (eight stages under interleaved 1F1B)."""
+    _check(four_ranks, case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SLOW_CASES)
+def test_zero_bubble_frontend_static_and_shared_cases(two_ranks_more, case):
+    """ZBV zero bubble (split input and weight backward), a stage built by
+    the ``pipeline()`` frontend (attached after it was built; its shapes were
+    traced: no inference forward), stages given static shapes (no inference
+    forward either), and one Offloader for both stages of a rank under
+    interleaved 1F1B: bit-identical, tiers used."""
+    _check(two_ranks_more, case)
+
+
+# -- in one process: the wrapper's contract ------------------------------------------
+
+def test_attach_stage_refuses_auto_with_agree_ranks():
+    off = tiermem.Offloader(policy="auto")
+    try:
+        with pytest.raises(tiermem.ConfigError, match="agree_ranks=True"):
+            attach_stage(off, nn.Linear(2, 2))
+    finally:
+        off.close()
+
+
+def test_attach_stage_refuses_what_is_not_a_stage():
+    off = tiermem.Offloader(policy="keep")
+    try:
+        with pytest.raises(TypeError, match="PipelineStage or the nn.Module"):
+            attach_stage(off, object())
+    finally:
+        off.close()
+
+
+def test_attach_stage_records_one_step_per_forward_with_grad():
+    off = tiermem.Offloader(policy="cpu", min_offload_bytes=0)
+    module = Block()
+    x = torch.randn(2, SEQ, WIDTH)
+    try:
+        with attach_stage(off, module) as att:
+            assert isinstance(att, StageAttachment) and att.attached
+            outs = [module(x) for _ in range(3)]
+            with torch.no_grad():
+                module(x)   # not a step
+            with off:
+                module(x)   # part of the outer step, not a step of its own
+            for out in reversed(outs):   # backwards in any order
+                out.sum().backward()
+            stats = att.take_stats()
+            assert len(stats) == 3 and att.microbatch_stats == []
+            assert all(st.count_by_tier["cpu"] > 0 and st.prefetch_hits + st.prefetch_misses > 0
+                       for st in stats)
+        assert not att.attached
+    finally:
+        off.close()
