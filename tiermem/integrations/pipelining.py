@@ -130,7 +130,7 @@ def attach_stage(offloader, stage: Union[torch.nn.Module, "object"]) -> StageAtt
     :class:`~tiermem.TierMemError` as :meth:`~tiermem.Offloader.attach` does
     (the module already attached to this Offloader, a closed Offloader).
     """
-    # NOTE [Pipeline stages do not agree ranks]
+    # NOTE [Pipeline stages do not agree ranks]: why auto needs agree_ranks off.
     module = _stage_module(stage)
     cfg = offloader.config
     if cfg.policy == "auto" and cfg.agree_ranks and not cfg.disable:
