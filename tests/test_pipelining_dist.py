@@ -16,8 +16,9 @@ step in both runs. Stages infer their shapes from the first microbatch
 (PipelineStage without ``input_args``): that inference forward, run once per
 stage at the first schedule step, is a step of the Offloader too.
 
-Runtime here (2 cores): about 15 s for the 2-rank group (18 cases); the
-4-rank group and the zero-bubble and frontend cases (``slow``) about 40 s.
+Runtime here (2 cores): 9 to 20 s for the 2-rank group (18 cases), as loaded;
+``slow``: about 26 s for the 4-rank group and 20 s for the zero-bubble,
+frontend, static and shared cases.
 """
 
 from __future__ import annotations
@@ -75,8 +76,8 @@ def _layout(schedule: str, rank: int, world: int):
 def _build(schedule: str, rank: int, world: int, offloaders):
     """This rank's stage modules, their attachments, the schedule, and whether
     this rank holds the first and the last stage; ``offloaders(i)`` gives stage
-    ``i``'s Offloader (``None``: none), attached before the stage is built
-    (``pipeline()``: after, to the module it built)."""
+    ``i``'s Offloader (``None``: none), attached to the module before the stage
+    is built (``pipeline()`` and ``static``: to the stage, after)."""
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                               ScheduleInterleaved1F1B, ScheduleZBVZeroBubble,
                                               SplitPoint, pipeline)
@@ -95,18 +96,21 @@ def _build(schedule: str, rank: int, world: int, offloaders):
     n_stages, indices = _layout(schedule, rank, world)
     every = _stage_modules(n_stages)
     modules = [copy.deepcopy(every[i]) for i in indices]
+    static = schedule == "static"   # shapes given: no inference forward
     for i, m in zip(indices, modules):
         off = offloaders(i)
-        if off is not None:
+        if off is not None and not static:
             attached.append(attach_stage(off, m))
     kw = {}
     stages = []
     for i, m in zip(indices, modules):
-        if schedule == "static":   # shapes given: no inference forward
+        if static:
             example = torch.zeros(BATCH // MICROBATCHES, SEQ, WIDTH)
             grad_example = example.clone().requires_grad_()   # requires_grad marks "has a gradient"
             kw = {"input_args": example if i == 0 else grad_example, "output_args": grad_example}
         stages.append(PipelineStage(m, i, n_stages, cpu, **kw))
+        if static and offloaders(i) is not None:   # the built PipelineStage, attached after
+            attached.append(attach_stage(offloaders(i), stages[-1]))
     ends = (0 in indices, n_stages - 1 in indices)
     if schedule in ("interleaved", "zbv"):
         cls = ScheduleInterleaved1F1B if schedule == "interleaved" else ScheduleZBVZeroBubble
@@ -285,9 +289,10 @@ def test_pipeline_on_four_ranks_is_bit_identical(four_ranks, case):
 def test_zero_bubble_frontend_static_and_shared_cases(two_ranks_more, case):
     """ZBV zero bubble (split input and weight backward), a stage built by
     the ``pipeline()`` frontend (attached after it was built; its shapes were
-    traced: no inference forward), stages given static shapes (no inference
-    forward either), and one Offloader for both stages of a rank under
-    interleaved 1F1B: bit-identical, tiers used."""
+    traced: no inference forward), ``PipelineStage``s given static shapes and
+    attached after they were built (no inference forward either), and one
+    Offloader for both stages of a rank under interleaved 1F1B: bit-identical,
+    tiers used."""
     _check(two_ranks_more, case)
 
 
@@ -326,9 +331,26 @@ def test_attach_stage_records_one_step_per_forward_with_grad():
             for out in reversed(outs):   # backwards in any order
                 out.sum().backward()
             stats = att.take_stats()
-            assert len(stats) == 3 and att.microbatch_stats == []
+            assert len(stats) == 3 and len(att.microbatch_stats) == 0
             assert all(st.count_by_tier["cpu"] > 0 and st.prefetch_hits + st.prefetch_misses > 0
                        for st in stats)
         assert not att.attached
+    finally:
+        off.close()
+
+
+def test_attach_stage_remembers_only_the_newest_steps(monkeypatch):
+    import tiermem.integrations.pipelining as pipelining
+    monkeypatch.setattr(pipelining, "MAX_RECORDED_STEPS", 2)
+    off = tiermem.Offloader(policy="keep")
+    module = nn.Linear(4, 4)
+    try:
+        att = attach_stage(off, module)
+        outs = [module(torch.randn(2, 4)) for _ in range(3)]
+        last = off.stats
+        stats = att.take_stats()
+        assert len(stats) == 2 and stats[-1] is last
+        att.detach()
+        del outs
     finally:
         off.close()

@@ -21,6 +21,7 @@ stats of every microbatch step (:attr:`StageAttachment.microbatch_stats`).
 
 from __future__ import annotations
 
+from collections import deque
 from typing import List, Union
 
 import torch
@@ -31,6 +32,9 @@ from ..telemetry import StepStats
 
 __all__ = ["StageAttachment", "attach_stage"]
 
+#: Most microbatch steps a :class:`StageAttachment` remembers (the newest).
+MAX_RECORDED_STEPS = 1024
+
 
 class StageAttachment:
     """An Offloader attached to one pipeline stage's module (made by
@@ -38,7 +42,8 @@ class StageAttachment:
 
     ``microbatch_stats`` lists the :class:`~tiermem.StepStats` of each forward
     of the module that ran as a step of the Offloader, oldest first, until
-    :meth:`take_stats` empties it. A microbatch's forward fields are final when
+    :meth:`take_stats` empties it (at most the newest 1024: a loop that never
+    takes them holds no more). A microbatch's forward fields are final when
     its forward returns; its backward fields (restores, stalls, recomputes)
     when the schedule has run that microbatch's backward. ``detach()`` removes
     the hooks (idempotent); ``with attach_stage(off, stage): ...`` detaches on
@@ -52,8 +57,9 @@ class StageAttachment:
         self.module = module
         #: The :class:`~tiermem.Attachment` that enters the Offloader.
         self.attachment: Attachment = offloader.attach(module)
-        #: Stats of the microbatch steps since the last :meth:`take_stats`.
-        self.microbatch_stats: List[StepStats] = []
+        #: Stats of the microbatch steps since the last :meth:`take_stats`
+        #: (a deque of the newest ``MAX_RECORDED_STEPS``).
+        self.microbatch_stats: deque = deque(maxlen=MAX_RECORDED_STEPS)
         self._last = offloader.stats   # the step before ours: not recorded
         # Registered after the attachment's hooks: runs once it has left the step.
         self._hook = module.register_forward_hook(self._record)
@@ -72,7 +78,8 @@ class StageAttachment:
     def take_stats(self) -> List[StepStats]:
         """The stats of the microbatch steps recorded so far, oldest first;
         the list starts empty again."""
-        out, self.microbatch_stats = self.microbatch_stats, []
+        out = list(self.microbatch_stats)
+        self.microbatch_stats.clear()
         return out
 
     @property
