@@ -16,9 +16,13 @@ step in both runs. Stages infer their shapes from the first microbatch
 (PipelineStage without ``input_args``): that inference forward, run once per
 stage at the first schedule step, is a step of the Offloader too.
 
+In one process, a schedule driver runs three stage modules' microbatch
+forwards and backwards in GPipe and 1F1B order (no torch.distributed), one
+attached Offloader per stage, against the same order without tiermem.
+
 Runtime here (2 cores): 9 to 20 s for the 2-rank group (18 cases), as loaded;
 ``slow``: about 26 s for the 4-rank group and 20 s for the zero-bubble,
-frontend, static and shared cases.
+frontend, static and shared cases; the one-process driver 1 to 5 s.
 """
 
 from __future__ import annotations
@@ -184,12 +188,13 @@ def _used(policy: str, st) -> bool:
     return st.offloaded_bytes > 0   # auto, once planned
 
 
-def _check_stats(policy: str, schedule: str, stats) -> str:
-    """'' when every stage ran one step per microbatch (and one for the shape
-    inference at the first schedule step) and used the tiers, else what did not."""
+def _check_stats(policy: str, stats, inferred: bool) -> str:
+    """'' when every stage ran one step per microbatch (and, ``inferred``, one
+    for the shape inference at the first schedule step) and used the tiers,
+    else what did not."""
     for stage, per_step in enumerate(stats):
         for step, steps in enumerate(per_step):
-            inference = 1 if step == 0 and schedule not in ("static", "frontend") else 0
+            inference = 1 if step == 0 and inferred else 0
             if len(steps) != MICROBATCHES + inference:
                 return (f"stage {stage}, step {step}: {len(steps)} microbatch steps recorded, "
                         f"expected {MICROBATCHES + inference}")
@@ -225,7 +230,8 @@ def _case(schedule: str, policy: str, rank: int, world: int, ref, nvme_dir: str)
     finally:
         for off in offs.values():
             off.close()
-    return _compare(got, ref) or _check_stats(policy, base, got[3])
+    inferred = base not in ("static", "frontend")   # shapes given, or traced
+    return _compare(got, ref) or _check_stats(policy, got[3], inferred)
 
 
 def _worker(rank: int, world: int, port: int, nvme_dir: str, cases) -> dict:
@@ -354,3 +360,93 @@ def test_attach_stage_remembers_only_the_newest_steps(monkeypatch):
         del outs
     finally:
         off.close()
+
+
+# -- in one process: a schedule driver over stage modules ------------------------------
+
+def _one_f_one_b(stage: int, n_stages: int) -> list:
+    """Stage ``stage``'s actions under 1F1B: ("F" or "B", microbatch)."""
+    warmup = min(n_stages - stage - 1, MICROBATCHES)
+    acts = [("F", m) for m in range(warmup)]
+    for m in range(warmup, MICROBATCHES):
+        acts += [("F", m), ("B", m - warmup)]
+    return acts + [("B", m) for m in range(MICROBATCHES - warmup, MICROBATCHES)]
+
+
+def _drive(order: str, modules: list, batches: list) -> list:
+    """One training step of ``modules`` (stages in one process) in GPipe or
+    1F1B order: each stage runs its own list of actions, an action as soon as
+    what it needs has run (the activation from the stage before, the gradient
+    from the stage after). Returns the losses."""
+    n = len(modules)
+    acts = [[("F", m) for m in range(MICROBATCHES)] + [("B", m) for m in range(MICROBATCHES)]
+            if order == "gpipe" else _one_f_one_b(s, n) for s in range(n)]
+    ins, outs, grads, losses = {}, {}, {}, [None] * MICROBATCHES
+    while any(acts):
+        progressed = False
+        for s in range(n):
+            if not acts[s]:
+                continue
+            kind, m = acts[s][0]
+            if kind == "F" and (s == 0 or (s - 1, m) in outs):
+                x = batches[m][0] if s == 0 else outs[(s - 1, m)].detach().requires_grad_()
+                torch.manual_seed(100 * s + m)   # dropout: the same stream in both runs
+                ins[(s, m)], outs[(s, m)] = x, modules[s](x)
+                if s == n - 1:
+                    losses[m] = F.mse_loss(outs[(s, m)], batches[m][1]) / MICROBATCHES
+            elif kind == "B" and (s == n - 1 or (s + 1, m) in grads):
+                if s == n - 1:
+                    losses[m].backward()
+                else:
+                    outs[(s, m)].backward(grads[(s + 1, m)])
+                grads[(s, m)] = ins[(s, m)].grad
+            else:
+                continue
+            acts[s].pop(0)
+            progressed = True
+        assert progressed, f"the {order} schedule is stuck: {acts}"
+    return [loss.detach() for loss in losses]
+
+
+def _drive_training(order: str, policy, tmp_path):
+    """Two SGD steps of 3 stages under ``order``; (losses, grads, params, stats)."""
+    modules = _stage_modules(3)
+    offs, attached = [], []
+    for m in modules:
+        if policy is not None:
+            offs.append(_offloader(policy, str(tmp_path / "nvme")))
+            attached.append(attach_stage(offs[-1], m))
+    opt = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=0.1)
+    gen = torch.Generator().manual_seed(7)
+    losses, grads, stats = [], [], [[] for _ in attached]
+    try:
+        for _ in range(STEPS):
+            batches = [(torch.randn(2, SEQ, WIDTH, generator=gen),
+                        torch.randn(2, SEQ, WIDTH, generator=gen)) for _ in range(MICROBATCHES)]
+            losses += _drive(order, modules, batches)
+            grads.append([p.grad.clone() for m in modules for p in m.parameters()])
+            for out, a in zip(stats, attached):
+                out.append(a.take_stats())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    finally:
+        for a, off in zip(attached, offs):
+            a.detach()
+            off.close()
+    return losses, grads, [p.detach().clone() for m in modules for p in m.parameters()], stats
+
+
+@pytest.mark.parametrize("order", ("gpipe", "1f1b"))
+def test_one_process_schedule_driver_is_bit_identical(order, tmp_path):
+    """Three stage modules in one process, microbatch forwards and backwards in
+    GPipe and 1F1B order, one attached Offloader per stage: for every policy
+    the losses, gradients and parameters equal the same order without tiermem,
+    and every microbatch step used the policy's tiers."""
+    ref = _drive_training(order, None, tmp_path)
+    failures = {}
+    for policy in POLICIES:
+        got = _drive_training(order, policy, tmp_path)
+        problem = _compare(got, ref) or _check_stats(policy, got[3], inferred=False)
+        if problem:
+            failures[policy] = problem
+    assert not failures, failures
