@@ -12,10 +12,10 @@ stats of every microbatch step (:attr:`StageAttachment.microbatch_stats`).
 # NOTE [Pipeline stages do not agree ranks]
 # An auto Offloader with agree_ranks on exchanges budgets and rates over the
 # default group when its second step begins, and waits there for every rank.
-# Pipeline ranks reach their second microbatch at different times, and a rank
-# that has not got there is blocked in the schedule's receive of an activation
-# the waiting rank has not sent yet: the group never completes the exchange (a
-# hang, seen with 2 gloo ranks). Stages also run different modules, so one
+# Pipeline ranks reach their second step (after a shape inference, their first
+# microbatch) at different times, and the next rank is blocked in the
+# schedule's receive of the activation the waiting rank has not sent yet: the
+# group never completes the exchange (a hang, seen with 2 gloo ranks). Stages also run different modules, so one
 # agreed timeline would be wrong for all but one. attach_stage therefore
 # refuses an auto Offloader unless agree_ranks is False.
 
