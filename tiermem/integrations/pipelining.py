@@ -126,8 +126,9 @@ def attach_stage(offloader, stage: Union[torch.nn.Module, "object"]) -> StageAtt
     be (:meth:`tiermem.Offloader.attach`); its saved tensors come back when the
     schedule runs that microbatch's backward, in whatever order it runs them.
     The loss the schedule computes from the last stage's output is plain
-    autograd's. One Offloader may serve several stages of one rank (each
-    stage's forwards are steps of their own) or each stage may have its own.
+    autograd's. Give each stage of a rank its own Offloader: restores follow
+    the order of backwards per Offloader (oldest microbatch first), and one
+    shared by two stages, while exact, mixes their microbatches in that order.
 
     Returns a :class:`StageAttachment` (its ``microbatch_stats`` are each
     microbatch step's :class:`~tiermem.StepStats`). Raises ``TypeError`` for
