@@ -94,6 +94,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..policy import Tier, TensorInfo
 from .contract import KEPT_HIT, KICK, NO_INDEX
+from .hidden import opaque
 from ..tiers.keep import Kept, KickKept, MarkedKept, check_version
 from ..tracking.modules import current_module
 from ..tracking.producers import storage_key
@@ -105,23 +106,6 @@ _in_backward = torch._C._current_graph_task_id   # -1 outside autograd's engine
 _Parameter = torch.nn.Parameter
 _strided = torch.strided
 _Tensor = torch.Tensor
-
-
-def opaque(fn):
-    """``fn`` hidden from torch.compile.
-
-    # NOTE [Hooks under torch.compile]
-    # Recent PyTorch traces the active saved-tensor hooks into a compiled
-    # graph (AOTAutograd); ours are Python bookkeeping, not graph code, and
-    # tracing them fails (BackendCompilerFailed on `_is_param`). Hidden from
-    # Dynamo they run eagerly when the compiled function saves its tensors, as
-    # PyTorch did before.
-    """
-    try:
-        import torch._dynamo
-        return torch._dynamo.disable(fn)
-    except Exception:   # a torch without Dynamo: nothing to hide from
-        return fn
 
 
 def keep_pack(t: torch.Tensor) -> Kept:
@@ -246,8 +230,12 @@ class Packer:
                 for p in tensors.values():
                     if p is None or p.layout != _strided:   # sparse ones have no storage
                         continue
-                    if type(p) is not torch.Tensor and type(p) is not _Parameter:
-                        sharded = sharded or is_traceable_wrapper_subclass(p)
+                    if type(p) is _Tensor or type(p) is _Parameter:
+                        ptr = p.untyped_storage().data_ptr()
+                        if ptr:   # not freed (size 0)
+                            storages.add(ptr)
+                        continue
+                    sharded = sharded or is_traceable_wrapper_subclass(p)
                     storages.update(_storage_ptrs(p))
             todo.extend(c for c in m._modules.values() if c is not None)
         if sharded:
