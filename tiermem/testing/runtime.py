@@ -42,6 +42,7 @@ __all__ = [
     "before_cuda_copies",
     "step_number",
     "record_restores",
+    "refusals_planned",
     "peak_in_flight",
 ]
 
@@ -316,3 +317,10 @@ def peak_in_flight(off) -> int:
     backward not run, graph alive), counted at each forward's end: what
     ``policy="auto"`` divides a size budget by (NOTE [Backward order])."""
     return off._order.peak_in_flight
+
+
+def refusals_planned(off) -> int:
+    """How many tensors the recompute tier refused in the current or last
+    forward after planning their recipes (not answered from the last forward's
+    refusals: NOTE [Refusals remembered] in tiers/refusals.py)."""
+    return off._placement.stores[Tier.RECOMPUTE].refusals.planned()

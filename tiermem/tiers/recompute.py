@@ -47,7 +47,6 @@ producer op and whose leaves are handles of tensors tiermem stores anyway.
 
 from __future__ import annotations
 
-import contextlib
 import time
 import weakref
 from typing import Any, Optional, Tuple
@@ -58,6 +57,8 @@ from ..errors import TierMemError
 from ..policy import Tier
 from ..tracking.producers import Record, Ref
 from .base import Layout, RecipeServices, TierStore, exact_copy
+from .refusals import Refusals
+from .replay import _Cached, _no_autocast
 from .keep import Kept
 
 __all__ = ["RecomputeStore", "RecomputeHandle", "MAX_RECIPE_NODES", "MAX_RECIPE_DEPTH"]
@@ -158,6 +159,10 @@ class RecomputeStore(TierStore):
 
     tier = Tier.RECOMPUTE
 
+    def __init__(self) -> None:
+        #: NOTE [Refusals remembered] in tiers/refusals.py.
+        self.refusals = Refusals()
+
     # -- forward ----------------------------------------------------------------
     def put(self, t: torch.Tensor, step: RecipeServices, module: str = "",
             later: Tuple[Tier, ...] = (), must: bool = False) -> Optional[RecomputeHandle]:
@@ -169,6 +174,13 @@ class RecomputeStore(TierStore):
         instead (NOTE [CheckpointPolicy answers] in policy.py)."""
         producers = step.producers
         rec = None if producers is None else producers.record_of(t)
+        nbytes = t.numel() * t.element_size()
+        refusals = self.refusals
+        key = refusals.key(step, None if rec is None else rec.name, nbytes, module)
+        known = None if must else refusals.known(key)   # NOTE [Refusals remembered]
+        if known is not None:
+            step.not_recomputable(known)
+            return None
         try:
             if rec is None:
                 raise _Ineligible("no recorded producer")
@@ -179,7 +191,6 @@ class RecomputeStore(TierStore):
             if plan.depth >= MAX_RECIPE_DEPTH:
                 raise _Ineligible("chain too deep (its recipe would regenerate "
                                   f"{MAX_RECIPE_DEPTH} dropped tensors first)")
-            nbytes = t.numel() * t.element_size()
             if plan.cost_bytes >= nbytes:
                 raise _Ineligible("its inputs cost as much memory as it frees")
         except _Ineligible as e:
@@ -194,6 +205,7 @@ class RecomputeStore(TierStore):
                     f"{', in module ' + module if module else ''}) that cannot be recomputed: "
                     f"{e.reason}. Answer PREFER_RECOMPUTE to let such tensors go to the next "
                     "tier instead, or another tier for them") from None
+            refusals.refused(key, e.reason)
             step.not_recomputable(e.reason)
             return None
         stored = {}
@@ -277,7 +289,7 @@ class RecomputeStore(TierStore):
                 return
         if x is None:
             raise _Ineligible("an input was freed or modified in place")
-        if Layout.of(x).compact:
+        if not x.is_contiguous() and Layout.of(x).compact:
             raise _Ineligible("an input is a gapped view")
         plan.store(x)
 
@@ -374,32 +386,6 @@ class _Recompute:
         return out
 
 
-class _Cached:
-    """A regenerated tensor kept for the other consumers of this backward
-    pass; on CUDA, with an event recorded after its recipe on the stream that
-    ran it (NOTE [Recomputed for consumers on several streams])."""
-
-    __slots__ = ("out", "stream", "event")
-
-    def __init__(self, out: torch.Tensor) -> None:
-        self.out = out
-        self.stream = self.event = None
-        if out.is_cuda:
-            self.stream = torch.cuda.current_stream(out.device)
-            self.event = torch.cuda.Event()
-            self.event.record(self.stream)
-
-    def for_current_stream(self) -> torch.Tensor:
-        """The tensor, ordered after its recipe on the caller's current stream."""
-        out = self.out
-        if self.event is not None:
-            current = torch.cuda.current_stream(out.device)
-            if current != self.stream:
-                current.wait_event(self.event)
-                out.record_stream(current)
-        return out
-
-
 def _usable(h: Any) -> bool:
     """A saved handle a recipe can take its input from: not a gapped view that
     a moving tier restores as a dense copy (other strides)."""
@@ -433,16 +419,3 @@ def _run(node: _Node, step) -> torch.Tensor:
         finally:
             gen.set_state(now)
     return out if node.out_index is None else out[node.out_index]
-
-
-@contextlib.contextmanager
-def _no_autocast():
-    """Run the recorded aten ops as recorded: autocast already inserted its
-    casts in forward (they are ops of the recipe)."""
-    with contextlib.ExitStack() as stack:
-        for device_type in ("cpu", "cuda"):
-            if device_type == "cuda" and not torch.cuda.is_available():
-                continue
-            if torch.is_autocast_enabled(device_type):
-                stack.enter_context(torch.autocast(device_type, enabled=False))
-        yield

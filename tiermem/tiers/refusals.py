@@ -1,0 +1,64 @@
+"""The recompute tier's refusals, remembered from one forward to the next
+(NOTE [Refusals remembered])."""
+
+# NOTE [Refusals remembered]
+# Planning a recipe only to refuse it (no recorded producer, an input freed, inputs
+# as large as the tensor, a chain too deep) is most of the recompute tier's pack
+# time, and a forward like the last one refuses the same tensors for the same
+# reasons. So a refusal is kept under its key (its position among the forward's
+# candidates, op name, bytes, module), and the next forward refuses that key with
+# the same reason without planning; a key answered so MAX_AGE times in a row is
+# planned again (a refusal for a passing reason does not stick). Exact either way:
+# a refused tensor goes to its order's next tier. Another forward (other shapes,
+# ops or modules) has other keys and is planned. MUST_RECOMPUTE is always planned
+# (it must raise with the reason of now).
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional
+
+__all__ = ["Refusals", "MAX_AGE"]
+
+#: Forwards in a row a remembered refusal is answered before it is planned again.
+MAX_AGE = 8
+
+
+class Refusals:
+    """The refusals of the last forward and of this one (one Offloader, one
+    thread: its steps' forwards run one at a time)."""
+
+    __slots__ = ("_step", "_position", "_before", "_now")
+
+    def __init__(self) -> None:
+        self._step: Optional[weakref.ref] = None   # the step whose forward counts now
+        self._position = 0
+        self._before: dict = {}   # key -> (reason, age) from the last forward
+        self._now: dict = {}      # the same, this forward
+
+    def key(self, step: Any, op: Optional[str], nbytes: int, module: str) -> tuple:
+        """The key of the next candidate of ``step``'s forward (counted in order)."""
+        if self._step is None or self._step() is not step:
+            self._before, self._now = self._now, {}
+            self._step = weakref.ref(step)
+            self._position = 0
+        position = self._position
+        self._position = position + 1
+        return (position, op, nbytes, module)
+
+    def known(self, key: tuple) -> Optional[str]:
+        """The reason the last forward refused ``key`` for, if it is to be
+        answered without planning (``None``: plan it)."""
+        hit = self._before.get(key)
+        if hit is None or hit[1] >= MAX_AGE:
+            return None
+        self._now[key] = (hit[0], hit[1] + 1)
+        return hit[0]
+
+    def refused(self, key: tuple, reason: str) -> None:
+        """``key`` was planned and refused for ``reason``."""
+        self._now[key] = (reason, 1)
+
+    def planned(self) -> int:
+        """Keys of this forward refused after planning (for tests)."""
+        return sum(1 for _, age in self._now.values() if age == 1)
