@@ -13,7 +13,9 @@ Configurations, each on the same TinyGPT (same parameters, same batch):
 - ``sac_usual``: the same with the usual policy: matmuls and attention
   saved, every other op recomputed (``PREFER_RECOMPUTE``);
 - ``keep``, ``recompute``, ``recompute_cpu``: ``tiermem.Offloader`` with
-  policy ``keep``, ``recompute``, ``"recompute,cpu"``;
+  policy ``keep``, ``recompute``, ``"recompute,cpu"``; ``recompute_nocheck``:
+  ``recompute`` with ``check_params=False`` (no parameter check: what SAC
+  does not do either);
 - ``auto_scoped``: ``Offloader(policy="auto", device_budget=--budget)``
   following its plan (tracking scoped to the plan's recipes, as shipped);
   ``auto_whole``: the same plan with tracking forced over the whole forward.
@@ -66,10 +68,12 @@ import tiermem  # noqa: E402
 import tiermem.testing  # noqa: E402
 from tiermem.models import GPTConfig, TinyGPT  # noqa: E402
 
-CONFIGS = ["plain", "sac_all_save", "sac_usual", "keep", "recompute", "recompute_cpu",
-           "auto_scoped", "auto_whole"]
-#: The tiermem policy of each fixed-policy configuration.
-POLICY = {"keep": "keep", "recompute": "recompute", "recompute_cpu": "recompute,cpu"}
+CONFIGS = ["plain", "sac_all_save", "sac_usual", "keep", "recompute", "recompute_nocheck",
+           "recompute_cpu", "auto_scoped", "auto_whole"]
+#: The tiermem policy of each fixed-policy configuration, and its other settings.
+POLICY = {"keep": "keep", "recompute": "recompute", "recompute_nocheck": "recompute",
+          "recompute_cpu": "recompute,cpu"}
+SETTINGS = {"recompute_nocheck": {"check_params": False}}
 
 _aten = torch.ops.aten
 #: What the usual SAC policy saves (torchtitan-style: matmuls and attention).
@@ -170,7 +174,7 @@ def measure(width: int, a) -> dict:
         elif name in ("plain", "sac_all_save", "sac_usual"):
             contexts[name] = contextlib.nullcontext()
         else:
-            contexts[name] = tiermem.Offloader(policy=POLICY[name])
+            contexts[name] = tiermem.Offloader(policy=POLICY[name], **SETTINGS.get(name, {}))
     n = counts(base, x)
     clock = time.thread_time if a.clock == "cpu" else time.perf_counter
     # CUDA: the forward's host time (until it returns) and its time to the
@@ -236,7 +240,7 @@ def profile(width: int, a, name: str, top: int = 25) -> dict:
     if name.startswith("auto"):
         ctx, _ = _planned(m, x, a.budget, whole=name == "auto_whole")
     elif name in POLICY:
-        ctx = tiermem.Offloader(policy=POLICY[name])
+        ctx = tiermem.Offloader(policy=POLICY[name], **SETTINGS.get(name, {}))
     else:
         ctx = contextlib.nullcontext()
     prof = cProfile.Profile()

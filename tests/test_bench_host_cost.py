@@ -26,7 +26,7 @@ def test_host_cost_bench_reports_every_configuration(tmp_path):
     (row,) = data["results"]
     assert row["counts"]["aten_ops"] > 0 and row["counts"]["saved_tensors"] > 0
     configs = row["configs"]
-    assert set(configs) == {"plain", "sac_all_save", "sac_usual", "keep", "recompute",
+    assert set(configs) == {"plain", "sac_all_save", "sac_usual", "keep", "recompute", "recompute_nocheck",
                             "recompute_cpu", "auto_scoped", "auto_whole"}
     for name, c in configs.items():
         assert len(c["forward_samples_s"]) == 4 and c["forward_s"] > 0
