@@ -23,7 +23,9 @@ Configurations, each on the same TinyGPT (same parameters, same batch):
 Per round (each in the order of a Williams design: NOTE [Order of the
 interleaved steps] in benchmarks/suite/roles.py), every configuration runs
 one forward, timed, and its backward, timed apart; the first ``--warmup``
-rounds are discarded. Reported per configuration and width: medians of the
+rounds are discarded; each forward starts after ``gc.collect()``, so that
+Python's collections of one configuration's objects do not land in another's
+timing. Reported per configuration and width: medians of the
 forward and of the step (forward + backward), paired ratios against
 ``plain`` per round with a 90% bootstrap interval of their median (NOTE
 [Paired step ratios] in benchmarks/suite/budgets.py), and the host
@@ -47,6 +49,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gc
 import json
 import os
 import statistics
@@ -186,6 +189,7 @@ def measure(width: int, a) -> dict:
     for r in range(a.warmup + a.rounds):
         for name in round_order(a.configs, r):
             m, ctx = models[name], contexts[name]
+            gc.collect()   # no configuration pays for collections of another's garbage
             sync()
             t0 = clock()
             with ctx:
