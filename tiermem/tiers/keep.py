@@ -70,11 +70,7 @@ class KickKept:
             if not prefetcher.started:   # else the kick would do nothing
                 with prefetcher.lock:
                     prefetcher.kick(self.top)
-        kept = self.kept
-        t = kept.tensor
-        if t._version != kept.version:   # NOTE [In-place check]
-            check_version(t, kept.version, kept.module)
-        return t
+        return _checked(self.kept)
 
 
 class MarkedKept:
@@ -94,11 +90,15 @@ class MarkedKept:
         if step is not None:
             self.step = None
             step.note_backward()
-        kept = self.kept
-        t = kept.tensor
-        if t._version != kept.version:   # NOTE [In-place check]
-            check_version(t, kept.version, kept.module)
-        return t
+        return _checked(self.kept)
+
+
+def _checked(kept: Kept) -> torch.Tensor:
+    """``kept``'s tensor, as its unpack returns it (NOTE [In-place check])."""
+    t = kept.tensor
+    if t._version != kept.version:
+        check_version(t, kept.version, kept.module)
+    return t
 
 
 def check_version(t: torch.Tensor, saved_version: int, module: str) -> None:

@@ -278,19 +278,6 @@ class ProducerMode(WriteWatch, TorchDispatchMode):
             records[id(o)] = (_weakref(o), rec)
         return out
 
-    def _recipe(self, rec: Record, o: torch.Tensor, func, args: tuple, kwargs: dict,
-                out_index: Optional[int], view: bool, call: Optional[str]) -> None:
-        """Make ``rec`` (``o``'s record) a recipe: ``func(*args, **kwargs)``
-        (``[out_index]``) regenerates ``o``."""
-        rec.func, rec.args, rec.kwargs = func, args, kwargs
-        rec.out_index = out_index
-        rec.is_view = view
-        if self.module_names:
-            rec.module = current_module()
-            rec.call = call
-        if self.alias_index:
-            self._index_alias(o, rec)
-
     def _index_alias(self, o: torch.Tensor, rec: Record) -> None:
         """Index ``o`` (recorded by ``rec``) by storage and offset: NOTE [Views
         made inside untracked calls]."""
@@ -372,13 +359,13 @@ class ProducerMode(WriteWatch, TorchDispatchMode):
         if view and rargs and type(rargs[0]) is Ref and rargs[0].record is not None:
             values_op = rargs[0].record.values_op
         records = self._records
+        module, call = (current_module(), call_name(func)) if self.module_names else (None, None)
         for i, o in enumerate(outs):
             if type(o) not in _PLAIN_TYPES or o.layout is not _STRIDED or o.is_inference():
                 continue
-            rec = Record(name, values_op)
-            rec.version = o._version
-            rec.rng = rng
-            self._recipe(rec, o, func, rargs, rkwargs, i if multi else None, view,
-                         call_name(func))
-            records[id(o)] = (weakref.ref(o), rec)
+            rec = Record(name, values_op, func, rargs, rkwargs, i if multi else None, rng,
+                         o._version, view, module, call)
+            if self.alias_index:
+                self._index_alias(o, rec)
+            records[id(o)] = (_weakref(o), rec)
         return out
