@@ -25,6 +25,7 @@ import tiermem.testing
 from helpers import compare_records, offloader, reference_steps, train_steps
 from models import make_case
 from tiermem.planner.rates import default_device_budget_bytes
+from tiermem.tracking.producers import ProducerMode
 from tiermem.planner.lifecycle import KEPT_TOLERANCE, MAX_REPLANS
 
 MODELS = ("mlp", "block", "convnet", "embed_gather")
@@ -209,7 +210,7 @@ def test_default_cpu_budget_respects_a_container_memory_limit(monkeypatch, tmp_p
         assert default_device_budget_bytes("cpu") == 10 * gib          # 30 GiB left - 20 GiB
 
 
-class _CountingProducers(tiermem.offloader.ProducerMode):
+class _CountingProducers(ProducerMode):
     """ProducerMode that counts the forwards it tracks (class attribute ``entered``)."""
 
     entered = 0
@@ -224,14 +225,13 @@ def test_producer_tracking_runs_only_while_the_plan_recomputes(budget, recompute
                                                                 monkeypatch):
     # mlp without nvme_dir: at 25% only recompute frees RAM, so that plan
     # recomputes; at 100% it keeps everything and its steps track nothing.
-    monkeypatch.setattr(tiermem.offloader, "ProducerMode", _CountingProducers)
     monkeypatch.setattr(_CountingProducers, "entered", 0)
     off = offloader("auto", device_budget=budget)
     case = make_case("mlp")
     tracked = []
     for _ in range(4):
         before = _CountingProducers.entered
-        with off as ctx:
+        with tiermem.testing.step_producer_mode(_CountingProducers), off as ctx:
             loss = case.loss()
         loss.backward()
         # Calls recorded whole (NOTE [Calls recorded whole] in tracking/producers.py)

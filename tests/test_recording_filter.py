@@ -42,9 +42,9 @@ class _Made(ProducerMode):
 
 @pytest.fixture
 def made(monkeypatch):
-    monkeypatch.setattr(tiermem.offloader, "ProducerMode", _Made)
     monkeypatch.setattr(_Made, "made", [])
-    return _Made
+    with tiermem.testing.step_producer_mode(_Made):
+        yield _Made
 
 
 def _stats(off) -> tuple:

@@ -50,9 +50,9 @@ class _ModuleOfEachOp(torch.utils._python_dispatch.TorchDispatchMode):
 
 @pytest.fixture
 def seen(monkeypatch):
-    monkeypatch.setattr(tiermem.offloader, "ProducerMode", _Seen)
     monkeypatch.setattr(_Seen, "ops", [])
-    return _Seen
+    with tiermem.testing.step_producer_mode(_Seen):
+        yield _Seen
 
 
 @pytest.mark.parametrize("name", ["mlp", "block", "embed_gather", "block_bf16"])

@@ -19,6 +19,8 @@ __all__ = [
     "replay_call",
     "kept_recomputed",
     "before_replayed_ops",
+    "running_module",
+    "step_producer_mode",
 ]
 
 
@@ -86,4 +88,25 @@ def before_replayed_ops(fn: Callable[[], Any]) -> Iterator[None]:
         return run(node, step)
 
     with patched(recompute, "_run", before):
+        yield
+
+
+def running_module() -> str:
+    """The qualified name of the innermost module running on this thread as
+    the module tracker sees it (``""``: none, or the tracker is off: a step
+    that keeps everything runs without it)."""
+    from ..tracking.modules import current_module
+    return current_module()
+
+
+@contextlib.contextmanager
+def step_producer_mode(cls: type) -> Iterator[None]:
+    """Steps that begin inside make their producer mode from ``cls``, a
+    subclass of :class:`~tiermem.tracking.producers.ProducerMode` (to count or
+    observe what they track), instead of the class itself."""
+    from ..tracking import setup
+    from ..tracking.producers import ProducerMode
+    if not (isinstance(cls, type) and issubclass(cls, ProducerMode)):
+        raise TypeError(f"step_producer_mode: {cls!r} is not a subclass of ProducerMode")
+    with patched(setup, "ProducerMode", cls):
         yield
