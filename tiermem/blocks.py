@@ -96,6 +96,17 @@ _recomputing_blocks: "weakref.WeakSet[_BlockForward]" = weakref.WeakSet()
 _must_recompute_blocks: "weakref.WeakSet[_BlockForward]" = weakref.WeakSet()
 
 
+#: Every live wrapped block with a policy of its own (a tier order): while
+#: any exists, a step cannot know it keeps every tensor (NOTE [Steps that
+#: keep everything] in offloader.py).
+_policy_blocks: "weakref.WeakSet[_BlockForward]" = weakref.WeakSet()
+
+
+def blocks_with_policy() -> bool:
+    """Whether a live wrapped block has a policy (a tier order) of its own."""
+    return len(_policy_blocks) > 0
+
+
 def blocks_need_producers() -> bool:
     """Whether a live wrapped block has a policy that may recompute."""
     return len(_recomputing_blocks) > 0
@@ -124,6 +135,8 @@ class _BlockForward:
         self._register()
 
     def _register(self) -> None:
+        if self.order is not None:
+            _policy_blocks.add(self)
         if self.order is not None and Tier.RECOMPUTE in self.order:
             _recomputing_blocks.add(self)
             if getattr(self.order, "must", False) and self.order[0] is Tier.RECOMPUTE:

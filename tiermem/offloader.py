@@ -34,10 +34,12 @@ from typing import Any, Callable, Optional
 import torch
 
 from .attach import Attachment, attach_module, detach_modules
-from .blocks import BLOCK_SCOPE, blocks_need_full_tracking, blocks_need_producers
+from .blocks import (BLOCK_SCOPE, blocks_need_full_tracking, blocks_need_producers,
+                     blocks_with_policy)
 from .config import Config
 from .deciders import check_hints, make_decider
 from .errors import TierMemError
+from .policy import Tier
 from .runtime.hooks import Packer, opaque, unpack
 from .runtime.placement import Placement
 from .runtime.schedule import BackwardOrder
@@ -45,7 +47,8 @@ from .runtime.step import Step
 from .runtime.tailhold import TailHold
 from .telemetry import StepStats
 from .tracking.modules import ModuleStack, TrackingScope, release
-from .tracking.producers import CallRecorder, ProducerMode, untracked_pack
+from .tracking.producers import ProducerMode, untracked_pack
+from .tracking.setup import step_tracking
 
 __all__ = ["Offloader", "OffloadContext", "hidden_hook"]
 
@@ -75,34 +78,13 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         self.planning = planning = decider.begin_step()
         tracks = decider.tracking(planning)   # what this step tracks
         #: Producer of each tensor of the forward (None unless the policy may
-        #: recompute or is a callable that may read ``TensorInfo.op``).
-        self.producers: Optional[ProducerMode] = None
-        #: Where tracking runs when it is scoped (NOTE [Scoped tracking] in
-        #: tracking/modules.py); ``None``: the whole forward, or not at all.
-        self.tracking: Optional[TrackingScope] = None
-        must_blocks = blocks_need_full_tracking()
-        # Whether anything reads the names of ops that are not recomputable:
-        # the decider's (TensorInfo.op of a callable policy, a profile, hints),
-        # the reasons in stats.recompute_fallback_reasons (wrapped blocks) and
-        # a MUST_RECOMPUTE error (NOTE [Recording only what recipes use] in
-        # tracking/producers.py).
-        op_names = tracks.op_names or must_blocks or blocks_need_producers()
-        #: A profiled step's namer of torch calls (NOTE [Tracking inside torch
-        #: calls] in tracking/modules.py), entered with the producer mode.
-        self._calls: Optional[CallRecorder] = None
-        if tracks.whole or must_blocks:
-            self.producers = ProducerMode(module_names=tracks.profiled, names=op_names)
-            if tracks.profiled:
-                self._calls = CallRecorder(self.producers)
-        else:
-            blocks = blocks_need_producers()
-            if tracks.modules or blocks:
-                self.producers = ProducerMode(names=op_names)
-                # NOTE [Views made inside untracked calls] in tracking/producers.py
-                self.producers.alias_index = True
-                self.tracking = TrackingScope(
-                    self.producers, tracks.modules or (), blocks, ops=tracks.ops,
-                    calls=tracks.calls, direct=tracks.direct)
+        #: recompute or is a callable that may read ``TensorInfo.op``); where
+        #: tracking runs when it is scoped (``None``: the whole forward, or not
+        #: at all); a profiled step's namer of torch calls.
+        self.producers: Optional[ProducerMode]
+        self.tracking: Optional[TrackingScope]
+        self.producers, self.tracking, self._calls = step_tracking(
+            tracks, blocks_need_full_tracking(), blocks_need_producers())
         prefetch_bytes = offloader.config.prefetch_bytes
         if prefetch_bytes is None and planning is not None:
             prefetch_bytes = planning.prefetch_bytes()
@@ -117,8 +99,16 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         if planning is None and limit != 0:   # NOTE [Tail hold] in runtime/tailhold.py
             self.step.tail = offloader._tail
             self.step.tail_hold_bytes = tail_hold_bytes
-        self._packer = Packer(self.step, placement, BLOCK_SCOPE, planning)
-        self._modules = ModuleStack(self._packer.note_root, self.tracking, holder=offloader)
+        keeps_all = (planning is None and placement.fixed is Tier.KEEP
+                     and self.producers is None and not blocks_with_policy())
+        self._packer = Packer(self.step, placement, BLOCK_SCOPE, planning, keeps_all=keeps_all)
+        #: The module tracker, or None in a step that keeps everything (NOTE
+        #: [Steps that keep everything]).
+        self._modules: Optional[ModuleStack] = None
+        if not keeps_all:
+            self._modules = ModuleStack(self._packer.note_root, self.tracking, holder=offloader)
+        else:   # it holds them no more, if an earlier step of it needed them
+            release(offloader)
         hook = self.step.unpack_hook
         unpack_hook = hidden_hook("unpack", unpack) if hook is unpack else opaque(hook)
         for o in observers:   # e.g. a profile: the forward begins now
@@ -134,7 +124,9 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         return self.step.prefetcher
 
     def __enter__(self) -> "OffloadContext":
-        self._modules.__enter__()
+        modules = self._modules
+        if modules is not None:
+            modules.__enter__()
         try:
             super().__enter__()
             try:
@@ -151,7 +143,8 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
                 raise
             BLOCK_SCOPE.contexts.append(self)   # what checkpoint="auto" blocks ask
         except BaseException:
-            self._modules.__exit__(None, None, None)
+            if modules is not None:
+                modules.__exit__(None, None, None)
             raise
         return self
 
@@ -179,11 +172,20 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
         planning = self.planning
         _run_all(   # NOTE [Every exit step runs]
             lambda: torch.autograd.graph.saved_tensors_hooks.__exit__(self, exc_type, exc, tb),
-            lambda: self._modules.__exit__(exc_type, exc, tb),
+            lambda: self._modules is None or self._modules.__exit__(exc_type, exc, tb),
             lambda: self._off._decider.end_step(planning, self.stats, failed),
             lambda: self.step.end_forward(failed),
             self._packer.clear,
             lambda: self._off._exit(self, failed=failed))
+
+
+# NOTE [Steps that keep everything]
+# A step that keeps every tensor (fixed ``keep``, no producers, no plan, no
+# live wrapped block with a policy) runs without the module tracker: module
+# names and roots serve only placing, recipes and the errors of moved
+# tensors, and its global hooks put every module call on torch's slow path.
+# Nor does its pack hook poll the moving tiers. Without roots its stats tell a
+# buffer from an activation by type only: a saved buffer counts as kept.
 
 
 # NOTE [Every exit step runs]

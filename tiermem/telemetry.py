@@ -33,7 +33,9 @@ class StepStats:
     - ``bytes_by_tier`` / ``count_by_tier``: saved activations by the tier that
       holds them (tier string -> bytes / count); parameters are not included.
     - ``dedup_hits``: saves of a tensor already stored in this step (stored once).
-    - ``param_count``: saves of parameters/buffers (never moved).
+    - ``param_count``: saves of parameters/buffers (never moved); in a step
+      that keeps everything (policy ``keep``, no recompute anywhere), of
+      parameters only: a saved buffer then counts as a kept activation.
     - ``small_count``: tensors kept because they were under ``min_offload_bytes``.
     - ``budget_fallbacks``: tensors that did not go to the tier the policy chose
       because it was full (they went to the next tier with room), or whose move

@@ -185,9 +185,11 @@ class Packer:
     ``scope``: the ``wrap_blocks`` scope (its ``stack`` of tier orders, the
     innermost block's first), asked before the step's decider; ``step_decider``:
     the step's ``StepDecider`` (tiermem/deciders.py), asked through its
-    methods only, or ``None``: the placement's order decides."""
+    methods only, or ``None``: the placement's order decides; ``keeps_all``:
+    the step keeps every tensor and polls no tier (NOTE [Steps that keep
+    everything] in offloader.py)."""
 
-    def __init__(self, step, placement, scope, step_decider=None) -> None:
+    def __init__(self, step, placement, scope, step_decider=None, keeps_all=False) -> None:
         self.step = step
         self.placement = placement
         self._scope = scope
@@ -195,7 +197,7 @@ class Packer:
         #: ``step_decider.keep_at``, bound once: it runs per tensor.
         self._keep_at = None if step_decider is None else step_decider.keep_at
         self.min_bytes = step.min_offload_bytes
-        self._polls = tuple(s.poll for s in placement.movers)
+        self._polls = () if keeps_all else tuple(s.poll for s in placement.movers)
         # Storages of the parameters and buffers of the modules run in this
         # step (a view of one may be saved through an op that hides its base).
         self.param_storages: set = set()

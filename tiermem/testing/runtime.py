@@ -11,6 +11,7 @@ import time
 from typing import Any, Callable, Iterator, List, Tuple
 
 from ..policy import Tier
+from ..tracking import modules as _modules
 from ._patch import patched
 
 __all__ = [
@@ -44,6 +45,8 @@ __all__ = [
     "record_restores",
     "refusals_planned",
     "peak_in_flight",
+    "holds_module_hooks",
+    "release_module_hooks",
 ]
 
 
@@ -324,3 +327,18 @@ def refusals_planned(off) -> int:
     forward after planning their recipes (not answered from the last forward's
     refusals: NOTE [Refusals remembered] in tiers/refusals.py)."""
     return off._placement.stores[Tier.RECOMPUTE].refusals.planned()
+
+
+def holds_module_hooks(off) -> bool:
+    """Whether ``off`` keeps tiermem's global module hooks installed between
+    its steps: while any Offloader does, every module call of the process
+    takes torch's slow path (NOTE [Hooks held between steps] in
+    tracking/modules.py)."""
+    return off in _modules._holders
+
+
+def release_module_hooks(off) -> None:
+    """``off`` no longer holds the global module hooks between its steps
+    (as ``close()`` does); its next step that tracks modules installs them
+    again. They go once no step runs and no other Offloader holds them."""
+    _modules.release(off)

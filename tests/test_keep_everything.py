@@ -1,0 +1,114 @@
+"""Steps that keep every tensor run without the module tracker (NOTE [Steps
+that keep everything] in tiermem/offloader.py; issue 33): its global module
+hooks put every module call of the process on torch's slow path. These tests
+check when a step goes without it (and gives back hooks its Offloader held),
+that it still tracks when anything could move a tensor, what its stats count,
+and the seam the host-cost benchmark uses to keep the hooks out of other
+configurations' timings."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+import tiermem
+import tiermem.testing
+from helpers import same_bits
+from models import MLP
+
+
+class _SeesHooks(nn.Module):
+    """Records, each time it runs, whether the module tracker saw it start."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.seen: list = []
+
+    def forward(self, x):
+        self.seen.append(tiermem.testing.running_module() != "")
+        return self.lin(x).relu()
+
+
+def _step(off, model, x):
+    with off:
+        loss = model(x).square().sum()
+    loss.backward()
+
+
+def test_keep_steps_install_no_module_hooks_and_stay_exact():
+    torch.manual_seed(0)
+    model, ref = _SeesHooks(), _SeesHooks()
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(4, 8, requires_grad=True)
+    off = tiermem.Offloader(policy="keep")
+    for _ in range(2):
+        _step(off, model, x)
+    ref(x).square().sum().backward()
+    assert model.seen == [False, False]
+    assert not tiermem.testing.holds_module_hooks(off)
+    assert same_bits(model.lin.weight.grad / 2, ref.lin.weight.grad)
+    assert off.stats.count_by_tier["keep"] >= 1 and off.stats.param_count >= 1   # weight.t()
+    off.close()
+
+
+def test_steps_that_may_move_track_modules():
+    """A moving policy, and a keep policy while a wrapped block has a policy
+    of its own, run the tracker (the hooks are there during the forward)."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    model = _SeesHooks()
+    off = tiermem.Offloader(policy="cpu", min_offload_bytes=0)
+    _step(off, model, x)
+    assert model.seen == [True]
+    off.close()
+
+    outer = nn.Sequential(_SeesHooks(), _SeesHooks())
+    wrapping = tiermem.wrap_blocks(outer, ["1"], checkpoint=False, policy="cpu")
+    keep = tiermem.Offloader(policy="keep", min_offload_bytes=0)
+    _step(keep, outer, x)
+    assert outer[0].seen == [True] and tiermem.testing.holds_module_hooks(keep)
+    assert keep.stats.count_by_tier["cpu"] >= 1   # the wrapped block's tensors moved
+    wrapping.unwrap()
+    del wrapping
+    _step(keep, outer, x)
+    assert outer[0].seen == [True, False]   # no wrapped block with a policy is left
+    assert not tiermem.testing.holds_module_hooks(keep)   # given back by that step
+    keep.close()
+
+
+def test_keep_stats_count_parameters_and_buffers_as_documented():
+    """In a step that keeps everything parameters are found by type, a buffer
+    (BatchNorm's running statistics, saved by batch_norm) counts as a kept
+    activation; a step of a moving policy counts both as parameters."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Linear(6, 6))
+    x = torch.randn(8, 6)
+
+    def stats(policy):
+        off = tiermem.Offloader(policy=policy, min_offload_bytes=0)
+        _step(off, model, x)
+        off.close()
+        return off.stats
+
+    kept, moved = stats("keep"), stats("cpu")
+    assert moved.param_count - kept.param_count == 2   # running_mean, running_var
+    kept_total = sum(kept.count_by_tier.values())
+    moved_total = sum(moved.count_by_tier.values())
+    assert kept_total - moved_total == 2
+    assert kept.param_count >= 2   # the weight.t() of both linears
+
+
+def test_release_module_hooks_lets_the_next_step_install_them_again():
+    torch.manual_seed(0)
+    model = MLP()
+    x = torch.randn(8, MLP.D_IN)
+    off = tiermem.Offloader(policy="recompute")
+    _step(off, model, x)
+    assert tiermem.testing.holds_module_hooks(off)   # held between steps
+    tiermem.testing.release_module_hooks(off)
+    assert not tiermem.testing.holds_module_hooks(off)
+    _step(off, model, x)
+    assert tiermem.testing.holds_module_hooks(off)
+    off.close()
+    assert not tiermem.testing.holds_module_hooks(off)
