@@ -158,11 +158,13 @@ def measure(width: int, a) -> dict:
     torch.manual_seed(0)
     dev = torch.device(a.device)
     cfg = GPTConfig(vocab=512, layers=a.layers, width=width, heads=4, seq_len=a.seq_len)
-    base = TinyGPT(cfg).to(dev)
+    with dev:   # made on the device: a wide model's CPU init would take longer than its timing
+        base = TinyGPT(cfg)
     x = torch.randint(0, cfg.vocab, (a.batch, a.seq_len), device=dev)
     models, contexts, notes = {}, {}, {}
     for name in a.configs:
-        m = TinyGPT(cfg).to(dev)
+        with dev:
+            m = TinyGPT(cfg)
         m.load_state_dict(base.state_dict())
         if name == "sac_all_save":
             _with_sac(m, _all_save)
@@ -179,6 +181,9 @@ def measure(width: int, a) -> dict:
         else:
             contexts[name] = tiermem.Offloader(policy=POLICY[name], **SETTINGS.get(name, {}))
     n = counts(base, x)
+    for c in contexts.values():   # the auto ones stepped already: see the loop below
+        if isinstance(c, tiermem.Offloader):
+            tiermem.testing.release_module_hooks(c)
     clock = time.thread_time if a.clock == "cpu" else time.perf_counter
     # CUDA: the forward's host time (until it returns) and its time to the
     # device's end (synchronised): see docs/host-cost.md.
@@ -202,6 +207,11 @@ def measure(width: int, a) -> dict:
             t2 = clock()
             for p in m.parameters():
                 p.grad = None
+            if isinstance(ctx, tiermem.Offloader):
+                # No other configuration pays for tiermem's global module
+                # hooks (held between an Offloader's steps): the next step of
+                # this one installs them again, inside its timed forward.
+                tiermem.testing.release_module_hooks(ctx)
             if r >= a.warmup:
                 fwd[name].append(t1 - t0)
                 host[name].append(th - t0)
@@ -212,6 +222,7 @@ def measure(width: int, a) -> dict:
                "forward_samples_s": fwd[name], "step_samples_s": step[name]}
         if dev.type == "cuda":
             row["forward_host_s"] = statistics.median(host[name])
+            row["forward_host_samples_s"] = host[name]
         if name not in ("plain", "sac_all_save") and "sac_all_save" in fwd:
             # The bar of issue 33: this forward against SAC's, paired per round.
             row["forward_ratio_to_sac_all_save"] = median_ci(

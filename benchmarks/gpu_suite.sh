@@ -22,9 +22,9 @@
 #             after the build: see PLAN)
 #   doctor    python -m tiermem doctor
 #   size-a    python -m benchmarks.suite --preset gpu-a: the baseline fits, activations dominate
-#   size-b    python -m benchmarks.suite --preset gpu-b: a 24 GiB budget the baseline does not fit
 #   host-cost benchmarks/bench_host_cost.py --device cuda: the forward's host time
 #             under tracking against torch SAC (docs/host-cost.md's model, checked)
+#   size-b    python -m benchmarks.suite --preset gpu-b: a 24 GiB budget the baseline does not fit
 #   gpu-ranks the gpu tests that spawn NCCL ranks (tests/test_fsdp.py,
 #             tests/test_planner_ranks.py), with what time is left
 # Without CUDA it dry-runs: the CUDA parts are skipped (said so in SUMMARY.md)
@@ -64,8 +64,8 @@ build 150 360
 gpu-tests 120 240
 doctor 30 210
 size-a 200 0
+host-cost 60 0
 size-b 110 0
-host-cost 45 0
 gpu-ranks 90 0"
 plan_of() { echo "$PLAN" | awk -v n="$1" '$1 == n {print $2, $3}'; }
 
@@ -293,10 +293,12 @@ export CPU_BUDGET
 export -f bench
 if [ "$HAVE_CUDA" = 1 ]; then
     bench_part size-a gpu-a $(plan_of size-a)
-    bench_part size-b gpu-b $(plan_of size-b)
+    # Widths from host-bound (256) to device-bound (4096): both sides of
+    # docs/host-cost.md's model.
     run_part host-cost $(plan_of host-cost) "$PY" benchmarks/bench_host_cost.py --device cuda \
-        --widths 1024,4096 --layers 4 --seq-len 512 --batch 4 --rounds 8 --warmup 2 \
+        --widths 256,1024,4096 --layers 4 --seq-len 512 --batch 4 --rounds 8 --warmup 2 \
         --configs plain,sac_all_save,keep,recompute,auto_scoped --out "$RES/host-cost.json"
+    bench_part size-b gpu-b $(plan_of size-b)
 else
     skip_part size-a "no CUDA device: the GPU matrix (preset gpu-a) needs one"
     skip_part size-b "no CUDA device: the GPU matrix (preset gpu-b) needs one"
