@@ -247,9 +247,11 @@ def profile(width: int, a, name: str, top: int = 25) -> dict:
     import cProfile
     import pstats
     torch.manual_seed(0)
+    dev = torch.device(a.device)
     cfg = GPTConfig(vocab=512, layers=a.layers, width=width, heads=4, seq_len=a.seq_len)
-    m = TinyGPT(cfg)
-    x = torch.randint(0, cfg.vocab, (a.batch, a.seq_len))
+    with dev:
+        m = TinyGPT(cfg)
+    x = torch.randint(0, cfg.vocab, (a.batch, a.seq_len), device=dev)
     if name.startswith("sac"):
         _with_sac(m, _all_save if name == "sac_all_save" else _usual)
     if name.startswith("auto"):
@@ -273,7 +275,7 @@ def profile(width: int, a, name: str, top: int = 25) -> dict:
     total = sum(v[2] for v in stats.values()) / a.rounds
     if isinstance(ctx, tiermem.Offloader):
         ctx.close()
-    return {"config": name, "width": width, "profiled_s_per_forward": total,
+    return {"config": name, "width": width, "device": str(dev), "profiled_s_per_forward": total,
             "top_own_time": [{"function": f, "own_s_per_forward": s_, "calls_per_forward": c}
                              for s_, c, f in rows]}
 

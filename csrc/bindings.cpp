@@ -16,7 +16,6 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <utility>
 
@@ -42,16 +41,15 @@ struct Buffer {
 Buffer check_request(const at::Tensor& buf, std::int64_t offset, const char* op) {
   tiermem::check_offset(offset, op);
   if (buf.layout() != at::kStrided || !buf.device().is_cpu()) {
-    std::ostringstream msg;
-    msg << "tiermem: " << op << " needs a dense CPU tensor, got layout " << buf.layout()
-        << " on device " << buf.device();
-    throw py::value_error(msg.str());
+    throw py::value_error(tiermem::cat("tiermem: ", op, " needs a dense CPU tensor, got layout ",
+                                       tiermem::str(buf.layout()), " on device ",
+                                       buf.device().str()));
   }
   if (!buf.is_contiguous()) {
-    std::ostringstream msg;
-    msg << "tiermem: " << op << " needs a contiguous tensor, got sizes " << buf.sizes()
-        << " and strides " << buf.strides() << " (call .contiguous())";
-    throw py::value_error(msg.str());
+    throw py::value_error(tiermem::cat("tiermem: ", op, " needs a contiguous tensor, got sizes ",
+                                       tiermem::str(buf.sizes()), " and strides ",
+                                       tiermem::str(buf.strides()),
+                                       " (call .contiguous())"));
   }
   const std::size_t nbytes = tiermem::nbytes_of(buf);
   void* data = nbytes ? buf.data_ptr() : nullptr;

@@ -7,9 +7,9 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <sstream>
-
+#include <string>
 #include "io_engine.h"
+#include "text.h"
 
 namespace tiermem {
 
@@ -17,10 +17,27 @@ namespace tiermem {
 // (NOTE [Alignment] in io_engine.h). `op` names the call in the message.
 inline void check_offset(std::int64_t offset, const char* op) {
   if (offset < 0 || offset % static_cast<std::int64_t>(kAlignBytes) != 0) {
-    std::ostringstream msg;
-    msg << "tiermem: " << op << " offset " << offset << " is not a non-negative multiple of "
-        << "ALIGN_BYTES (" << kAlignBytes << ")";
-    throw pybind11::value_error(msg.str());
+    throw pybind11::value_error(cat("tiermem: ", op, " offset ", offset,
+                                    " is not a non-negative multiple of ALIGN_BYTES (",
+                                    kAlignBytes, ")"));
+  }
+}
+
+// Sizes or strides as "[2, 3]" (NOTE [No iostreams in the engine] in text.h).
+inline std::string str(c10::IntArrayRef v) {
+  std::string out = "[";
+  for (std::size_t i = 0; i < v.size(); ++i) out += cat(i ? ", " : "", v[i]);
+  return out + "]";
+}
+
+// A layout by its torch name (NOTE [No iostreams in the engine] in text.h).
+inline std::string str(c10::Layout l) {
+  switch (l) {
+    case c10::kStrided: return "Strided";
+    case c10::kSparse: return "Sparse";
+    case c10::kSparseCsr: return "SparseCsr";
+    case c10::kMkldnn: return "Mkldnn";
+    default: return cat("layout ", static_cast<int>(l));
   }
 }
 

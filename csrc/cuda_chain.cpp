@@ -77,7 +77,6 @@
 #include <exception>
 #include <memory>
 #include <mutex>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <utility>
@@ -120,10 +119,9 @@ constexpr auto kReapInterval = std::chrono::microseconds(500);
 
 IOError cuda_error(const CudaOp& op, const char* what, const char* call, cudaError_t e) {
   cudaGetLastError();  // clear a non-sticky error so that torch does not report it later
-  std::ostringstream d;
-  d << what << ": CUDA error in " << call << ": " << cudaGetErrorString(e) << " ("
-    << std::strerror(EIO) << ")";
-  return IOError(EIO, op.is_write ? "write" : "read", op.path, op.nbytes, op.offset, d.str());
+  return IOError(EIO, op.is_write ? "write" : "read", op.path, op.nbytes, op.offset,
+                 cat(what, ": CUDA error in ", call, ": ", cudaGetErrorString(e), " (",
+                     std::strerror(EIO), ")"));
 }
 
 // Lets go of the op's tensors (and file): taken out under op.mu (a consumed
@@ -310,19 +308,18 @@ void check_staging(const at::Tensor& t, const char* op) {
     problem = "not pinned (a copy from pageable memory would block the host)";
   }
   if (problem) {
-    std::ostringstream msg;
-    msg << "tiermem: " << op << " needs a contiguous pinned CPU staging tensor, got one that "
-        << "is " << problem << " (layout " << t.layout() << ", device " << t.device() << ")";
-    throw py::value_error(msg.str());
+    throw py::value_error(cat("tiermem: ", op,
+                              " needs a contiguous pinned CPU staging tensor, got one that is ",
+                              problem, " (layout ", str(t.layout()), ", device ", t.device().str(),
+                              ")"));
   }
 }
 
 void check_device(const at::Tensor& t, const char* op, bool contiguous) {
   if (t.layout() != at::kStrided || !t.device().is_cuda() || (contiguous && !t.is_contiguous())) {
-    std::ostringstream msg;
-    msg << "tiermem: " << op << " needs a " << (contiguous ? "contiguous " : "")
-        << "dense CUDA tensor, got layout " << t.layout() << " on device " << t.device();
-    throw py::value_error(msg.str());
+    throw py::value_error(cat("tiermem: ", op, " needs a ", contiguous ? "contiguous " : "",
+                              "dense CUDA tensor, got layout ", str(t.layout()), " on device ",
+                              t.device().str()));
   }
 }
 
@@ -400,12 +397,11 @@ void check_not_forked(const ChainState& state, const char* op,
                       const std::shared_ptr<File>& file, std::int64_t offset,
                       std::size_t nbytes) {
   if (!state.forked()) return;
-  std::ostringstream d;
-  d << "the CUDA chain was made by process " << state.owner_pid
-    << " and this is a forked child (" << ::getpid()
-    << ") in which its threads do not exist; make a new chain here";
   throw IOError(EBADF, op, file ? file->path() : std::string(), nbytes,
-                static_cast<std::uint64_t>(offset < 0 ? 0 : offset), d.str());
+                static_cast<std::uint64_t>(offset < 0 ? 0 : offset),
+                cat("the CUDA chain was made by process ", state.owner_pid,
+                    " and this is a forked child (", ::getpid(),
+                    ") in which its threads do not exist; make a new chain here"));
 }
 
 }  // namespace
@@ -470,13 +466,12 @@ std::shared_ptr<CudaOp> CudaChain::write_from_device(const std::shared_ptr<File>
   const bool raw = src.is_contiguous() && !src.is_conj() && !src.is_neg();
   if (nbytes_of(staging) != nbytes ||
       (!raw && (staging.sizes() != src.sizes() || staging.scalar_type() != src.scalar_type()))) {
-    std::ostringstream msg;
-    msg << "tiermem: " << name << " needs a staging tensor of the source's bytes (and, for "
-        << "a non-contiguous, conjugate or negative view, its sizes and dtype), got "
-        << nbytes_of(staging)
-        << " bytes " << staging.sizes() << " " << staging.scalar_type() << " for "
-        << nbytes << " bytes " << src.sizes() << " " << src.scalar_type();
-    throw py::value_error(msg.str());
+    throw py::value_error(cat(
+        "tiermem: ", name, " needs a staging tensor of the source's bytes (and, for a ",
+        "non-contiguous, conjugate or negative view, its sizes and dtype), got ",
+        nbytes_of(staging), " bytes ", str(staging.sizes()), " ",
+        c10::toString(staging.scalar_type()), " for ", nbytes, " bytes ", str(src.sizes()), " ",
+        c10::toString(src.scalar_type())));
   }
   std::shared_ptr<CudaOp> op = new_op(true, file, offset, nbytes, src, staging, stream);
   op->file = file;
@@ -540,10 +535,9 @@ std::shared_ptr<CudaOp> CudaChain::read_to_device(const std::shared_ptr<File>& f
   check_device(dst, name, true);
   const std::size_t nbytes = nbytes_of(dst);
   if (nbytes_of(staging) != nbytes) {
-    std::ostringstream msg;
-    msg << "tiermem: " << name << " needs a staging tensor of the destination's bytes, got "
-        << nbytes_of(staging) << " bytes for " << nbytes;
-    throw py::value_error(msg.str());
+    throw py::value_error(cat("tiermem: ", name,
+                              " needs a staging tensor of the destination's bytes, got ",
+                              nbytes_of(staging), " bytes for ", nbytes));
   }
   std::shared_ptr<CudaOp> op = new_op(false, file, offset, nbytes, dst, staging, stream);
   op->dev = nbytes ? dst.data_ptr() : nullptr;

@@ -1,6 +1,7 @@
 // tiermem I/O core. See io_engine.h for NOTE [Request lifetime] and
 // NOTE [Alignment].
 #include "io_engine.h"
+#include "text.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -12,7 +13,6 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
-#include <sstream>
 #include <utility>
 
 namespace tiermem {
@@ -24,15 +24,11 @@ constexpr std::size_t kHugePageBytes = std::size_t(2) << 20;
 std::string error_message(int err, const std::string& op, const std::string& path,
                           std::uint64_t nbytes, std::uint64_t offset,
                           const std::string& detail) {
-  std::ostringstream msg;
-  msg << "tiermem: " << op;
-  if (op == "open") {
-    msg << " of " << path;
-  } else {
-    msg << " of " << nbytes << " bytes at offset " << offset << " in " << path;
-  }
-  msg << " failed: " << (detail.empty() ? std::strerror(err) : detail);
-  return msg.str();
+  std::string msg = op == "open"
+                        ? cat("tiermem: ", op, " of ", path)
+                        : cat("tiermem: ", op, " of ", nbytes, " bytes at offset ", offset,
+                              " in ", path);
+  return msg + " failed: " + (detail.empty() ? std::string(std::strerror(err)) : detail);
 }
 
 bool is_aligned(const void* p) {
@@ -114,11 +110,10 @@ Status pread_full(int fd, char* buf, std::size_t len, std::uint64_t off, std::si
 // A read found the end of the file before the end of the request.
 Status short_read(int fd, std::uint64_t want_end) {
   struct stat st;
-  std::ostringstream d;
-  d << "short read: the file";
-  if (::fstat(fd, &st) == 0) d << " is " << st.st_size << " bytes long, it";
-  d << " ends before byte " << want_end << " (" << std::strerror(EIO) << ")";
-  return {EIO, d.str()};
+  std::string d = "short read: the file";
+  if (::fstat(fd, &st) == 0) d += cat(" is ", st.st_size, " bytes long, it");
+  d += cat(" ends before byte ", want_end, " (", std::strerror(EIO), ")");
+  return {EIO, d};
 }
 
 const char kZeros[kAlignBytes] = {};
@@ -176,10 +171,10 @@ namespace {
 // What a forked child gets from an engine or file of its parent (NOTE [Engine after fork]).
 [[noreturn]] void throw_forked(const char* op, const std::string& path, std::uint64_t nbytes,
                                std::uint64_t offset, pid_t owner) {
-  std::ostringstream d;
-  d << "the I/O engine was made by process " << owner << " and this is a forked child ("
-    << ::getpid() << ") in which its threads do not exist; make a new engine here";
-  throw IOError(EBADF, op, path, nbytes, offset, d.str());
+  throw IOError(EBADF, op, path, nbytes, offset,
+                cat("the I/O engine was made by process ", owner,
+                    " and this is a forked child (", ::getpid(),
+                    ") in which its threads do not exist; make a new engine here"));
 }
 
 }  // namespace
@@ -379,9 +374,8 @@ Future File::submit(bool is_write, void* buf, std::size_t nbytes, std::uint64_t 
                     std::shared_ptr<void> keepalive) {
   const char* op = is_write ? "write" : "read";
   if (offset % kAlignBytes != 0) {
-    std::ostringstream d;
-    d << "the offset " << offset << " is not a multiple of " << kAlignBytes;
-    throw IOError(EINVAL, op, state_->path, nbytes, offset, d.str());
+    throw IOError(EINVAL, op, state_->path, nbytes, offset,
+                  cat("the offset ", offset, " is not a multiple of ", kAlignBytes));
   }
   auto fut = std::make_shared<FutureState>();
   fut->op = op;

@@ -34,7 +34,7 @@ __all__ = ["variant", "variant_sha256", "sources_sha256", "python_tag", "build_n
 #: Files of csrc/ compiled into the engine, in build order, and the headers they
 #: include; the CUDA build adds the chain (NOTE [CUDA build of the engine] in cpp.py).
 SOURCES = ("io_engine.cpp", "tensor_release.cpp", "bindings.cpp")
-HEADERS = ("io_engine.h", "tensor_release.h", "checks.h", "ready_queue.h")
+HEADERS = ("io_engine.h", "tensor_release.h", "checks.h", "ready_queue.h", "text.h")
 CUDA_SOURCES = ("cuda_chain.cpp", "cuda_bindings.cpp")
 CUDA_HEADERS = ("cuda_chain.h", "cuda_bindings.h")
 
