@@ -397,7 +397,10 @@ def test_auto_plan_records_cuda_dropout_whole_and_stays_exact():
     ref_model = copy.deepcopy(model)
     # Masks (4 KiB of bool) under min_offload_bytes: a plan recomputing the
     # mask, which F.dropout does not return, would keep the call under the mode.
-    off = tiermem.Offloader(policy="auto", device_budget="10%", min_offload_bytes=8192)
+    # cpu_budget=0: on the H200 the cpu tier hid every copy and the plan
+    # recomputed nothing (2026-12-04); recompute is then the only tier that frees.
+    off = tiermem.Offloader(policy="auto", device_budget="10%", min_offload_bytes=8192,
+                            cpu_budget=0)
     for i in range(3):
         step(model, off, seed=i)
         step(ref_model, contextlib.nullcontext(), seed=i)
