@@ -66,14 +66,15 @@ def test_steps_that_may_move_track_modules():
     outer = nn.Sequential(_SeesHooks(), _SeesHooks())
     wrapping = tiermem.wrap_blocks(outer, ["1"], checkpoint=False, policy="cpu")
     keep = tiermem.Offloader(policy="keep", min_offload_bytes=0)
-    _step(keep, outer, x)
-    assert outer[0].seen == [True] and tiermem.testing.holds_module_hooks(keep)
-    assert keep.stats.count_by_tier["cpu"] >= 1   # the wrapped block's tensors moved
-    wrapping.unwrap()
-    del wrapping
-    _step(keep, outer, x)
-    assert outer[0].seen == [True, False]   # no wrapped block with a policy is left
-    assert not tiermem.testing.holds_module_hooks(keep)   # given back by that step
+    with tiermem.testing.dynamo_has_run(True):   # hooks held between steps
+        _step(keep, outer, x)
+        assert outer[0].seen == [True] and tiermem.testing.holds_module_hooks(keep)
+        assert keep.stats.count_by_tier["cpu"] >= 1   # the wrapped block's tensors moved
+        wrapping.unwrap()
+        del wrapping
+        _step(keep, outer, x)
+        assert outer[0].seen == [True, False]   # no wrapped block with a policy is left
+        assert not tiermem.testing.holds_module_hooks(keep)   # given back by that step
     keep.close()
 
 
@@ -104,10 +105,43 @@ def test_release_module_hooks_lets_the_next_step_install_them_again():
     model = MLP()
     x = torch.randn(8, MLP.D_IN)
     off = tiermem.Offloader(policy="recompute")
-    _step(off, model, x)
-    assert tiermem.testing.holds_module_hooks(off)   # held between steps
-    tiermem.testing.release_module_hooks(off)
+    with tiermem.testing.dynamo_has_run(True):
+        _step(off, model, x)
+        assert tiermem.testing.holds_module_hooks(off)   # held between steps
+        tiermem.testing.release_module_hooks(off)
+        assert not tiermem.testing.holds_module_hooks(off)
+        _step(off, model, x)
+        assert tiermem.testing.holds_module_hooks(off)
+    off.close()
     assert not tiermem.testing.holds_module_hooks(off)
+
+
+def test_without_dynamo_module_hooks_leave_with_each_step():
+    """NOTE [Hooks held between steps]: until Dynamo has run in the process,
+    a step tracks modules during its forward and removes the hooks at its
+    end, so module calls between steps (an eval loop) need not run with them.
+    Fails before: an Offloader held them from its first step to its close()."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    model = _SeesHooks()
+    off = tiermem.Offloader(policy="cpu", min_offload_bytes=0)
+    with tiermem.testing.dynamo_has_run(False):
+        _step(off, model, x)
+        assert model.seen == [True]                    # tracked during the forward
+        assert not tiermem.testing.holds_module_hooks(off)
+        _step(off, model, x)                           # installed again for this one
+        assert model.seen == [True, True]
+        assert not tiermem.testing.holds_module_hooks(off)
+    off.close()
+
+
+def test_once_dynamo_has_run_an_offloader_holds_the_hooks():
+    compiled = torch.compile(lambda t: t.sin() + 1, backend="eager")
+    compiled(torch.randn(3))        # Dynamo considers a frame: its counters say so
+    torch.manual_seed(0)
+    model = MLP()
+    x = torch.randn(8, MLP.D_IN)
+    off = tiermem.Offloader(policy="recompute")
     _step(off, model, x)
     assert tiermem.testing.holds_module_hooks(off)
     off.close()

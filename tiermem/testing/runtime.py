@@ -47,6 +47,7 @@ __all__ = [
     "peak_in_flight",
     "holds_module_hooks",
     "release_module_hooks",
+    "dynamo_has_run",
 ]
 
 
@@ -342,3 +343,13 @@ def release_module_hooks(off) -> None:
     (as ``close()`` does); its next step that tracks modules installs them
     again. They go once no step runs and no other Offloader holds them."""
     _modules.release(off)
+
+
+@contextlib.contextmanager
+def dynamo_has_run(ran: bool) -> Iterator[None]:
+    """Steps that end inside see Dynamo as having run in this process (``ran``)
+    or not, whatever its counters say: what decides whether an Offloader
+    holds the global module hooks between its steps (NOTE [Hooks held between
+    steps] in tracking/modules.py)."""
+    with patched(_modules, "dynamo_ran", lambda: bool(ran)):
+        yield

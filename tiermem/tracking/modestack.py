@@ -16,7 +16,7 @@ from typing import List, Optional, Tuple
 import torch
 
 __all__ = ["is_ours", "is_compiled_module", "suspend", "resume", "is_innermost", "take_off",
-           "region", "set_region", "in_compiled_region"]
+           "region", "set_region", "in_compiled_region", "dynamo_ran"]
 
 _fn_depth = torch._C._len_torch_function_stack
 _fn_at = torch._C._get_function_stack_at
@@ -131,3 +131,18 @@ def take_off(mode, function: bool) -> bool:
         for m in reversed(above):
             push(m)
     return True
+
+
+_dynamo_seen = False
+
+
+def dynamo_ran() -> bool:
+    """Whether Dynamo has considered a frame in this process (sticky; read
+    from its counters, never importing it): NOTE [Hooks held between steps]
+    in tracking/modules.py."""
+    global _dynamo_seen
+    if not _dynamo_seen:
+        utils = sys.modules.get("torch._dynamo.utils")
+        frames = None if utils is None else utils.counters.get("frames")
+        _dynamo_seen = bool(frames and frames.get("total"))
+    return _dynamo_seen

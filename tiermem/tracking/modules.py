@@ -22,8 +22,8 @@ import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
 
-from .modestack import (is_compiled_module, is_innermost, region, resume, set_region,
-                        suspend, take_off)
+from .modestack import (dynamo_ran, is_compiled_module, is_innermost, region, resume,
+                        set_region, suspend, take_off)
 
 _lock = threading.Lock()
 _users = 0
@@ -409,16 +409,16 @@ class ModuleStack:
                     break
         with _lock:
             _users -= 1
+            if self._holder is not None and not dynamo_ran():
+                _holders.discard(self._holder)   # NOTE [Hooks held between steps]
             _remove_unheld()
 
 
 # NOTE [Hooks held between steps]
-# Dynamo guards a compiled module on the keys of the global hook dictionaries
-# (its traced ``_call_impl`` reads them). Hooks installed at each step's start
-# and removed at its end got new keys every step: every compiled module was
-# recompiled at every step, and past Dynamo's recompile limit ran eagerly. So
-# an Offloader holds them from its first step to its ``close()`` (once it died:
-# to the next context's end); between steps they return at once (``_users``: 0).
+# Dynamo guards compiled code on the global hook dictionaries' keys, so once it
+# has run here an Offloader holds the hooks to its ``close()`` (once it died: to
+# the next context's end): removed per step, they recompiled every step. Before,
+# each step removes them: held, they slow every module call of the process.
 def release(holder) -> None:
     """``holder`` no longer keeps the hooks installed (``Offloader.close``)."""
     with _lock:
