@@ -70,11 +70,12 @@ def test_steps_that_may_move_track_modules():
         _step(keep, outer, x)
         assert outer[0].seen == [True] and tiermem.testing.holds_module_hooks(keep)
         assert keep.stats.count_by_tier["cpu"] >= 1   # the wrapped block's tensors moved
+        forward = outer[1].forward   # the wrapped forward, still alive after unwrap
         wrapping.unwrap()
-        del wrapping
         _step(keep, outer, x)
         assert outer[0].seen == [True, False]   # no wrapped block with a policy is left
         assert not tiermem.testing.holds_module_hooks(keep)   # given back by that step
+    del forward
     keep.close()
 
 

@@ -233,6 +233,7 @@ class BlockWrapping:
         for _, m in self._modules:
             fwd = m.__dict__.get("forward")
             if isinstance(fwd, _BlockForward):
+                _policy_blocks.discard(fwd)
                 _recomputing_blocks.discard(fwd)
                 _must_recompute_blocks.discard(fwd)
                 del m.forward
