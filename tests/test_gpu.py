@@ -512,11 +512,14 @@ def test_nvme_forward_on_the_python_chain_does_not_sync_the_host(tmp_path):
              jobs.FutureJob)
     with forbid_host_waits(*kinds), off:
         loss = model(x).square().mean()
+    # No new pinned staging (whose trimming could free pinned memory, an
+    # implicit device sync) and no file growth in the measured forward. Read
+    # before backward: on the H200 one more staging buffer appeared by the
+    # end of the step (22 against 21), which this tells apart.
+    forward_allocations = store.staging.allocations
     loss.backward()
     assert off.stats.count_by_tier["nvme"] > 0
-    # No new pinned staging (whose trimming could free pinned memory, an
-    # implicit device sync) and no file growth in the measured forward.
-    assert store.staging.allocations == allocations
+    assert forward_allocations == allocations
     assert store.arena.size_bytes == arena_bytes
     off.close()
 
