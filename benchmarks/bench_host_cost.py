@@ -209,8 +209,9 @@ def measure(width: int, a) -> dict:
                 p.grad = None
             if isinstance(ctx, tiermem.Offloader):
                 # No other configuration pays for tiermem's global module
-                # hooks (held between an Offloader's steps): the next step of
-                # this one installs them again, inside its timed forward.
+                # hooks (held between an Offloader's steps once Dynamo has
+                # run): its next step installs them again, inside its timed
+                # forward.
                 tiermem.testing.release_module_hooks(ctx)
             if r >= a.warmup:
                 fwd[name].append(t1 - t0)

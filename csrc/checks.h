@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+
 #include "io_engine.h"
 #include "text.h"
 

@@ -2,11 +2,9 @@
 //
 // NOTE [No iostreams in the engine]
 //   Messages are concatenated from strings and std::to_string, never with
-//   <sstream>: on the first GPU machine (g++ from /opt/gcc, newer than the
-//   libstdc++ the Python process had loaded) the first number written into an
-//   ostringstream crashed the process (SIGSEGV in ostream::_M_insert<long>,
-//   instantiated in the extension against the other library's locale
-//   facets). std::to_string formats without a locale.
+//   <sstream>: a stream's number formatting uses the locale facets of the
+//   libstdc++ the process loaded, which may be older than the compiler's
+//   headers, and then crashes; std::to_string needs no locale.
 #pragma once
 
 #include <cstdint>
