@@ -147,3 +147,63 @@ def test_once_dynamo_has_run_an_offloader_holds_the_hooks():
     assert tiermem.testing.holds_module_hooks(off)
     off.close()
     assert not tiermem.testing.holds_module_hooks(off)
+
+
+def test_keep_step_hooks_check_versions_and_hold_leaves_as_autograd_does():
+    """NOTE [Hooks of a step that keeps everything] in runtime/keephooks.py:
+    an in-place write to a saved tensor raises at unpack as autograd would,
+    and a leaf replaced between forward and backward (``p.data = new``) is
+    read as plain autograd reads it (the leaf itself is held)."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, requires_grad=True)
+    off = tiermem.Offloader(policy="keep")
+    with off:
+        first = x.exp()   # the step's first saved tensor has a handle of its own
+        y = first.exp()   # saves its output y
+    y.add_(1)
+    try:
+        y.sum().backward()
+    except tiermem.TierMemError as e:
+        assert "in-place" in str(e)
+    else:
+        raise AssertionError("an in-place write to a saved tensor was not seen")
+
+    def grads(ctx_factory):
+        torch.manual_seed(0)
+        w = nn.Parameter(torch.randn(4, 8))
+        inp = torch.randn(4, 8, requires_grad=True)
+        with ctx_factory():
+            loss = (inp.exp() * w).sum()   # mul saves the leaf w itself
+        w.data = w.data * 2   # a new storage, between forward and backward
+        loss.backward()
+        return inp.grad, w.grad
+
+    import contextlib
+    got, want = grads(lambda: off), grads(contextlib.nullcontext)
+    assert same_bits(got[0], want[0]) and same_bits(got[1], want[1])
+    off.close()
+
+
+def test_keep_step_counts_no_tensor_saved_inside_backward():
+    """A backward run inside the step (``create_graph``: a gradient penalty)
+    saves tensors for the second backward: kept, and not counted in the
+    step's stats, which count the forward's saved tensors."""
+    torch.manual_seed(0)
+    model = MLP()
+    x = torch.randn(8, MLP.D_IN, requires_grad=True)
+
+    def run(penalty: bool):
+        off = tiermem.Offloader(policy="keep", min_offload_bytes=0)
+        with off:
+            out = model(x).sum()
+            if penalty:
+                (g,) = torch.autograd.grad(out, x, create_graph=True)
+                out = out + g.square().sum()
+        out.backward()
+        off.close()
+        return off.stats
+
+    plain, with_penalty = run(False), run(True)
+    # The forward's one more saved tensor: g, saved by square().
+    assert with_penalty.count_by_tier["keep"] == plain.count_by_tier["keep"] + 1
+    assert with_penalty.param_count == plain.param_count

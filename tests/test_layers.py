@@ -6,7 +6,7 @@ Layers, top first (a module's layer is that of its longest listed prefix):
 
 0. the top level users touch: ``offloader``, ``attach``, ``blocks``,
    ``deciders``, ``demo``, ``doctor``, ``testing``, the CLI, ``integrations/``;
-1. ``runtime.hooks`` (pack/unpack) -> 2. ``runtime.step`` -> 3.
+1. ``runtime.hooks``, ``runtime.keephooks`` (pack/unpack) -> 2. ``runtime.step`` -> 3.
    ``runtime.placement``;
 4. ``tiers/`` and ``planner/`` (the planner reads what tiers hand back);
 5. the rest of ``runtime/`` (prefetch, jobs, copier, leases, tail hold);
@@ -26,7 +26,7 @@ LAYERS = {
     "offloader": 0, "attach": 0, "blocks": 0, "deciders": 0, "demo": 0, "doctor": 0,
     "oneshot": 0, "testing": 0,
     "__main__": 0, "__init__": 0, "integrations": 0,
-    "runtime.hooks": 1, "runtime.step": 2, "runtime.placement": 3,
+    "runtime.hooks": 1, "runtime.keephooks": 1, "runtime.step": 2, "runtime.placement": 3,
     "tiers": 4, "planner": 4,
     "runtime": 5,
     "memory": 6, "tracking": 6, "io": 6,

@@ -180,16 +180,20 @@ def test_rand_like_mask_is_reproduced():
 class _Census(TorchDispatchMode):
     """Weak references to the storage of every tensor an op makes."""
 
-    def __init__(self):
+    def __init__(self, *before):
         super().__init__()
         self.storages = {}
+        #: Storages made before the census (inputs, parameters): an alias of
+        #: one (a pack hook's ``detach``) is not a new tensor.
+        self.before = {t.untyped_storage().data_ptr() for t in before}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for o in (out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(o, torch.Tensor) and o.layout == torch.strided:
                 s = o.untyped_storage()
-                self.storages.setdefault(s.data_ptr(), (StorageWeakRef(s), s.nbytes()))
+                if s.data_ptr() not in self.before:
+                    self.storages.setdefault(s.data_ptr(), (StorageWeakRef(s), s.nbytes()))
         return out
 
     def live_bytes(self):
@@ -213,7 +217,7 @@ def _bytes_held(policy):
     model = Wide()
     x = torch.randn(64, 64, requires_grad=True)
     off = tiermem.Offloader(policy=policy, min_offload_bytes=0)
-    census = _Census()
+    census = _Census(x, *model.parameters())
     with off:
         with census:
             loss = model(x).sum()

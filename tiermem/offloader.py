@@ -40,8 +40,11 @@ from .config import Config
 from .deciders import check_hints, make_decider
 from .errors import TierMemError
 from .policy import Tier
+from .runtime.hidden import hidden_hook
 from .runtime.hooks import Packer, opaque, unpack
+from .runtime.keephooks import keep_step_hooks
 from .runtime.placement import Placement
+from .runtime.roots import RootWalks
 from .runtime.schedule import BackwardOrder
 from .runtime.step import Step
 from .runtime.tailhold import TailHold
@@ -50,20 +53,9 @@ from .tracking.modules import ModuleStack, TrackingScope, release
 from .tracking.producers import ProducerMode, untracked_pack
 from .tracking.setup import step_tracking
 
-__all__ = ["Offloader", "OffloadContext", "hidden_hook"]
+__all__ = ["Offloader", "OffloadContext"]
 
 _log = logging.getLogger("tiermem")
-
-_opaque_hooks: dict = {}
-
-
-def hidden_hook(name: str, fn):
-    """``fn`` hidden from torch.compile, made once per process."""
-    hook = _opaque_hooks.get(name)
-    if hook is None:
-        hook = _opaque_hooks[name] = opaque(fn)
-    return hook
-
 
 class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
     """One step of an :class:`Offloader`: the forward pass under ``with``, and the
@@ -101,18 +93,21 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
             self.step.tail_hold_bytes = tail_hold_bytes
         keeps_all = (planning is None and placement.fixed is Tier.KEEP
                      and self.producers is None and not blocks_with_policy())
-        self._packer = Packer(self.step, placement, BLOCK_SCOPE, planning, keeps_all=keeps_all)
-        #: The module tracker, or None in a step that keeps everything (NOTE
-        #: [Steps that keep everything]).
+        self._packer = Packer(self.step, placement, BLOCK_SCOPE, planning, keeps_all=keeps_all,
+                              roots=offloader._roots)
+        #: The module tracker (None: NOTE [Steps that keep everything]).
         self._modules: Optional[ModuleStack] = None
         if not keeps_all:
             self._modules = ModuleStack(self._packer.note_root, self.tracking, holder=offloader)
         else:   # it holds them no more, if an earlier step of it needed them
             release(offloader)
-        hook = self.step.unpack_hook
-        unpack_hook = hidden_hook("unpack", unpack) if hook is unpack else opaque(hook)
         for o in observers:   # e.g. a profile: the forward begins now
             o.started(self.step)
+        if keeps_all:   # NOTE [Hooks of a step that keeps everything] in runtime/keephooks.py
+            super().__init__(*keep_step_hooks(self.step, offloader.config.min_offload_bytes))
+            return
+        hook = self.step.unpack_hook
+        unpack_hook = hidden_hook("unpack", unpack) if hook is unpack else opaque(hook)
         pack = self._packer.__call__
         if self.producers is not None:   # NOTE [The pack hook runs untracked] in tracking/dispatch.py
             pack = untracked_pack(self.producers, pack)
@@ -267,6 +262,7 @@ class Offloader:
         self._placement = Placement(cfg)
         #: NOTE [Tail hold] in runtime/tailhold.py: the sources of the last moves.
         self._tail = TailHold()
+        self._roots = RootWalks()   # NOTE [Roots walked once] in runtime/roots.py
         self._order = BackwardOrder(self._tail)   # NOTE [Backward order] in runtime/schedule.py
         #: Who answers each step's orders (tiermem/deciders.py).
         self._decider = make_decider(cfg, self._placement, hints, self._order)

@@ -18,8 +18,8 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _per_tier() -> dict:
-    return {t.value: 0 for t in Tier}
+_NO_TIER_COUNTS = {t.value: 0 for t in Tier}
+_per_tier = _NO_TIER_COUNTS.copy   # tier string -> 0, a new dict per call
 
 
 @dataclass

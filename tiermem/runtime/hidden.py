@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["opaque"]
+__all__ = ["opaque", "hidden_hook"]
 
 
 def _frame_switch():
@@ -56,3 +56,14 @@ def _hide(set_eval_frame, fn):
     hidden._torchdynamo_disable = True
     hidden._torchdynamo_orig_callable = fn
     return hidden
+
+
+_opaque_hooks: dict = {}
+
+
+def hidden_hook(name: str, fn):
+    """``fn`` hidden from torch.compile, made once per process (under ``name``)."""
+    hook = _opaque_hooks.get(name)
+    if hook is None:
+        hook = _opaque_hooks[name] = opaque(fn)
+    return hook

@@ -86,8 +86,7 @@ lock. Nothing else lives here."""
 
 from __future__ import annotations
 
-import sys
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -95,6 +94,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from ..policy import Tier, TensorInfo
 from .contract import KEPT_HIT, KICK, NO_INDEX
 from .hidden import opaque
+from .roots import RootWalks
 from ..tiers.keep import Kept, KickKept, MarkedKept, check_version
 from ..tracking.modules import current_module
 from ..tracking.producers import storage_key
@@ -187,10 +187,13 @@ class Packer:
     the step's ``StepDecider`` (tiermem/deciders.py), asked through its
     methods only, or ``None``: the placement's order decides; ``keeps_all``:
     the step keeps every tensor and polls no tier (NOTE [Steps that keep
-    everything] in offloader.py)."""
+    everything] in offloader.py); ``roots``: the Offloader's walks of its
+    root modules (NOTE [Roots walked once] in runtime/roots.py)."""
 
-    def __init__(self, step, placement, scope, step_decider=None, keeps_all=False) -> None:
+    def __init__(self, step, placement, scope, step_decider=None, keeps_all=False,
+                 roots: Optional[RootWalks] = None) -> None:
         self.step = step
+        self._roots = RootWalks() if roots is None else roots
         self.placement = placement
         self._scope = scope
         self._step_decider = step_decider
@@ -210,37 +213,20 @@ class Packer:
 
     def note_root(self, module: torch.nn.Module) -> None:
         """A root module started its forward: remember its parameters' storages
-        (see NOTE [Sharded parameters])."""
+        (see NOTE [Sharded parameters]), from its walk kept by the Offloader
+        (NOTE [Roots walked once] in runtime/roots.py)."""
         if id(module) in self._seen_roots:
             return
         self._seen_roots.add(id(module))
-        sharded = False
+        walk = self._roots.walk(module)
         storages = self.param_storages
-        fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
-        # One walk over the modules (each once), their own parameters and
-        # buffers: what module.parameters() and module.buffers() yield, and
-        # whether one is managed by FSDP2, without their generators per step.
-        todo, seen = [module], set()
-        while todo:
-            m = todo.pop()
-            if id(m) in seen:
-                continue
-            seen.add(id(m))
-            if fsdp is not None and isinstance(m, fsdp):
-                sharded = True
-            for tensors in (m._parameters, m._buffers):
-                for p in tensors.values():
-                    if p is None or p.layout != _strided:   # sparse ones have no storage
-                        continue
-                    if type(p) is _Tensor or type(p) is _Parameter:
-                        ptr = p.untyped_storage().data_ptr()
-                        if ptr:   # not freed (size 0)
-                            storages.add(ptr)
-                        continue
-                    sharded = sharded or is_traceable_wrapper_subclass(p)
-                    storages.update(_storage_ptrs(p))
-            todo.extend(c for c in m._modules.values() if c is not None)
-        if sharded:
+        for p in walk.dense:
+            ptr = p.untyped_storage().data_ptr()
+            if ptr:   # not freed (size 0)
+                storages.add(ptr)
+        for p in walk.others:
+            storages.update(_storage_ptrs(p))
+        if walk.sharded:
             self.step.params_may_be_freed = True
 
     def clear(self) -> None:
