@@ -12,6 +12,9 @@ Configurations, each on the same TinyGPT (same parameters, same batch):
   own cost;
 - ``sac_usual``: the same with the usual policy: matmuls and attention
   saved, every other op recomputed (``PREFER_RECOMPUTE``);
+- ``hooks_floor``: ``torch.autograd.graph.saved_tensors_hooks`` with a pack
+  hook that only detaches (what any offloader built on those hooks pays per
+  saved tensor before doing anything: torchtune's and ``save_on_cpu`` are);
 - ``keep``, ``recompute``, ``recompute_cpu``: ``tiermem.Offloader`` with
   policy ``keep``, ``recompute``, ``"recompute,cpu"``; ``recompute_nocheck``:
   ``recompute`` with ``check_params=False`` (no parameter check: what SAC
@@ -31,6 +34,11 @@ forward and of the step (forward + backward), paired ratios against
 [Paired step ratios] in benchmarks/suite/budgets.py), and the host
 microseconds added per aten op and per saved tensor of the plain forward
 (forward time over plain's, divided by the counts).
+
+Also per configuration: the host time from entering its context to the
+start of the model's first module (``setup_s``: the step's own setup, with
+nothing queued on a GPU yet; in a synchronised, device-bound forward it adds
+to the forward's time whatever the rest costs).
 
 ``--profile CONFIG``: instead, cProfile over ``--rounds`` forwards of that
 configuration (after ``--warmup``), and the functions with the most own
@@ -71,7 +79,7 @@ import tiermem  # noqa: E402
 import tiermem.testing  # noqa: E402
 from tiermem.models import GPTConfig, TinyGPT  # noqa: E402
 
-CONFIGS = ["plain", "sac_all_save", "sac_usual", "keep", "recompute", "recompute_nocheck",
+CONFIGS = ["plain", "sac_all_save", "sac_usual", "hooks_floor", "keep", "recompute", "recompute_nocheck",
            "recompute_cpu", "auto_scoped", "auto_whole"]
 #: The tiermem policy of each fixed-policy configuration, and its other settings.
 POLICY = {"keep": "keep", "recompute": "recompute", "recompute_nocheck": "recompute",
@@ -114,6 +122,26 @@ class _OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
         return func(*args, **(kwargs or {}))
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    return t.detach()   # not t itself: a saved output would hold its own grad_fn
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+class _FloorHooks:
+    """Reusable ``hooks_floor`` context: saved-tensor hooks doing nothing
+    but a detach (a fresh ``saved_tensors_hooks`` per entry)."""
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(_detached, _same)
+        self._hooks.__enter__()
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
 
 
 def _with_sac(model: TinyGPT, policy) -> TinyGPT:
@@ -178,6 +206,8 @@ def measure(width: int, a) -> dict:
                            "tensors": len(plan.tensors)}
         elif name in ("plain", "sac_all_save", "sac_usual"):
             contexts[name] = contextlib.nullcontext()
+        elif name == "hooks_floor":
+            contexts[name] = _FloorHooks()
         else:
             contexts[name] = tiermem.Offloader(policy=POLICY[name], **SETTINGS.get(name, {}))
     n = counts(base, x)
@@ -191,11 +221,16 @@ def measure(width: int, a) -> dict:
     fwd = {k: [] for k in a.configs}
     host = {k: [] for k in a.configs}
     step = {k: [] for k in a.configs}
+    setup = {k: [] for k in a.configs}
+    started: list = []
+    first_hooks = [m.tok_emb.register_forward_pre_hook(lambda *_: started.append(clock()))
+                   for m in models.values()]
     for r in range(a.warmup + a.rounds):
         for name in round_order(a.configs, r):
             m, ctx = models[name], contexts[name]
             gc.collect()   # no configuration pays for collections of another's garbage
             sync()
+            started.clear()
             t0 = clock()
             with ctx:
                 loss = m(x, x)
@@ -214,12 +249,16 @@ def measure(width: int, a) -> dict:
                 # forward.
                 tiermem.testing.release_module_hooks(ctx)
             if r >= a.warmup:
+                setup[name].append(started[0] - t0)
                 fwd[name].append(t1 - t0)
                 host[name].append(th - t0)
                 step[name].append(t2 - t0)
+    for hook in first_hooks:
+        hook.remove()
     out = {"width": width, "device": str(dev), "counts": n, "plans": notes, "configs": {}}
     for name in a.configs:
         row = {"forward_s": statistics.median(fwd[name]), "step_s": statistics.median(step[name]),
+               "setup_s": statistics.median(setup[name]),
                "forward_samples_s": fwd[name], "step_samples_s": step[name]}
         if dev.type == "cuda":
             row["forward_host_s"] = statistics.median(host[name])
@@ -259,6 +298,8 @@ def profile(width: int, a, name: str, top: int = 25) -> dict:
         ctx, _ = _planned(m, x, a.budget, whole=name == "auto_whole")
     elif name in POLICY:
         ctx = tiermem.Offloader(policy=POLICY[name], **SETTINGS.get(name, {}))
+    elif name == "hooks_floor":
+        ctx = _FloorHooks()
     else:
         ctx = contextlib.nullcontext()
     prof = cProfile.Profile()
@@ -293,16 +334,17 @@ def summarize(data: dict) -> str:
         lines += [f"Width {r['width']} on {r.get('device', 'cpu')}: {n['aten_ops']} aten ops, "
                   f"{n['saved_tensors']} saved tensors per forward.", "",
                   "| config | forward ms | / plain (90% CI) | / SAC all-save (90% CI) | "
-                  "step / plain | +µs per op | +µs per saved tensor | host ms |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "step / plain | +µs per op | +µs per saved tensor | host ms | setup µs |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for name, c in r["configs"].items():
-            host = c.get("forward_host_s")
+            host, setup = c.get("forward_host_s"), c.get("setup_s")
             lines.append(
                 f"| {name} | {c['forward_s'] * 1e3:.2f} | {_ci(c.get('forward_ratio'))} | "
                 f"{_ci(c.get('forward_ratio_to_sac_all_save'))} | {_ci(c.get('step_ratio'))} | "
                 f"{c.get('forward_extra_us_per_op', 0):.2f} | "
                 f"{c.get('forward_extra_us_per_saved_tensor', 0):.2f} | "
-                f"{'-' if host is None else f'{host * 1e3:.2f}'} |")
+                f"{'-' if host is None else f'{host * 1e3:.2f}'} | "
+                f"{'-' if setup is None else f'{setup * 1e6:.0f}'} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -26,10 +26,11 @@ def test_host_cost_bench_reports_every_configuration(tmp_path):
     (row,) = data["results"]
     assert row["counts"]["aten_ops"] > 0 and row["counts"]["saved_tensors"] > 0
     configs = row["configs"]
-    assert set(configs) == {"plain", "sac_all_save", "sac_usual", "keep", "recompute", "recompute_nocheck",
+    assert set(configs) == {"plain", "sac_all_save", "sac_usual", "hooks_floor", "keep", "recompute", "recompute_nocheck",
                             "recompute_cpu", "auto_scoped", "auto_whole"}
     for name, c in configs.items():
         assert len(c["forward_samples_s"]) == 4 and c["forward_s"] > 0
+        assert 0 < c["setup_s"] < c["forward_s"]
         if name == "plain":
             continue
         assert c["forward_ratio"]["n"] == 4
@@ -38,7 +39,7 @@ def test_host_cost_bench_reports_every_configuration(tmp_path):
             assert c["forward_ratio_to_sac_all_save"]["n"] == 4
     table = subprocess.run([sys.executable, BENCH, "--summarize", str(out)], check=True,
                            cwd=ROOT, timeout=120, capture_output=True, text=True).stdout
-    assert "| recompute |" in table and "/ SAC all-save" in table
+    assert "| recompute |" in table and "/ SAC all-save" in table and "setup µs" in table
 
 
 def test_cuda_without_a_device_is_refused_clearly():
