@@ -55,26 +55,30 @@ def keep_step_hooks(step, min_offload_bytes: int) -> Tuple[Callable, Callable]:
     first = [True]   # emptied by the first pack
 
     def pack(t: torch.Tensor) -> Any:
+        # The Packer's order (NOTE [Pack order of checks] in runtime/hooks.py).
+        held = None
         if _in_backward() != -1:   # rule 3: consumed at once, not the step's
-            held = t.detach()
+            pass
+        elif t.layout is not _strided:
+            stats.unsupported_count += 1
+            bytes_kept[_KEEP] += t.numel() * t.element_size()
+            count_kept[_KEEP] += 1
         else:
             base = t._base
             if base is None:
                 base = t
             if (base.requires_grad and base.is_leaf) or issubclass(type(base), _Parameter):
                 stats.param_count += 1
-                held = t if base is t and t.is_leaf else t.detach()   # rule 1
+                if base is t and t.is_leaf:   # rule 1: the leaf itself
+                    held = t
             else:
-                if t.layout is not _strided:
-                    stats.unsupported_count += 1
-                    nbytes = t.numel() * t.element_size()
-                else:
-                    nbytes = t.nbytes
-                    if nbytes < min_offload_bytes or nbytes == 0:
-                        stats.small_count += 1
+                nbytes = t.nbytes
+                if nbytes < min_offload_bytes or nbytes == 0:
+                    stats.small_count += 1
                 bytes_kept[_KEEP] += nbytes
                 count_kept[_KEEP] += 1
-                held = t.detach()
+        if held is None:
+            held = t.detach()
         if first:
             return _first(t, held)
         return (held, t._version)
