@@ -64,7 +64,7 @@ build 150 360
 gpu-tests 120 240
 doctor 30 210
 size-a 200 0
-host-cost 60 0
+host-cost 75 0
 size-b 110 0
 gpu-ranks 90 0"
 plan_of() { echo "$PLAN" | awk -v n="$1" '$1 == n {print $2, $3}'; }
@@ -297,7 +297,8 @@ if [ "$HAVE_CUDA" = 1 ]; then
     # docs/host-cost.md's model.
     run_part host-cost $(plan_of host-cost) "$PY" benchmarks/bench_host_cost.py --device cuda \
         --widths 256,1024,4096 --layers 4 --seq-len 512 --batch 4 --rounds 8 --warmup 2 \
-        --configs plain,sac_all_save,keep,recompute,auto_scoped --out "$RES/host-cost.json"
+        --configs plain,sac_all_save,hooks_floor,keep,recompute,recompute_nocheck,auto_scoped \
+        --out "$RES/host-cost.json"
     bench_part size-b gpu-b $(plan_of size-b)
 else
     skip_part size-a "no CUDA device: the GPU matrix (preset gpu-a) needs one"
