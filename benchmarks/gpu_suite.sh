@@ -24,6 +24,7 @@
 #   size-a    python -m benchmarks.suite --preset gpu-a: the baseline fits, activations dominate
 #   host-cost benchmarks/bench_host_cost.py --device cuda: the forward's host time
 #             under tracking against torch SAC (docs/host-cost.md's model, checked)
+#   host-prof bench_host_cost.py --profile: cProfile of recompute and of SAC (width 256)
 #   size-b    python -m benchmarks.suite --preset gpu-b: a 24 GiB budget the baseline does not fit
 #   gpu-ranks the gpu tests that spawn NCCL ranks (tests/test_fsdp.py,
 #             tests/test_planner_ranks.py), with what time is left
@@ -65,6 +66,7 @@ gpu-tests 120 240
 doctor 30 210
 size-a 200 0
 host-cost 75 0
+host-prof 30 0
 size-b 110 0
 gpu-ranks 90 0"
 plan_of() { echo "$PLAN" | awk -v n="$1" '$1 == n {print $2, $3}'; }
@@ -291,6 +293,17 @@ bench_part() {  # bench_part NAME PRESET CAP RESERVE
 }
 export CPU_BUDGET
 export -f bench
+# Where the forward's host time goes on this host: cProfile of tiermem's
+# recompute and of torch SAC at the host-bound width (docs/host-cost.md).
+host_profiles() {
+    local c
+    for c in recompute sac_all_save; do
+        "$PY" benchmarks/bench_host_cost.py --device cuda --widths 256 --layers 4 \
+            --seq-len 512 --batch 4 --rounds 5 --warmup 2 --profile "$c" \
+            --out "$RES/host-profile-$c.json" || return 1
+    done
+}
+export -f host_profiles
 if [ "$HAVE_CUDA" = 1 ]; then
     bench_part size-a gpu-a $(plan_of size-a)
     # Widths from host-bound (256) to device-bound (4096): both sides of
@@ -299,6 +312,7 @@ if [ "$HAVE_CUDA" = 1 ]; then
         --widths 256,1024,4096 --layers 4 --seq-len 512 --batch 4 --rounds 8 --warmup 2 \
         --configs plain,sac_all_save,hooks_floor,keep,recompute,recompute_nocheck,auto_scoped \
         --out "$RES/host-cost.json"
+    run_part host-prof $(plan_of host-prof) host_profiles
     bench_part size-b gpu-b $(plan_of size-b)
 else
     skip_part size-a "no CUDA device: the GPU matrix (preset gpu-a) needs one"
