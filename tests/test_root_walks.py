@@ -96,3 +96,19 @@ def test_a_module_registered_between_steps_is_found_and_stays_exact():
     for p, q in zip(model.parameters(), ref.parameters()):
         assert same_bits(p.grad, q.grad)
     off.close()
+
+
+def test_an_offloader_keeps_no_model_alive():
+    """What the Offloader keeps of a walk holds no module and no tensor: a
+    model dropped between steps is freed at once, parameters and buffers."""
+    import gc
+    import weakref
+    model = _Scaled()
+    off = tiermem.Offloader(policy="cpu", min_offload_bytes=0)
+    _step(off, model)
+    refs = [weakref.ref(t) for t in (model.lin.weight, model.scale)] + [weakref.ref(model)]
+    del model
+    gc.collect()
+    assert all(r() is None for r in refs)
+    _step(off, _Scaled())   # a new model under the same Offloader
+    off.close()

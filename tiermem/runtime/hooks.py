@@ -89,7 +89,6 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..policy import Tier, TensorInfo
 from .contract import KEPT_HIT, KICK, NO_INDEX
@@ -132,25 +131,6 @@ def unpack(handle: Any) -> torch.Tensor:
         out, finish = handle.store.take(handle, more_uses)
         prefetcher.advance(entry)
     return out if finish is None else finish()
-
-
-def _storage_ptrs(t: torch.Tensor):
-    """Data pointers of the memory of ``t``: its storage's, or for a wrapper
-    tensor subclass (a DTensor: its local shard) those of its inner tensors;
-    none for a storage that is freed (size 0) or that Python cannot see."""
-    if is_traceable_wrapper_subclass(t):
-        names, _ = t.__tensor_flatten__()
-        for name in names:
-            inner = getattr(t, name)
-            if isinstance(inner, torch.Tensor):
-                yield from _storage_ptrs(inner)
-        return
-    try:
-        ptr = t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):   # a subclass without real storage
-        return
-    if ptr:
-        yield ptr
 
 
 def _movable(t: torch.Tensor) -> bool:
@@ -218,15 +198,7 @@ class Packer:
         if id(module) in self._seen_roots:
             return
         self._seen_roots.add(id(module))
-        walk = self._roots.walk(module)
-        storages = self.param_storages
-        for p in walk.dense:
-            ptr = p.untyped_storage().data_ptr()
-            if ptr:   # not freed (size 0)
-                storages.add(ptr)
-        for p in walk.others:
-            storages.update(_storage_ptrs(p))
-        if walk.sharded:
+        if self._roots.note(module, self.param_storages):
             self.step.params_may_be_freed = True
 
     def clear(self) -> None:

@@ -11,8 +11,8 @@ walked once and kept between steps (:class:`RootWalks`)."""
 # 2. the root is not sharded (FSDP2 swaps ``_parameters`` unregistered);
 # 3. the root's class is the same (``fully_shard`` changes it);
 # 4. each kept tensor is still in its dict (``.to()`` replaces buffers there).
-# Storages are read from the kept tensors each step (``p.data = new``). An
-# entry added to those dicts without registration waits for the next walk:
+# A walk holds weak references only; storages are read from its tensors each
+# step (``p.data = new``). An entry added to those dicts unregistered waits:
 # exactness never rests on the storages (a missed alias is placed as an
 # activation, whose handle every tier checks for in-place writes).
 
@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["RootWalks", "registrations"]
+__all__ = ["RootWalks", "registrations", "storage_ptrs"]
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
@@ -62,28 +62,60 @@ def _install() -> None:
             _installed.append(hook(_note_registration))
 
 
-class _Walk:
-    """What one walk of a root found (rule 3: ``cls``, the root's class)."""
+def storage_ptrs(t: torch.Tensor):
+    """Data pointers of the memory of ``t``: its storage's, or for a wrapper
+    tensor subclass (a DTensor: its local shard) those of its inner tensors;
+    none for a storage that is freed (size 0) or that Python cannot see."""
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        for name in names:
+            inner = getattr(t, name)
+            if isinstance(inner, torch.Tensor):
+                yield from storage_ptrs(inner)
+        return
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):   # a subclass without real storage
+        return
+    if ptr:
+        yield ptr
 
-    __slots__ = ("root", "cls", "dense", "others", "entries", "sharded", "seen")
+
+class _Walk:
+    """What one walk of a root found, by weak reference only: per tensor
+    ``(module, is a buffer, name, tensor, dense)`` (``dense``: a plain
+    tensor or parameter); ``cls``: the root's class (rule 3)."""
+
+    __slots__ = ("root", "cls", "entries", "sharded", "seen")
 
     def __init__(self, root: torch.nn.Module) -> None:
         self.root = weakref.ref(root)
         self.cls = type(root)
-        self.dense: list = []      # plain parameters and buffers (strided)
-        self.others: list = []     # other tensor types (a DTensor: its inner storages)
-        self.entries: list = []    # (the module's dict, name, tensor) of each: rule 4
+        self.entries: list = []
         self.sharded = False
         self.seen = registrations()
 
-    def still_valid(self, root: torch.nn.Module) -> bool:
-        """Rules 1 to 4 of NOTE [Roots walked once]."""
-        if (self.sharded or self.seen < 0 or self.seen != registrations()
-                or self.root() is not root or self.cls is not type(root)):
-            return False
-        for tensors, name, t in self.entries:
-            if tensors.get(name) is not t:
+    def valid_for(self, root: torch.nn.Module) -> bool:
+        """Rules 1 to 3 of NOTE [Roots walked once] (rule 4: :meth:`collect`)."""
+        return not (self.sharded or self.seen < 0 or self.seen != registrations()
+                    or self.root() is not root or self.cls is not type(root))
+
+    def collect(self, storages: set) -> bool:
+        """Add the storages of the tensors found to ``storages``; ``False``
+        (and maybe some added) if one is gone or no longer in its module's
+        dict (rule 4): walk again."""
+        add = storages.add
+        for module_ref, buffer, name, tensor_ref, dense in self.entries:
+            m = module_ref()
+            t = tensor_ref()
+            if m is None or t is None or (m._buffers if buffer else m._parameters).get(name) is not t:
                 return False
+            if dense:
+                ptr = t.untyped_storage().data_ptr()
+                if ptr:   # not freed (size 0)
+                    add(ptr)
+            else:
+                storages.update(storage_ptrs(t))
         return True
 
 
@@ -92,6 +124,7 @@ def _walk(root: torch.nn.Module) -> _Walk:
     and buffers, and whether one module is managed by FSDP2."""
     walk = _Walk(root)
     fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    entries = walk.entries
     todo, seen = [root], set()
     while todo:
         m = todo.pop()
@@ -100,34 +133,36 @@ def _walk(root: torch.nn.Module) -> _Walk:
         seen.add(id(m))
         if fsdp is not None and isinstance(m, fsdp):
             walk.sharded = True
-        for tensors in (m._parameters, m._buffers):
+        module_ref = weakref.ref(m)
+        for buffer, tensors in ((False, m._parameters), (True, m._buffers)):
             for name, p in tensors.items():
                 if p is None or p.layout != _strided:   # sparse ones have no storage
                     continue
-                walk.entries.append((tensors, name, p))
-                if type(p) is _Tensor or type(p) is _Parameter:
-                    walk.dense.append(p)
-                    continue
-                walk.sharded = walk.sharded or is_traceable_wrapper_subclass(p)
-                walk.others.append(p)
+                dense = type(p) is _Tensor or type(p) is _Parameter
+                if not dense:
+                    walk.sharded = walk.sharded or is_traceable_wrapper_subclass(p)
+                entries.append((module_ref, buffer, name, weakref.ref(p), dense))
         todo.extend(c for c in m._modules.values() if c is not None)
     return walk
 
 
 class RootWalks:
     """The walks of one Offloader's roots, by the root's ``id`` (NOTE [Roots
-    walked once]). Not shared between threads: an Offloader runs one step at
-    a time."""
+    walked once]). Holds no module and no tensor alive. Not shared between
+    threads: an Offloader runs one step at a time."""
 
     def __init__(self) -> None:
         _install()
         self._walks: dict = {}
 
-    def walk(self, root: torch.nn.Module) -> _Walk:
-        """The walk of ``root``: kept if still valid, else walked again."""
+    def note(self, root: torch.nn.Module, storages: set) -> bool:
+        """Add the storages of ``root``'s parameters and buffers to
+        ``storages``, from its kept walk if still valid, else from a new one;
+        returns whether the root is sharded (FSDP2, DTensor parameters)."""
         w: Optional[_Walk] = self._walks.get(id(root))
-        if w is None or not w.still_valid(root):
+        if w is None or not w.valid_for(root) or not w.collect(storages):
             w = self._walks[id(root)] = _walk(root)
+            w.collect(storages)
             if len(self._walks) > 64:   # roots that died: drop them
                 self._walks = {k: v for k, v in self._walks.items() if v.root() is not None}
-        return w
+        return w.sharded
