@@ -93,8 +93,8 @@ class OffloadContext(torch.autograd.graph.saved_tensors_hooks):
             self.step.tail_hold_bytes = tail_hold_bytes
         keeps_all = (planning is None and placement.fixed is Tier.KEEP
                      and self.producers is None and not blocks_with_policy())
-        self._packer = Packer(self.step, placement, BLOCK_SCOPE, planning, keeps_all=keeps_all,
-                              roots=offloader._roots)
+        self._packer = Packer(self.step, placement, BLOCK_SCOPE, offloader._roots, planning,
+                              keeps_all=keeps_all)
         #: The module tracker (None: NOTE [Steps that keep everything]).
         self._modules: Optional[ModuleStack] = None
         if not keeps_all:

@@ -86,7 +86,7 @@ lock. Nothing else lives here."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -170,10 +170,10 @@ class Packer:
     everything] in offloader.py); ``roots``: the Offloader's walks of its
     root modules (NOTE [Roots walked once] in runtime/roots.py)."""
 
-    def __init__(self, step, placement, scope, step_decider=None, keeps_all=False,
-                 roots: Optional[RootWalks] = None) -> None:
+    def __init__(self, step, placement, scope, roots: RootWalks, step_decider=None,
+                 keeps_all=False) -> None:
         self.step = step
-        self._roots = RootWalks() if roots is None else roots
+        self._roots = roots
         self.placement = placement
         self._scope = scope
         self._step_decider = step_decider

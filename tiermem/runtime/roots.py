@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["RootWalks", "registrations", "storage_ptrs"]
+__all__ = ["RootWalks", "registrations"]
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
@@ -52,17 +52,18 @@ def _install() -> None:
         if _installed:
             return
         mod = torch.nn.modules.module
-        for register in ("register_module_module_registration_hook",
-                         "register_module_parameter_registration_hook",
-                         "register_module_buffer_registration_hook"):
-            hook = getattr(mod, register, None)
-            if hook is None:   # a torch without them: every step walks
-                _count[0] = -1
-                return
-            _installed.append(hook(_note_registration))
+        registers = [getattr(mod, name, None) for name in (
+            "register_module_module_registration_hook",
+            "register_module_parameter_registration_hook",
+            "register_module_buffer_registration_hook")]
+        if None in registers:   # a torch without them: nothing counted, every step walks
+            _count[0] = -1
+            _installed.append(None)
+            return
+        _installed.extend(register(_note_registration) for register in registers)
 
 
-def storage_ptrs(t: torch.Tensor):
+def _storage_ptrs(t: torch.Tensor):
     """Data pointers of the memory of ``t``: its storage's, or for a wrapper
     tensor subclass (a DTensor: its local shard) those of its inner tensors;
     none for a storage that is freed (size 0) or that Python cannot see."""
@@ -71,7 +72,7 @@ def storage_ptrs(t: torch.Tensor):
         for name in names:
             inner = getattr(t, name)
             if isinstance(inner, torch.Tensor):
-                yield from storage_ptrs(inner)
+                yield from _storage_ptrs(inner)
         return
     try:
         ptr = t.untyped_storage().data_ptr()
@@ -115,7 +116,7 @@ class _Walk:
                 if ptr:   # not freed (size 0)
                     add(ptr)
             else:
-                storages.update(storage_ptrs(t))
+                storages.update(_storage_ptrs(t))
         return True
 
 
