@@ -39,6 +39,7 @@
 #   or cpu-smoke.* on a CPU-only machine)
 #
 # Environment: PYTHON (default python3), TIERMEM_SUITE_SECONDS (540),
+# TIERMEM_SUITE_PARTS (default: all; e.g. "env build host-cost host-prof"),
 # TIERMEM_BENCH_NVME_DIR (default: a new dir under /var/tmp or /tmp, whichever
 # is not tmpfs), TIERMEM_BENCH_CPU_BUDGET (tiermem cpu_budget for the runs;
 # default half of MemTotal), TORCH_EXTENSIONS_DIR (default
@@ -69,6 +70,25 @@ host-cost 75 0
 host-prof 30 0
 size-b 110 0
 gpu-ranks 90 0"
+# TIERMEM_SUITE_PARTS (default: every part): the parts to run, by name,
+# separated by spaces or commas; the others are recorded as skipped. A part's
+# reserve is then at most the caps of the selected parts after it, so that a
+# short run of a few parts is not starved by reserves for parts it skips.
+PARTS=$(echo "${TIERMEM_SUITE_PARTS:-}" | tr ',' ' ')
+selected() { [ -z "$PARTS" ] || [[ " $PARTS " == *" $1 "* ]]; }
+for p in $PARTS; do
+    if ! echo "$PLAN" | awk -v n="$p" '$1 == n {f = 1} END {exit !f}'; then
+        echo "gpu_suite: TIERMEM_SUITE_PARTS names '$p', which is no part of the suite" \
+             "(parts: $(echo "$PLAN" | awk '{printf "%s ", $1}'))" >&2
+        exit 2
+    fi
+done
+PLAN=$(echo "$PLAN" | while read -r name cap reserve; do
+    selected "$name" || { echo "$name 0 0"; continue; }
+    later=$(echo "$PLAN" | awk -v n="$name" 'f {print $1, $2} $1 == n {f = 1}' \
+        | while read -r m c; do selected "$m" && echo "$c"; done | awk '{s += $1} END {print s + 0}')
+    echo "$name $cap $(( reserve < later ? reserve : later ))"
+done)
 plan_of() { echo "$PLAN" | awk -v n="$1" '$1 == n {print $2, $3}'; }
 
 if [ "${1:-}" = "--dry-run" ]; then
@@ -78,6 +98,10 @@ if [ "${1:-}" = "--dry-run" ]; then
     printf '%-10s %6s %8s %10s %10s\n' part cap reserve starts-by limit
     t=0
     echo "$PLAN" | while read -r name cap reserve; do
+        if ! selected "$name"; then
+            printf '%-10s %6s %8s %10s %10s\n' "$name" - - - 0
+            continue
+        fi
         left=$(( LIMIT - t - reserve ))
         lim=$(( cap < left ? cap : left ))
         [ "$lim" -lt 0 ] && lim=0
@@ -117,6 +141,11 @@ remaining() { echo $(( LIMIT - ($(date +%s) - START) )); }
 record() { printf '%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "$5" >>"$STATUS"; }
 run_part() {
     local name=$1 cap=$2 reserve=$3; shift 3
+    if ! selected "$name"; then
+        say "$name: skipped: not in TIERMEM_SUITE_PARTS"
+        record "$name" "skipped" "not in TIERMEM_SUITE_PARTS" 0 0
+        return 0
+    fi
     local left=$(( $(remaining) - reserve ))
     local lim=$(( cap < left ? cap : left ))
     if [ "$lim" -lt 20 ]; then
@@ -277,6 +306,7 @@ bench() {  # bench PRESET NAME
         ${extra[@]+"${extra[@]}"}
 }
 bench_part() {  # bench_part NAME PRESET CAP RESERVE
+    selected "$1" || { run_part "$1" "$3" "$4" true; return 0; }
     local left=$(( $(remaining) - $4 ))
     export BENCH_LIMIT=$(( ($3 < left ? $3 : left) - 20 ))
     if [ "$BENCH_LIMIT" -lt 30 ]; then   # the probe alone needs most of that

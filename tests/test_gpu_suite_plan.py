@@ -41,3 +41,24 @@ def test_dry_run_gives_the_gpu_tests_a_window_within_the_budget():
         assert limit >= 120, plan                      # room for the tests to give a verdict
         assert starts_by + limit <= seconds, plan
         assert sum(lim for _, _, lim in plan.values()) <= seconds, plan
+
+
+def test_parts_run_alone_get_the_budget_their_skipped_neighbours_would_have_reserved():
+    """TIERMEM_SUITE_PARTS: the parts not named get no window, and a named
+    part's reserve counts only the named parts after it (before, env kept 510 s
+    for parts a short run skips, and got no window in a 200 s budget)."""
+    env = {**os.environ, "TIERMEM_SUITE_SECONDS": "200",
+           "TIERMEM_SUITE_PARTS": "env,host-cost host-prof"}
+    out = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_suite.sh"), "--dry-run"],
+                         capture_output=True, text=True, timeout=30, check=True, env=env).stdout
+    rows = {r[0]: r for r in (line.split() for line in out.splitlines()[2:] if line.strip())}
+    assert [n for n, r in rows.items() if r[4] != "0"] == ["env", "host-cost", "host-prof"], rows
+    assert int(rows["env"][4]) == 20 and int(rows["host-cost"][4]) == 75, rows
+    assert rows["size-a"][1:4] == ["-", "-", "-"], rows
+
+
+def test_a_part_name_that_does_not_exist_is_refused_by_name():
+    env = {**os.environ, "TIERMEM_SUITE_PARTS": "env hostcost"}
+    r = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_suite.sh"), "--dry-run"],
+                       capture_output=True, text=True, timeout=30, env=env)
+    assert r.returncode == 2 and "'hostcost'" in r.stderr and "host-cost" in r.stderr, r.stderr
