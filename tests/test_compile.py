@@ -113,3 +113,29 @@ def test_recompiles_under_one_offloader_stay_exact(policy):
     for k, (g, r) in enumerate(zip(got, ref)):
         assert_same_step(g, r, f"compile loop step {k}, policy {policy}")
     off.close()
+
+
+@pytest.mark.parametrize("policy", ["recompute", "recompute,cpu"])
+def test_a_compiled_function_with_a_graph_break_under_tracking(policy):
+    """Producer tracking's dispatch handler is hidden from Dynamo (NOTE [The
+    handler hidden from Dynamo] in tracking/producers.py): a compiled function
+    with a graph break, run inside a step that tracks, neither has the handler
+    traced (a TorchRuntimeError from a fake-tensor call when it is not hidden)
+    nor changes a gradient."""
+    torch.manual_seed(0)
+    lin1, lin2 = torch.nn.Linear(64, 128), torch.nn.Linear(128, 8)
+    params = [*lin1.parameters(), *lin2.parameters()]
+    x = torch.randn(32, 64)
+
+    def f(x):
+        h = F.gelu(lin1(x))
+        torch._dynamo.graph_break()
+        return lin2(h).square().mean()
+
+    off = tiermem.Offloader(policy=policy, min_offload_bytes=0)
+    got = _compiled_step(params, f, x, off)
+    ref = _compiled_step(params, f, x,
+                         torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
+    assert_same_step(got, ref, f"compiled with a graph break, policy {policy}")
+    assert off.stats.count_by_tier["recompute"] > 0   # tracked: a tensor was dropped
+    off.close()

@@ -40,7 +40,7 @@ from .config import Config
 from .deciders import check_hints, make_decider
 from .errors import TierMemError
 from .policy import Tier
-from .runtime.hidden import hidden_hook
+from .tracking.hidden import hidden_hook
 from .runtime.hooks import Packer, opaque, unpack
 from .runtime.keephooks import keep_step_hooks
 from .runtime.placement import Placement

@@ -12,7 +12,7 @@ import torch
 from .config import Config
 from .deciders import check_hints
 from .offloader import Offloader
-from .runtime.hidden import hidden_hook
+from .tracking.hidden import hidden_hook
 from .runtime.hooks import keep_pack, unpack
 
 __all__ = ["offload", "no_offload"]

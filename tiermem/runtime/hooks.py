@@ -92,7 +92,7 @@ import torch
 
 from ..policy import Tier, TensorInfo
 from .contract import KEPT_HIT, KICK, NO_INDEX
-from .hidden import opaque
+from ..tracking.hidden import opaque
 from .roots import RootWalks
 from ..tiers.keep import Kept, KickKept, MarkedKept, check_version
 from ..tracking.modules import current_module

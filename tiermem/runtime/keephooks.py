@@ -23,7 +23,7 @@ import torch
 
 from ..policy import Tier
 from ..tiers.keep import Kept, MarkedKept, check_version
-from .hidden import hidden_hook, opaque
+from ..tracking.hidden import hidden_hook, opaque
 from .hooks import unpack as unpack_handle
 
 __all__ = ["keep_step_hooks"]

@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 # (benchmarks/bench_tracking_own.py times it by replacing it here).
 from .capture import capture_args
 from .dispatch import _run_as_without_mode, untracked_pack
+from .hidden import opaque
 from .modules import _compiling, call_name, current_module
 from .ops import _RANDOM_NAMES, _VIEW_NAMES, RANDOM_OPS, RECOMPUTABLE_OPS, VIEW_OPS, _OpInfo
 from .records import _PLAIN_TYPES, _STRIDED, Record, Ref, _refs, storage_key
@@ -40,6 +41,9 @@ _weakref = weakref.ref
 #: What producer tracking knows of each op overload, shared by every mode
 #: (an overload's schema never changes).
 _OP_INFO: dict = {}
+#: ``[True]`` once the handler is hidden (NOTE [The handler hidden from Dynamo]);
+#: two threads may both hide it, each from ``_RAW_HANDLER``: the same result.
+_HANDLER_HIDDEN: list = []
 
 
 def _alias_fits(t: torch.Tensor, base: torch.Tensor) -> bool:
@@ -104,7 +108,22 @@ class ProducerMode(WriteWatch, TorchDispatchMode):
 
     tiermem_mode = True   # tracking/modestack.py
 
+    # NOTE [The handler hidden from Dynamo]
+    # PyTorch hides every dispatch mode's handler from Dynamo (its frame would
+    # otherwise be compiled when an op dispatches inside a compiled function)
+    # by wrapping it in ``torch._dynamo.disable``: about ten Python calls per
+    # op, which the handler pays on every op of a tracked forward. The first
+    # mode made hides it instead as the pack hooks are hidden (``opaque``:
+    # frame evaluation off while it runs, two C calls), the same effect;
+    # ``_should_skip_dynamo`` tells PyTorch not to wrap it too.
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
     def __init__(self, module_names: bool = False, names: bool = True) -> None:
+        if not _HANDLER_HIDDEN:   # NOTE [The handler hidden from Dynamo]
+            _HANDLER_HIDDEN.append(True)
+            ProducerMode.__torch_dispatch__ = opaque(_RAW_HANDLER)   # idempotent
         super().__init__()
         self.module_names = module_names
         self.names = names
@@ -369,3 +388,7 @@ class ProducerMode(WriteWatch, TorchDispatchMode):
                 self._index_alias(o, rec)
             records[id(o)] = (_weakref(o), rec)
         return out
+
+
+#: The handler as written (NOTE [The handler hidden from Dynamo]).
+_RAW_HANDLER = ProducerMode.__dict__["__torch_dispatch__"]
