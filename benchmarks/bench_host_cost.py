@@ -282,7 +282,7 @@ def measure(width: int, a) -> dict:
     return out
 
 
-def profile(width: int, a, name: str, top: int = 25) -> dict:
+def profile(width: int, a, name: str, top: int = 40) -> dict:
     """cProfile's own time per forward of ``name``'s forwards, by function."""
     import cProfile
     import pstats
@@ -311,15 +311,26 @@ def profile(width: int, a, name: str, top: int = 25) -> dict:
         prof.disable()
         loss.backward()
     stats = pstats.Stats(prof).stats
-    # pstats rows: (primitive calls, calls, own time, cumulative time, callers)
-    rows = sorted(((v[2] / a.rounds, v[1] / a.rounds, f"{k[0].split('/site-packages/')[-1]}:"
-                    f"{k[1]}({k[2]})") for k, v in stats.items()), reverse=True)[:top]
+
+    def label(k) -> str:
+        return f"{k[0].split('/site-packages/')[-1]}:{k[1]}({k[2]})"
+
+    # pstats rows: (primitive calls, calls, own time, cumulative time, callers);
+    # callers: {caller: (primitive calls, calls, own time, cumulative time)}.
+    rows = sorted(((v[2] / a.rounds, v[1] / a.rounds, label(k), v[4])
+                   for k, v in stats.items()), key=lambda r: r[:2], reverse=True)[:top]
     total = sum(v[2] for v in stats.values()) / a.rounds
     if isinstance(ctx, tiermem.Offloader):
         ctx.close()
     return {"config": name, "width": width, "device": str(dev), "profiled_s_per_forward": total,
-            "top_own_time": [{"function": f, "own_s_per_forward": s_, "calls_per_forward": c}
-                             for s_, c, f in rows]}
+            "top_own_time": [
+                {"function": f, "own_s_per_forward": s_, "calls_per_forward": c,
+                 # Who calls it, by the time spent in it from there (a built-in's
+                 # label alone often does not say which op it is).
+                 "callers": [{"function": label(ck), "calls_per_forward": cv[1] / a.rounds,
+                              "own_s_per_forward": cv[2] / a.rounds}
+                             for ck, cv in sorted(callers.items(), key=lambda i: -i[1][2])[:3]]}
+                for s_, c, f, callers in rows]}
 
 
 def _ci(c) -> str:

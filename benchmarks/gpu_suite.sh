@@ -72,8 +72,10 @@ size-b 110 0
 gpu-ranks 90 0"
 # TIERMEM_SUITE_PARTS (default: every part): the parts to run, by name,
 # separated by spaces or commas; the others are recorded as skipped. A part's
-# reserve is then at most the caps of the selected parts after it, so that a
-# short run of a few parts is not starved by reserves for parts it skips.
+# reserve is then at most the caps of the selected parts after it, and at most
+# what the budget leaves after the caps of the selected parts up to it, so that
+# a short run of a few parts is not starved by reserves for parts it skips, and
+# the earlier parts keep their caps when the later ones cannot all fit.
 PARTS=$(echo "${TIERMEM_SUITE_PARTS:-}" | tr ',' ' ')
 selected() { [ -z "$PARTS" ] || [[ " $PARTS " == *" $1 "* ]]; }
 for p in $PARTS; do
@@ -83,12 +85,18 @@ for p in $PARTS; do
         exit 2
     fi
 done
-PLAN=$(echo "$PLAN" | while read -r name cap reserve; do
-    selected "$name" || { echo "$name 0 0"; continue; }
-    later=$(echo "$PLAN" | awk -v n="$name" 'f {print $1, $2} $1 == n {f = 1}' \
-        | while read -r m c; do selected "$m" && echo "$c"; done | awk '{s += $1} END {print s + 0}')
-    echo "$name $cap $(( reserve < later ? reserve : later ))"
-done)
+if [ -n "$PARTS" ]; then
+    PLAN=$(through=0; echo "$PLAN" | while read -r name cap reserve; do
+        selected "$name" || { echo "$name 0 0"; continue; }
+        through=$(( through + cap ))
+        later=$(echo "$PLAN" | awk -v n="$name" 'f {print $1, $2} $1 == n {f = 1}' \
+            | while read -r m c; do selected "$m" && echo "$c"; done | awk '{s += $1} END {print s + 0}')
+        left=$(( LIMIT - through > 0 ? LIMIT - through : 0 ))
+        [ "$later" -lt "$reserve" ] && reserve=$later
+        [ "$left" -lt "$reserve" ] && reserve=$left
+        echo "$name $cap $reserve"
+    done)
+fi
 plan_of() { echo "$PLAN" | awk -v n="$1" '$1 == n {print $2, $3}'; }
 
 if [ "${1:-}" = "--dry-run" ]; then

@@ -62,3 +62,17 @@ def test_a_part_name_that_does_not_exist_is_refused_by_name():
     r = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_suite.sh"), "--dry-run"],
                        capture_output=True, text=True, timeout=30, env=env)
     assert r.returncode == 2 and "'hostcost'" in r.stderr and "host-cost" in r.stderr, r.stderr
+
+
+def test_a_selection_whose_caps_exceed_the_budget_keeps_the_earlier_parts_whole():
+    """With more parts named than the budget holds at their caps, the first
+    parts still get their caps and the last get what is left (before, the
+    reserves for the later parts left env and the build no window in a 370 s
+    budget, and the GPU run skipped the build)."""
+    env = {**os.environ, "TIERMEM_SUITE_SECONDS": "370",
+           "TIERMEM_SUITE_PARTS": "env build gpu-tests doctor host-cost host-prof gpu-ranks"}
+    out = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_suite.sh"), "--dry-run"],
+                         capture_output=True, text=True, timeout=30, check=True, env=env).stdout
+    rows = {r[0]: r for r in (line.split() for line in out.splitlines()[2:] if line.strip())}
+    assert [int(rows[p][4]) for p in ("env", "build", "gpu-tests", "doctor")] == [20, 150, 120, 30]
+    assert sum(int(r[4]) for r in rows.values()) <= 370, rows
