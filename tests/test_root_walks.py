@@ -112,3 +112,39 @@ def test_an_offloader_keeps_no_model_alive():
     assert all(r() is None for r in refs)
     _step(off, _Scaled())   # a new model under the same Offloader
     off.close()
+
+
+_HOOKS_SCRIPT = """
+import gc, torch, tiermem
+m = torch.nn.modules.module
+def hooks():
+    return (len(m._global_module_registration_hooks)
+            + len(m._global_parameter_registration_hooks)
+            + len(m._global_buffer_registration_hooks))
+before = hooks()
+a = tiermem.Offloader(policy="cpu")
+b = tiermem.Offloader(policy="recompute")
+assert hooks() == before + 3, (hooks(), before)
+a.close()
+assert hooks() == before + 3, "b still holds them"
+del b
+gc.collect()
+assert hooks() == before, (hooks(), before)
+c = tiermem.Offloader(policy="cpu")
+assert hooks() == before + 3
+c.close()
+assert hooks() == before
+print("ok")
+"""
+
+
+def test_the_registration_hooks_go_with_the_last_offloader():
+    """NOTE [Registration hooks held while used]: torch's global registration
+    hooks are installed while an Offloader lives and is not closed, once for
+    all of them, and removed with the last (closed, or collected). In a fresh
+    interpreter: Offloaders other tests left alive would hold them here."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _HOOKS_SCRIPT], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

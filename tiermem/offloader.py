@@ -424,6 +424,7 @@ class Offloader:
         release(self)   # the module hooks (NOTE [Hooks held between steps] in tracking/modules.py)
         if self.config.disable:
             return
+        self._roots.release()   # NOTE [Registration hooks held while used] in runtime/roots.py
         self._tail.release_all()
         self._placement.close()
 

@@ -232,10 +232,9 @@ class Packer:
                 or (self.param_storages and type(t) is torch.Tensor
                     and t.untyped_storage().data_ptr() in self.param_storages)):
             stats.param_count += 1
-            kept = Kept(t, "")
             if base is t and t.is_leaf:
-                kept.tensor = t   # the leaf itself: see Kept (``p.data = new``)
-            return kept
+                return Kept.leaf(t)   # the leaf itself: see Kept (``p.data = new``)
+            return Kept(t, "")
         nbytes = t.nbytes
         if nbytes < self.min_bytes or nbytes == 0:
             stats.small_count += 1

@@ -32,8 +32,9 @@ _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _strided = torch.strided
 
-_count = [0]            # registrations seen since the hooks were installed
-_installed: list = []   # the hooks' handles, once installed
+_count = [0]            # registrations seen while the hooks were installed
+_installed: list = []   # the hooks' handles while installed
+_users = [0]            # RootWalks holding the hooks
 _install_lock = threading.Lock()
 
 
@@ -47,8 +48,14 @@ def registrations() -> int:
     return _count[0]
 
 
-def _install() -> None:
+# NOTE [Registration hooks held while used]
+# torch's global registration hooks are process-wide: they are installed while
+# a RootWalks holds them (each Offloader's, until it is closed or collected)
+# and removed when the last lets go. The count only grows, and no walk outlives
+# its RootWalks, so a walk never spans a time the hooks were off.
+def _acquire() -> None:
     with _install_lock:
+        _users[0] += 1
         if _installed:
             return
         mod = torch.nn.modules.module
@@ -61,6 +68,19 @@ def _install() -> None:
             _installed.append(None)
             return
         _installed.extend(register(_note_registration) for register in registers)
+
+
+def _release(held: list) -> None:
+    """Let go of the hooks if ``held`` (a RootWalks' flag) says it holds them."""
+    with _install_lock:
+        if not held[0]:
+            return
+        held[0] = False
+        _users[0] -= 1
+        if _users[0] == 0 and _installed and _installed[0] is not None:
+            for handle in _installed:
+                handle.remove()
+            _installed.clear()
 
 
 def _storage_ptrs(t: torch.Tensor):
@@ -153,13 +173,29 @@ class RootWalks:
     threads: an Offloader runs one step at a time."""
 
     def __init__(self) -> None:
-        _install()
         self._walks: dict = {}
+        #: ``[True]`` while this holds the registration hooks (NOTE
+        #: [Registration hooks held while used]); shared with its finalizer.
+        self._held = [False]
+        self._hold()
+        weakref.finalize(self, _release, self._held).atexit = False
+
+    def _hold(self) -> None:
+        if not self._held[0]:
+            _acquire()
+            self._held[0] = True
+
+    def release(self) -> None:
+        """Forget every walk and let go of the registration hooks (the
+        Offloader is closed); a later :meth:`note` takes them again."""
+        self._walks.clear()
+        _release(self._held)
 
     def note(self, root: torch.nn.Module, storages: set) -> bool:
         """Add the storages of ``root``'s parameters and buffers to
         ``storages``, from its kept walk if still valid, else from a new one;
         returns whether the root is sharded (FSDP2, DTensor parameters)."""
+        self._hold()   # a no-op unless released (NOTE [Registration hooks held while used])
         w: Optional[_Walk] = self._walks.get(id(root))
         if w is None or not w.valid_for(root) or not w.collect(storages):
             w = self._walks[id(root)] = _walk(root)

@@ -38,6 +38,16 @@ class Kept:
         self.version = t._version
         self.module = module
 
+    @classmethod
+    def leaf(cls, t: torch.Tensor) -> "Kept":
+        """The handle of a leaf (a parameter, or a tensor without a grad_fn
+        that requires grad), holding ``t`` itself: see the class docstring."""
+        kept = cls.__new__(cls)
+        kept.tensor = t
+        kept.version = t._version
+        kept.module = ""
+        return kept
+
 
 class KickKept:
     """Handle of a kept tensor whose first unpack starts its step's restores
