@@ -15,6 +15,11 @@ Configurations, each on the same TinyGPT (same parameters, same batch):
 - ``hooks_floor``: ``torch.autograd.graph.saved_tensors_hooks`` with a pack
   hook that only detaches (what any offloader built on those hooks pays per
   saved tensor before doing anything: torchtune's and ``save_on_cpu`` are);
+- ``dispatch_floor``: a dispatch mode that only forwards each op (what any
+  tracking by dispatch mode pays per op before doing anything: SAC's and
+  tiermem's are such modes); ``tracking_only``: tiermem's producer mode as a
+  ``recompute`` step makes it, around the forward, with no saved-tensor hooks
+  (``recompute`` minus it is the pack side: recipes, dedup, stats);
 - ``keep``, ``recompute``, ``recompute_cpu``: ``tiermem.Offloader`` with
   policy ``keep``, ``recompute``, ``"recompute,cpu"``; ``recompute_nocheck``:
   ``recompute`` with ``check_params=False`` (no parameter check: what SAC
@@ -79,7 +84,8 @@ import tiermem  # noqa: E402
 import tiermem.testing  # noqa: E402
 from tiermem.models import GPTConfig, TinyGPT  # noqa: E402
 
-CONFIGS = ["plain", "sac_all_save", "sac_usual", "hooks_floor", "keep", "recompute", "recompute_nocheck",
+CONFIGS = ["plain", "sac_all_save", "sac_usual", "hooks_floor", "dispatch_floor", "tracking_only",
+           "keep", "recompute", "recompute_nocheck",
            "recompute_cpu", "auto_scoped", "auto_whole"]
 #: The tiermem policy of each fixed-policy configuration, and its other settings.
 POLICY = {"keep": "keep", "recompute": "recompute", "recompute_nocheck": "recompute",
@@ -142,6 +148,27 @@ class _FloorHooks:
 
     def __exit__(self, *exc):
         self._hooks.__exit__(*exc)
+
+
+class _Forwards(TorchDispatchMode):
+    """``dispatch_floor``: a dispatch mode that only runs each op."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class _TrackingOnly:
+    """Reusable ``tracking_only`` context: a fresh producer mode per entry, as
+    a step of ``policy="recompute"`` makes it, with no saved-tensor hooks."""
+
+    def __enter__(self):
+        from tiermem.tracking.producers import ProducerMode
+        self._mode = ProducerMode()
+        self._mode.__enter__()
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        self._mode.clear()
 
 
 def _with_sac(model: TinyGPT, policy) -> TinyGPT:
@@ -208,6 +235,10 @@ def measure(width: int, a) -> dict:
             contexts[name] = contextlib.nullcontext()
         elif name == "hooks_floor":
             contexts[name] = _FloorHooks()
+        elif name == "dispatch_floor":
+            contexts[name] = _Forwards()
+        elif name == "tracking_only":
+            contexts[name] = _TrackingOnly()
         else:
             contexts[name] = tiermem.Offloader(policy=POLICY[name], **SETTINGS.get(name, {}))
     n = counts(base, x)
@@ -300,6 +331,10 @@ def profile(width: int, a, name: str, top: int = 40) -> dict:
         ctx = tiermem.Offloader(policy=POLICY[name], **SETTINGS.get(name, {}))
     elif name == "hooks_floor":
         ctx = _FloorHooks()
+    elif name == "dispatch_floor":
+        ctx = _Forwards()
+    elif name == "tracking_only":
+        ctx = _TrackingOnly()
     else:
         ctx = contextlib.nullcontext()
     prof = cProfile.Profile()
