@@ -52,9 +52,17 @@ def registrations() -> int:
 # torch's global registration hooks are process-wide: they are installed while
 # a RootWalks holds them (each Offloader's, until it is closed or collected)
 # and removed when the last lets go. The count only grows, and no walk outlives
-# its RootWalks, so a walk never spans a time the hooks were off.
+# its RootWalks, so a walk never spans a time the hooks were off. A collected
+# RootWalks lets go from its finalizer, which the garbage collector may run
+# inside a section holding the lock (an allocation there): a release never
+# waits for the lock, and when it cannot take it at once it waits in
+# ``_pending`` for the next acquire or release (else that thread deadlocks).
+_pending: list = []   # flags of RootWalks collected while the lock was held
+
+
 def _acquire() -> None:
     with _install_lock:
+        _drain()
         _users[0] += 1
         if _installed:
             return
@@ -70,17 +78,38 @@ def _acquire() -> None:
         _installed.extend(register(_note_registration) for register in registers)
 
 
+def _drain() -> None:
+    """The releases that waited in ``_pending``; with the lock held."""
+    while _pending:
+        _let_go(_pending.pop())
+
+
+def _let_go(held: list) -> None:
+    """Let go of the hooks if ``held`` (a RootWalks' flag) says it holds them;
+    with the lock held."""
+    if not held[0]:
+        return
+    held[0] = False
+    _users[0] -= 1
+    if _users[0] == 0 and _installed and _installed[0] is not None:
+        handles = list(_installed)
+        _installed.clear()
+        for handle in handles:
+            handle.remove()
+
+
 def _release(held: list) -> None:
-    """Let go of the hooks if ``held`` (a RootWalks' flag) says it holds them."""
-    with _install_lock:
-        if not held[0]:
-            return
-        held[0] = False
-        _users[0] -= 1
-        if _users[0] == 0 and _installed and _installed[0] is not None:
-            for handle in _installed:
-                handle.remove()
-            _installed.clear()
+    """A RootWalks lets go of the hooks (closed, or collected: the finalizer
+    runs this too). Never waits for the lock: NOTE [Registration hooks held
+    while used]."""
+    if not _install_lock.acquire(blocking=False):
+        _pending.append(held)
+        return
+    try:
+        _drain()
+        _let_go(held)
+    finally:
+        _install_lock.release()
 
 
 def _storage_ptrs(t: torch.Tensor):
