@@ -26,8 +26,11 @@ def test_host_cost_bench_reports_every_configuration(tmp_path):
     (row,) = data["results"]
     assert row["counts"]["aten_ops"] > 0 and row["counts"]["saved_tensors"] > 0
     configs = row["configs"]
-    assert set(configs) == {"plain", "sac_all_save", "sac_usual", "hooks_floor", "keep", "recompute", "recompute_nocheck",
+    assert set(configs) == {"plain", "sac_all_save", "sac_usual", "hooks_floor", "dispatch_floor",
+                            "tracking_only", "keep", "recompute", "recompute_nocheck",
                             "recompute_cpu", "auto_scoped", "auto_whole"}
+    # The two configurations that split recompute's cost ran (no timing is compared here).
+    assert configs["tracking_only"]["forward_s"] > 0 and configs["dispatch_floor"]["forward_s"] > 0
     for name, c in configs.items():
         assert len(c["forward_samples_s"]) == 4 and c["forward_s"] > 0
         assert 0 < c["setup_s"] < c["forward_s"]
