@@ -43,8 +43,8 @@ def _note_registration(*_args) -> None:
 
 
 def registrations() -> int:
-    """Modules, parameters and buffers registered in the process since
-    tiermem started counting (the first :class:`RootWalks`): rule 1."""
+    """Modules, parameters and buffers registered in the process while the
+    hooks were installed (a :class:`RootWalks` held them): rule 1."""
     return _count[0]
 
 
