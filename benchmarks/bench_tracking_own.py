@@ -12,9 +12,10 @@ handler's own code, with ``time.perf_counter_ns`` around it and around the op
 outlier, so medians over rounds). ``noop`` is a mode that only forwards,
 timed the same way: its own time is the timers' and PyTorch's wrapper's.
 
-It uses only what both the code before and after NOTE [Recording only what
-recipes use] have (``tiermem.offloader.ProducerMode``, the handler, and
-``tiermem.tracking.producers._run_as_without_mode``), so it runs against either:
+It replaces the mode where a step makes it (``tiermem.tracking.setup``) and
+``tiermem.tracking.producers._run_as_without_mode``; it ran against
+``tiermem.offloader`` until the tracking setup moved (its auto step then timed
+nothing). Run it against a tree:
 
     PYTHONPATH=<tree> python benchmarks/bench_tracking_own.py --out <json>
 """
@@ -34,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import add_gpt_args, emit, gpt_config, machine  # noqa: E402
 
 import tiermem  # noqa: E402
-import tiermem.offloader  # noqa: E402
+import tiermem.tracking.setup  # noqa: E402
 import tiermem.tracking.producers as producers  # noqa: E402
 from tiermem.models import TinyGPT  # noqa: E402
 
@@ -57,7 +58,8 @@ _raw = getattr(_raw, "_torchdynamo_orig_callable", _raw)   # the handler itself
 
 class _Timed(producers.ProducerMode):
     """The Offloader's mode, its handler timed (made by the Offloader: it is
-    patched in as ``tiermem.offloader.ProducerMode``)."""
+    patched in as ``tiermem.tracking.setup.ProducerMode``, where a step makes
+    its mode)."""
 
     made: list = []
 
@@ -110,7 +112,7 @@ def main(argv=None) -> int:
     model = TinyGPT(cfg)
     x = torch.randint(0, cfg.vocab, (a.batch, a.seq_len))
     producers._run_as_without_mode = _timed_run   # the handler calls it by module global
-    tiermem.offloader.ProducerMode = _Timed
+    tiermem.tracking.setup.ProducerMode = _Timed   # where a step makes its mode
     off = tiermem.Offloader(policy="auto", device_budget=a.budget)
     for _ in range(3):   # profile, plan, first measured step
         with off:
