@@ -26,7 +26,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_gpt_args, emit, gpt_config, machine  # noqa: E402
+from common import add_gpt_args, emit, gpt_config, machine, pick_device, sync  # noqa: E402
 
 import tiermem  # noqa: E402
 import tiermem.tracking.producers as producers  # noqa: E402
@@ -42,12 +42,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    dev = torch.device(a.device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda: torch.cuda.is_available() is False here")
+    dev = pick_device(a.device)
     if dev.type == "cpu":
         torch.set_num_threads(a.threads)
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     cfg = gpt_config(a, vocab=512)
     torch.manual_seed(0)
     with dev:
@@ -83,13 +80,13 @@ def main() -> None:
             handler, ctx = runs[name]
             if handler is not None:
                 producers.ProducerMode.__torch_dispatch__ = handlers[handler]
-            sync()
+            sync(dev)
             t0 = time.perf_counter()
             with ctx:
                 loss = models[name](x, x)
             t = time.perf_counter() - t0
             loss.backward()
-            sync()
+            sync(dev)
             for p in models[name].parameters():
                 p.grad = None
             if r >= a.warmup:

@@ -29,7 +29,7 @@ import torch
 
 import tiermem
 import tiermem.tracking.params as paramcheck
-from common import emit, machine
+from common import emit, machine, pick_device, sync
 from tiermem.models import GPTConfig, TinyGPT
 
 
@@ -44,9 +44,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=None, help="default: GPTConfig's")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    dev = torch.device(args.device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: torch.cuda.is_available() is False here")
+    dev = pick_device(args.device)
     if dev.type == "cpu":
         torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -59,7 +57,6 @@ def main() -> None:
     # CPU: the process's CPU time is steadier on a shared machine; CUDA: the
     # host's wall clock (process time would count the driver's other threads).
     clock = time.perf_counter if cuda else time.process_time
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     runs = {}
     for name, check in (("check_params=on", True), ("check_params=off", False)):
         model = copy.deepcopy(base)
@@ -96,7 +93,7 @@ def main() -> None:
         for r in runs.values():
             fp_stats.update(count=0, cpu=0.0, forward=0, watch=0.0)
             torch.manual_seed(i)
-            sync()
+            sync(dev)
             w0, c0 = time.perf_counter(), clock()
             r["opt"].zero_grad(set_to_none=True)
             with r["off"]:
@@ -104,7 +101,7 @@ def main() -> None:
             fh = clock()
             loss.backward()
             r["opt"].step()
-            sync()
+            sync(dev)
             w1, c1 = time.perf_counter(), clock()
             if i >= args.warmup:
                 r["wall"].append(w1 - w0)

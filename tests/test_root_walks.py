@@ -115,13 +115,10 @@ def test_an_offloader_keeps_no_model_alive():
 
 
 _HOOKS_SCRIPT = """
-import gc, torch, tiermem
-m = torch.nn.modules.module
-def hooks():
-    return (len(m._global_module_registration_hooks)
-            + len(m._global_parameter_registration_hooks)
-            + len(m._global_buffer_registration_hooks))
+import gc, tiermem, tiermem.testing
+hooks = tiermem.testing.registration_hooks_installed
 before = hooks()
+assert before == 0, before
 a = tiermem.Offloader(policy="cpu")
 b = tiermem.Offloader(policy="recompute")
 assert hooks() == before + 3, (hooks(), before)

@@ -47,6 +47,7 @@ __all__ = [
     "peak_in_flight",
     "holds_module_hooks",
     "release_module_hooks",
+    "registration_hooks_installed",
     "dynamo_has_run",
 ]
 
@@ -343,6 +344,14 @@ def release_module_hooks(off) -> None:
     (as ``close()`` does); its next step that tracks modules installs them
     again. They go once no step runs and no other Offloader holds them."""
     _modules.release(off)
+
+
+def registration_hooks_installed() -> int:
+    """How many of torch's global module, parameter and buffer registration
+    hooks tiermem has installed now (3 while an Offloader holds them, else 0:
+    NOTE [Registration hooks held while used] in runtime/roots.py)."""
+    from ..runtime import roots
+    return sum(h is not None for h in roots._installed)
 
 
 @contextlib.contextmanager

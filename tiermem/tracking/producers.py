@@ -41,9 +41,6 @@ _weakref = weakref.ref
 #: What producer tracking knows of each op overload, shared by every mode
 #: (an overload's schema never changes).
 _OP_INFO: dict = {}
-#: ``[True]`` once the handler is hidden (NOTE [The handler hidden from Dynamo]);
-#: two threads may both hide it, each from ``_RAW_HANDLER``: the same result.
-_HANDLER_HIDDEN: list = []
 
 
 def _alias_fits(t: torch.Tensor, base: torch.Tensor) -> bool:
@@ -121,9 +118,10 @@ class ProducerMode(WriteWatch, TorchDispatchMode):
         return False
 
     def __init__(self, module_names: bool = False, names: bool = True) -> None:
-        if not _HANDLER_HIDDEN:   # NOTE [The handler hidden from Dynamo]
-            _HANDLER_HIDDEN.append(True)
-            ProducerMode.__torch_dispatch__ = opaque(_RAW_HANDLER)   # idempotent
+        if ProducerMode.__dict__["__torch_dispatch__"] is _RAW_HANDLER:
+            # NOTE [The handler hidden from Dynamo]; two threads may both get
+            # here: each hides the same handler, the same result.
+            ProducerMode.__torch_dispatch__ = opaque(_RAW_HANDLER)
         super().__init__()
         self.module_names = module_names
         self.names = names
