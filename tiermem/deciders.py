@@ -110,8 +110,8 @@ class PolicyDecider:
     (no StepDecider); producers are tracked when a recipe may be needed or a
     callable policy may read ``TensorInfo.op``."""
 
-    def __init__(self, tracks: bool) -> None:
-        self._tracking = Tracking(whole=tracks, op_names=True)
+    def __init__(self, tracks: bool, named: bool = False) -> None:
+        self._tracking = Tracking(whole=tracks, op_names=True, follows=tracks and named)
 
     def begin_step(self) -> None:
         return None
@@ -135,7 +135,7 @@ def make_decider(cfg, placement, hints=None, order=None) -> Decider:
     if fn is AUTO:
         from .planner import Planner
         return Planner(placement, cfg, hints, order)
-    return PolicyDecider(placement.tracks_producers)
+    return PolicyDecider(placement.tracks_producers, named=placement.fixed is not None)
 
 
 def check_hints(hints: Any, cfg: Config) -> None:

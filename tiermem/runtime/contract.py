@@ -30,7 +30,9 @@ class Tracking(NamedTuple):
     calls recorded with the producers). Unless ``whole``: ``modules``, the
     modules to track in (``None``: none), and per module of them ``ops``
     (op names recorded), ``calls`` (torch calls tracked in) and ``direct``
-    (calls recorded whole), each ``None`` for all."""
+    (calls recorded whole), each ``None`` for all. ``follows``: a step of a
+    named policy, which may record in full only the ops its recompute tier
+    learned (NOTE [Records learned by position] in tiers/positions.py)."""
 
     whole: bool = False
     op_names: bool = False
@@ -39,6 +41,7 @@ class Tracking(NamedTuple):
     ops: Optional[dict] = None
     calls: Optional[dict] = None
     direct: Optional[dict] = None
+    follows: bool = False
 
 
 #: A step that tracks nothing of its own.

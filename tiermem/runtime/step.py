@@ -133,6 +133,12 @@ class Step:
         #: (NOTE [Backward order] in runtime/schedule.py), ``None`` when not in one;
         #: ``number``: this forward's number in it.
         self.order = None
+        #: The recompute tier's learned positions when this step may follow them
+        #: (NOTE [Records learned by position] in tiers/positions.py), else ``None``.
+        self.positions = None
+        if producers is not None and producers.follows:
+            self.positions = placement.stores[Tier.RECOMPUTE].positions
+            self.positions.begin(producers)
         self.number = -1
         self.forward_over = False
         self._backward_task = -1   # the graph task that last unpacked a handle
@@ -152,6 +158,8 @@ class Step:
         self.dedup.clear()
         self._recipe_inputs.clear()
         self.param_checks.end_forward()
+        if self.positions is not None:
+            self.positions.end(self.producers, failed)
         if self.producers is not None:
             self.producers.clear()
             self.producers = None

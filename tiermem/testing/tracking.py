@@ -21,6 +21,9 @@ __all__ = [
     "before_replayed_ops",
     "running_module",
     "step_producer_mode",
+    "ops_in_full",
+    "follow_learned_positions",
+    "following_learned_positions",
 ]
 
 
@@ -28,6 +31,28 @@ def records_held(mode) -> int:
     """How many tensors' records a :class:`~tiermem.tracking.producers.ProducerMode`
     holds now (0 after ``clear()``)."""
     return len(mode._records)
+
+
+def ops_in_full(mode) -> int:
+    """How many ops ``mode`` (a ProducerMode) has recorded in full (a recipe
+    can run them again), not by name only, since it was made."""
+    return mode.ops_in_full
+
+
+def follow_learned_positions(off, enabled: bool) -> None:
+    """Whether steps of ``off`` (a named policy) may follow the positions their
+    recompute tier learned (NOTE [Records learned by position] in
+    tiers/positions.py; on by default); off, every step records every
+    recomputable op."""
+    from ..policy import Tier
+    off._placement.stores[Tier.RECOMPUTE].positions.enabled = bool(enabled)
+
+
+def following_learned_positions(off) -> bool:
+    """Whether the step of ``off`` under way follows learned positions (records
+    in full only the ops the last learning step's recipes used)."""
+    from ..policy import Tier
+    return off._placement.stores[Tier.RECOMPUTE].positions.following
 
 
 def alias_index_size(mode) -> int:

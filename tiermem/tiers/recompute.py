@@ -57,6 +57,7 @@ from ..errors import TierMemError
 from ..policy import Tier
 from ..tracking.producers import Record, Ref
 from .base import Layout, RecipeServices, TierStore, exact_copy
+from .positions import NOT_RECORDED, RecordPositions
 from .refusals import Refusals
 from .replay import _Cached, _no_autocast
 from .keep import Kept
@@ -162,6 +163,8 @@ class RecomputeStore(TierStore):
     def __init__(self) -> None:
         #: NOTE [Refusals remembered] in tiers/refusals.py.
         self.refusals = Refusals()
+        #: NOTE [Records learned by position] in tiers/positions.py.
+        self.positions = RecordPositions()
 
     # -- forward ----------------------------------------------------------------
     def put(self, t: torch.Tensor, step: RecipeServices, module: str = "",
@@ -176,8 +179,19 @@ class RecomputeStore(TierStore):
         rec = None if producers is None else producers.record_of(t)
         nbytes = t.numel() * t.element_size()
         refusals = self.refusals
-        key = refusals.key(step, None if rec is None else rec.name, nbytes, module)
+        key = refusals.key(step, None if rec is None else rec.name, nbytes, module,
+                           -1 if producers is None else producers.position)
         known = None if must else refusals.known(key)   # NOTE [Refusals remembered]
+        positions = self.positions   # NOTE [Records learned by position]
+        if positions.learning:
+            positions.candidate(rec)
+        elif (known is None and (rec is None or rec.func is None) and producers is not None
+              and producers.learned is not None):
+            # Rule 2. Once the mode records every op (rule 1) a candidate is planned
+            # as in a learning step: a key changed at a position recorded by name
+            # means other arguments there (an op's output shape follows from them).
+            positions.missed()
+            known = refusals.known(key, due_too=True) or NOT_RECORDED
         if known is not None:
             step.not_recomputable(known)
             return None
@@ -216,6 +230,7 @@ class RecomputeStore(TierStore):
         as_is: list = []
         ops: list = []
         h.plan = self._build(rec, step, stored, as_is, ops)
+        self.positions.used(ops)
         if (ops and h.plan.args and type(h.plan.args[0]) is _Node and ops[0][0] is not None
                 and producers.alias_of(t, rec)):
             # A view of a tensor the recipe regenerates: a scoped step makes

@@ -6,12 +6,12 @@
 # as large as the tensor, a chain too deep) is most of the recompute tier's pack
 # time, and a forward like the last one refuses the same tensors for the same
 # reasons. So a refusal is kept under its key (its position among the forward's
-# candidates, op name, bytes, module), and the next forward refuses that key with
-# the same reason without planning; a key answered so MAX_AGE times in a row is
-# planned again (a refusal for a passing reason does not stick). Exact either way:
-# a refused tensor goes to its order's next tier. Another forward (other shapes,
-# ops or modules) has other keys and is planned. MUST_RECOMPUTE is always planned
-# (it must raise with the reason of now).
+# candidates, the ops run before its pack, op name, bytes, module), and the next
+# forward refuses that key with the same reason without planning; a key answered
+# so MAX_AGE times in a row is planned again (a refusal for a passing reason does
+# not stick). Exact either way: a refused tensor goes to its order's next tier.
+# Another forward (other shapes, ops or modules) has other keys and is planned.
+# MUST_RECOMPUTE is always planned (it must raise with the reason of now).
 
 from __future__ import annotations
 
@@ -36,21 +36,26 @@ class Refusals:
         self._before: dict = {}   # key -> (reason, age) from the last forward
         self._now: dict = {}      # the same, this forward
 
-    def key(self, step: Any, op: Optional[str], nbytes: int, module: str) -> tuple:
-        """The key of the next candidate of ``step``'s forward (counted in order)."""
+    def key(self, step: Any, op: Optional[str], nbytes: int, module: str,
+            ops_before: int) -> tuple:
+        """The key of the next candidate of ``step``'s forward (counted in
+        order); ``ops_before``: the ops its producer mode saw before this pack
+        (an unrecorded tensor saved at another point is another candidate)."""
         if self._step is None or self._step() is not step:
             self._before, self._now = self._now, {}
             self._step = weakref.ref(step)
             self._position = 0
         position = self._position
         self._position = position + 1
-        return (position, op, nbytes, module)
+        return (position, ops_before, op, nbytes, module)
 
-    def known(self, key: tuple) -> Optional[str]:
+    def known(self, key: tuple, due_too: bool = False) -> Optional[str]:
         """The reason the last forward refused ``key`` for, if it is to be
-        answered without planning (``None``: plan it)."""
+        answered without planning (``None``: plan it); ``due_too``: also one
+        due to be planned again (a step that cannot plan it: NOTE [Records
+        learned by position] in tiers/positions.py)."""
         hit = self._before.get(key)
-        if hit is None or hit[1] >= MAX_AGE:
+        if hit is None or (hit[1] >= MAX_AGE and not due_too):
             return None
         self._now[key] = (hit[0], hit[1] + 1)
         return hit[0]

@@ -52,6 +52,14 @@ def _alias_fits(t: torch.Tensor, base: torch.Tensor) -> bool:
             and not t.is_conj() and not t.is_neg() and not base.is_conj() and not base.is_neg())
 
 
+def _signature(args: tuple) -> tuple:
+    """What NOTE [Records learned by position] (rule 1) compares of an op's
+    arguments: each tensor's shape (in lists too), every other value as it is."""
+    return tuple([a.shape if isinstance(a, torch.Tensor)
+                  else tuple([x.shape if isinstance(x, torch.Tensor) else x for x in a])
+                  if type(a) is list or type(a) is tuple else a for a in args])
+
+
 class CallRecorder(TorchFunctionMode):
     """Keeps ``producers.call`` (a :class:`ProducerMode`) set to the name of
     the torch call running now, for ``Record.call`` (a profiled step: NOTE
@@ -145,6 +153,18 @@ class ProducerMode(WriteWatch, TorchDispatchMode):
         self.single_op_calls: dict = {}
         #: Op names to record (``None``: every recomputable op).
         self.wanted: Optional[frozenset] = None
+        #: Ops handled so far (the next one's position). ``learned``: ``None``,
+        #: or the positions to record, each -> (op name, its arguments'
+        #: signature, whether in full); ``diverged``: an op at one of them was
+        #: another; ``shapes``: ``None``, or where a learning step keeps each
+        #: op's signature (NOTE [Records learned by position] in
+        #: tiers/positions.py).
+        self.position = 0
+        self.ops_in_full = 0   # ops recorded in full (a recipe can run them)
+        self.follows = False   # its step may follow learned positions
+        self.learned: Optional[dict] = None
+        self.diverged = False
+        self.shapes: Optional[dict] = None
         self._records: dict = {}    # id(tensor) -> (weakref to tensor, Record)
 
     # -- lookup (pack hook) -----------------------------------------------------
@@ -228,6 +248,8 @@ class ProducerMode(WriteWatch, TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
+        position = self.position
+        self.position = position + 1
         info = _OP_INFO.get(func)
         if info is None:
             info = _OP_INFO[func] = _OpInfo(func)
@@ -242,10 +264,22 @@ class ProducerMode(WriteWatch, TorchDispatchMode):
         if info.written and (self._watched or self._watched_inputs):
             self._note_writes(info, args, kwargs)
         recomputable = info.recomputable
-        if recomputable:
+        learned = self.learned
+        if learned is not None:   # NOTE [Records learned by position]
+            sig = learned.get(position)
+            if sig is None:
+                return _run_as_without_mode(func, types, args, kwargs)
+            if sig[0] != info.name or sig[1] != _signature(args):
+                self.learned, self.diverged = None, True   # rule 1: every op from here on
+            elif not sig[2]:
+                recomputable = False   # by name
+        elif recomputable:
             wanted = self.wanted
             if wanted is not None and info.name not in wanted:
                 recomputable = False
+        shapes = self.shapes
+        if shapes is not None:   # a learning step
+            shapes[position] = _signature(args)
         records = self._records
         if not recomputable:
             if not self.names:   # NOTE [Recording only what recipes use]
@@ -258,7 +292,8 @@ class ProducerMode(WriteWatch, TorchDispatchMode):
                     values_op = base[1].values_op
             for o in (out if isinstance(out, (tuple, list)) else (out,)):
                 if type(o) in _PLAIN_TYPES and o.layout is _STRIDED and not o.is_inference():
-                    records[id(o)] = (_weakref(o), Record(info.name, values_op, version=o._version))
+                    records[id(o)] = (_weakref(o), Record(info.name, values_op, version=o._version,
+                                                          position=position))
             return out
         # Arguments are captured before the op runs (their versions then).
         captured = capture_args(records, args, kwargs)
@@ -277,6 +312,7 @@ class ProducerMode(WriteWatch, TorchDispatchMode):
             func = rargs = rkwargs = None
         else:
             rargs, rkwargs = captured
+            self.ops_in_full += 1
         if self.module_names:
             module, call = current_module(), self.call
         else:
@@ -286,10 +322,10 @@ class ProducerMode(WriteWatch, TorchDispatchMode):
             if type(o) not in _PLAIN_TYPES or o.layout is not _STRIDED or o.is_inference():
                 continue   # not a tensor, or one the recompute tier cannot hold
             if func is None:
-                rec = Record(info.name, values_op, version=o._version)
+                rec = Record(info.name, values_op, version=o._version, position=position)
             else:
                 rec = Record(info.name, values_op, func, rargs, rkwargs, i if multi else None,
-                             rng, o._version, info.view, module, call)
+                             rng, o._version, info.view, module, call, position)
                 if self.alias_index:
                     self._index_alias(o, rec)
             records[id(o)] = (_weakref(o), rec)

@@ -113,12 +113,12 @@ class Record:
     known (the op is not recomputable)."""
 
     __slots__ = ("name", "func", "args", "kwargs", "out_index", "rng", "version", "is_view",
-                 "values_op", "module", "call", "returned", "__weakref__")
+                 "values_op", "module", "call", "returned", "position", "__weakref__")
 
     def __init__(self, name: str, values_op: str, func=None, args: tuple = (),
                  kwargs: Optional[dict] = None, out_index: Optional[int] = None, rng=None,
                  version: int = 0, is_view: bool = False, module: Optional[str] = None,
-                 call: Optional[str] = None) -> None:
+                 call: Optional[str] = None, position: int = -1) -> None:
         self.name = name
         self.values_op = values_op
         #: The op to run again (``None``: only the name is known), its held
@@ -145,6 +145,10 @@ class Record:
         #: :class:`~tiermem.tracking.producers.CallRecorder`; NOTE [Calls recorded
         #: whole] in tracking/producers.py).
         self.returned = False
+        #: The op's position among the ops the mode saw in this forward (-1:
+        #: a record made otherwise): NOTE [Records learned by position] in
+        #: tiers/positions.py.
+        self.position = position
 
     def refs(self):
         """The :class:`Ref` of every tensor argument (lists flattened)."""

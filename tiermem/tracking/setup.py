@@ -34,6 +34,7 @@ def step_tracking(tracks, blocks_must: bool, blocks_recompute: bool
     op_names = bool(tracks.op_names or blocks_must or blocks_recompute)
     if tracks.whole or blocks_must:
         producers = ProducerMode(module_names=tracks.profiled, names=op_names)
+        producers.follows = tracks.follows and not (blocks_must or blocks_recompute)
         calls = CallRecorder(producers) if tracks.profiled else None
         return producers, None, calls
     if not (tracks.modules or blocks_recompute):

@@ -1,0 +1,237 @@
+"""Records learned by position (NOTE [Records learned by position] in
+tiermem/tiers/positions.py): after a learning step, the steps of a named
+policy record in full only the ops their recipes use, train bit-identically,
+recompute the same tensors and report the same refusals as steps that record
+everything; a forward of other shapes, another op sequence, a new candidate
+or a failed forward sends the next step back to learning.
+
+Runtime: ~15 s on 2 shared cores (measured 2026-12-04).
+"""
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn as nn
+
+import tiermem
+import tiermem.testing
+from helpers import compare_records, offloader, reference_steps, run_step
+from models import make_case
+from tiermem.tiers.positions import MAX_FOLLOWING, NOT_RECORDED
+from tiermem.tracking.producers import ProducerMode
+
+
+class _Counting(ProducerMode):
+    """A producer mode that keeps, per instance made, the number of ops it
+    recorded in full, taken when its step cleared it (class attribute ``full``)."""
+
+    full: list = []
+
+    def clear(self) -> None:
+        type(self).full.append(tiermem.testing.ops_in_full(self))
+        super().clear()
+
+
+@pytest.fixture
+def counting(monkeypatch):
+    monkeypatch.setattr(_Counting, "full", [])
+    with tiermem.testing.step_producer_mode(_Counting):
+        yield _Counting
+
+
+def _stats(s) -> tuple:
+    return (dict(s.count_by_tier), dict(s.bytes_by_tier), s.recompute_input_bytes,
+            s.recompute_fallbacks, dict(s.recompute_fallback_reasons))
+
+
+def _train(name: str, policy: str, steps: int, follow: bool, counting):
+    """``steps`` AdamW steps of case ``name``: the records to compare, and per
+    step (stats, whether it followed, full records made)."""
+    off = offloader(policy)
+    tiermem.testing.follow_learned_positions(off, follow)
+    case = make_case(name)
+    opt = torch.optim.AdamW(case.model.parameters(), lr=1e-2)
+    records, per_step = [], []
+    for i in range(steps):
+        counting.full = []
+        followed = []
+
+        class _Watch(contextlib.AbstractContextManager):
+            def __enter__(self):
+                off.__enter__()
+                followed.append(tiermem.testing.following_learned_positions(off))
+
+            def __exit__(self, *exc):
+                return off.__exit__(*exc)
+
+        loss, grads = run_step(case.model, case.inputs, _Watch(), seed=10 + i,
+                               loss_fn=case.loss_fn)
+        opt.step()
+        records.append((loss, grads, {n: p.detach().clone()
+                                      for n, p in case.model.named_parameters()}))
+        per_step.append((_stats(off.stats), followed[0], sum(counting.full)))
+    off.close()
+    return records, per_step
+
+
+@pytest.mark.parametrize("name,policy", [("mlp", "recompute"), ("block", "recompute"),
+                                         ("embed_gather", "recompute,cpu"),
+                                         ("block_bf16", "recompute")])
+def test_following_steps_record_less_and_choose_as_learning_steps_do(name, policy, counting):
+    steps = MAX_FOLLOWING + 3
+    ref = reference_steps(name, steps=steps)
+    got, per_step = _train(name, policy, steps, True, counting)
+    learned, learned_steps = _train(name, policy, steps, False, counting)
+    compare_records(got, ref, f"{name} following")
+    compare_records(learned, ref, f"{name} learning")
+    # Step 0 learns, MAX_FOLLOWING steps follow, then one learns again (rule 3).
+    assert [f for _, f, _ in per_step] == \
+        [False] + [True] * MAX_FOLLOWING + [False] + [True]
+    assert not any(f for _, f, _ in learned_steps)
+    assert per_step[0][0][0]["recompute"] > 0, f"{name}: nothing recomputed, nothing tested"
+    for i, ((stats, followed, full), (ref_stats, _, ref_full)) in enumerate(
+            zip(per_step, learned_steps)):
+        assert stats == ref_stats, f"{name} step {i}: {stats} != {ref_stats}"
+        assert NOT_RECORDED not in stats[4]
+        if followed:
+            assert full < ref_full, f"{name} step {i}: {full} ops in full, learning {ref_full}"
+        else:
+            assert full == ref_full
+
+
+class _Branchy(nn.Module):
+    """Recomputable work whose op sequence (``extra``) or saved tensors
+    (``x.requires_grad``) a test changes between steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+        self.extra = False
+
+    def forward(self, x):
+        s = x.sin()
+        c = s.cos()   # saves s only when x requires grad
+        h = self.a(x).relu()
+        if self.extra:
+            h = h + 1.0   # saves nothing
+        h = (h * 2.0).sigmoid()
+        return (self.b(h).exp() * c).mean()
+
+
+def _step(model, off, x, seed):
+    return run_step(model, (x,), off, seed=seed, loss_fn=lambda y: y)
+
+
+def test_another_op_sequence_records_everything_from_where_it_differs():
+    """An op inserted mid-forward (one that saves nothing) shifts the positions:
+    the mode records every op from the first learned one that differs, so the
+    step chooses what a fresh Offloader does, and the next step learns."""
+    torch.manual_seed(0)
+    model = _Branchy()
+    x = torch.randn(8, 16)
+    off = offloader("recompute")
+    followed = []
+    for i in range(6):
+        model.extra = i == 3
+        ref = _step(model, contextlib.nullcontext(), x, i)
+        fresh = offloader("recompute")
+        want = _step(model, fresh, x, i)
+        model.zero_grad(set_to_none=True)
+        with off:
+            followed.append(tiermem.testing.following_learned_positions(off))
+            loss = model(x)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        assert torch.equal(loss.detach(), ref[0]) and torch.equal(want[0], ref[0])
+        assert all(torch.equal(grads[n], ref[1][n]) for n in ref[1])
+        assert _stats(off.stats) == _stats(fresh.stats), i
+        assert off.stats.recompute_count > 0
+        fresh.close()
+    off.close()
+    assert followed == [False, True, True, True, False, True]
+
+
+class _Pairs(nn.Module):
+    """``mm(x.sin(), x.cos().t())``: its arguments are saved only when ``x``
+    requires grad, and no recipe uses their producers (mm is not recomputable)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, x):
+        p = torch.mm(x.sin(), x.cos().t())
+        return (p @ self.b(x).relu().exp()).mean()
+
+
+def test_a_new_candidate_while_following_is_refused_once_then_learned():
+    torch.manual_seed(0)
+    model = _Pairs()
+    off = offloader("recompute")
+    seen = []
+    for i in range(5):
+        x = torch.randn(8, 16, requires_grad=i >= 1)   # from step 1, mm saves sin's output
+        ref = _step(model, contextlib.nullcontext(), x, i)
+        fresh = offloader("recompute")
+        _step(model, fresh, x, i)
+        model.zero_grad(set_to_none=True)
+        with off:
+            following = tiermem.testing.following_learned_positions(off)
+            loss = model(x)
+        loss.backward()
+        seen.append((following, _stats(off.stats), _stats(fresh.stats)))
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        assert torch.equal(loss.detach(), ref[0])
+        assert all(torch.equal(grads[n], ref[1][n]) for n in ref[1])
+        fresh.close()
+    off.close()
+    assert [f for f, _, _ in seen] == [False, True, False, True, True]
+    # Step 1: sin's and cos's outputs are candidates at positions step 0 did not
+    # record: refused, and not for a reason of their own; a fresh Offloader
+    # recomputes them.
+    stats, ref = seen[1][1], seen[1][2]
+    assert stats[4].get(NOT_RECORDED, 0) >= 2, stats
+    assert stats[0]["recompute"] < ref[0]["recompute"]
+    # Step 2 learns them; the steps after follow and choose as a fresh Offloader.
+    for following, stats, ref in seen[2:]:
+        assert stats == ref
+
+
+def test_a_failed_forward_sends_the_next_step_back_to_learning():
+    torch.manual_seed(0)
+    model = _Branchy()
+    x = torch.randn(8, 16)
+    off = offloader("recompute")
+    followed = []
+    for i in range(4):
+        try:
+            with off:
+                followed.append(tiermem.testing.following_learned_positions(off))
+                loss = model(x)
+                if i == 1:
+                    raise KeyError("stop")
+        except KeyError:
+            continue
+        loss.backward()
+    off.close()
+    assert followed == [False, True, False, True]
+
+
+@pytest.mark.parametrize("policy", ["auto", "callable"])
+def test_only_named_policies_follow(policy):
+    torch.manual_seed(0)
+    model = _Branchy()
+    x = torch.randn(8, 16)
+    off = offloader((lambda info: ["recompute", "keep"]) if policy == "callable" else policy)
+    followed = []
+    for i in range(4):
+        with off:
+            followed.append(tiermem.testing.following_learned_positions(off))
+            loss = model(x)
+        loss.backward()
+    off.close()
+    assert followed == [False] * 4
