@@ -18,10 +18,14 @@ Configurations, each on the same TinyGPT (same parameters, same batch):
 - ``dispatch_floor``: a dispatch mode that only forwards each op (what any
   tracking by dispatch mode pays per op before doing anything: SAC's and
   tiermem's are such modes); ``tracking_only``: tiermem's producer mode as a
-  ``recompute`` step makes it, around the forward, with no saved-tensor hooks
-  (``recompute`` minus it is the pack side: recipes, dedup, stats);
+  learning step of ``recompute`` makes it (every op recorded), around the
+  forward, with no saved-tensor hooks (``recompute_learning`` minus it is the
+  pack side: recipes, dedup, stats);
 - ``keep``, ``recompute``, ``recompute_cpu``: ``tiermem.Offloader`` with
-  policy ``keep``, ``recompute``, ``"recompute,cpu"``; ``recompute_nocheck``:
+  policy ``keep``, ``recompute``, ``"recompute,cpu"``; ``recompute_learning``:
+  ``recompute`` with every step recording every op, as its learning steps do
+  (NOTE [Records learned by position]: ``recompute``'s other steps record in full
+  only the ops its recipes use); ``recompute_nocheck``:
   ``recompute`` with ``check_params=False`` (no parameter check: what SAC
   does not do either);
 - ``auto_scoped``: ``Offloader(policy="auto", device_budget=--budget)``
@@ -85,11 +89,11 @@ import tiermem.testing  # noqa: E402
 from tiermem.models import GPTConfig, TinyGPT  # noqa: E402
 
 CONFIGS = ["plain", "sac_all_save", "sac_usual", "hooks_floor", "dispatch_floor", "tracking_only",
-           "keep", "recompute", "recompute_nocheck",
+           "keep", "recompute", "recompute_learning", "recompute_nocheck",
            "recompute_cpu", "auto_scoped", "auto_whole"]
 #: The tiermem policy of each fixed-policy configuration, and its other settings.
-POLICY = {"keep": "keep", "recompute": "recompute", "recompute_nocheck": "recompute",
-          "recompute_cpu": "recompute,cpu"}
+POLICY = {"keep": "keep", "recompute": "recompute", "recompute_learning": "recompute",
+          "recompute_nocheck": "recompute", "recompute_cpu": "recompute,cpu"}
 SETTINGS = {"recompute_nocheck": {"check_params": False}}
 
 _aten = torch.ops.aten
@@ -180,6 +184,15 @@ def _with_sac(model: TinyGPT, policy) -> TinyGPT:
     return model
 
 
+def _fixed(name: str) -> tiermem.Offloader:
+    """The Offloader of fixed-policy configuration ``name``; ``recompute_learning``:
+    every step records every op (NOTE [Records learned by position] off)."""
+    off = tiermem.Offloader(policy=POLICY[name], **SETTINGS.get(name, {}))
+    if name == "recompute_learning":
+        tiermem.testing.follow_learned_positions(off, False)
+    return off
+
+
 def _planned(model, x, budget: str, whole: bool):
     """An auto Offloader that has profiled ``model`` and follows its plan;
     ``whole``: its plans track the whole forward."""
@@ -240,7 +253,7 @@ def measure(width: int, a) -> dict:
         elif name == "tracking_only":
             contexts[name] = _TrackingOnly()
         else:
-            contexts[name] = tiermem.Offloader(policy=POLICY[name], **SETTINGS.get(name, {}))
+            contexts[name] = _fixed(name)
     n = counts(base, x)
     for c in contexts.values():   # the auto ones stepped already: see the loop below
         if isinstance(c, tiermem.Offloader):
@@ -328,7 +341,7 @@ def profile(width: int, a, name: str, top: int = 40) -> dict:
     if name.startswith("auto"):
         ctx, _ = _planned(m, x, a.budget, whole=name == "auto_whole")
     elif name in POLICY:
-        ctx = tiermem.Offloader(policy=POLICY[name], **SETTINGS.get(name, {}))
+        ctx = _fixed(name)
     elif name == "hooks_floor":
         ctx = _FloorHooks()
     elif name == "dispatch_floor":

@@ -27,7 +27,8 @@ def test_host_cost_bench_reports_every_configuration(tmp_path):
     assert row["counts"]["aten_ops"] > 0 and row["counts"]["saved_tensors"] > 0
     configs = row["configs"]
     assert set(configs) == {"plain", "sac_all_save", "sac_usual", "hooks_floor", "dispatch_floor",
-                            "tracking_only", "keep", "recompute", "recompute_nocheck",
+                            "tracking_only", "keep", "recompute", "recompute_learning",
+                            "recompute_nocheck",
                             "recompute_cpu", "auto_scoped", "auto_whole"}
     # The two configurations that split recompute's cost ran (no timing is compared here).
     assert configs["tracking_only"]["forward_s"] > 0 and configs["dispatch_floor"]["forward_s"] > 0
