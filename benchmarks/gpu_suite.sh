@@ -348,7 +348,7 @@ if [ "$HAVE_CUDA" = 1 ]; then
     # docs/host-cost.md's model.
     run_part host-cost $(plan_of host-cost) "$PY" benchmarks/bench_host_cost.py --device cuda \
         --widths 256,1024,4096 --layers 4 --seq-len 512 --batch 4 --rounds 8 --warmup 2 \
-        --configs plain,sac_all_save,hooks_floor,keep,recompute,recompute_nocheck,auto_scoped \
+        --configs plain,sac_all_save,hooks_floor,keep,recompute,recompute_learning,recompute_nocheck,auto_scoped \
         --out "$RES/host-cost.json"
     run_part host-prof $(plan_of host-prof) host_profiles
     bench_part size-b gpu-b $(plan_of size-b)

@@ -235,3 +235,73 @@ def test_only_named_policies_follow(policy):
         loss.backward()
     off.close()
     assert followed == [False] * 4
+
+
+def _mlp(width: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width), nn.GELU(),
+                         nn.Linear(width, 1))
+
+
+@pytest.mark.parametrize("pattern", ["ABABAB", "AEAEAE"])
+def test_alternating_forwards_choose_as_recording_everything(pattern):
+    """Two models in turn (or a forward under no_grad, ``E``, between two of
+    one model): every op is checked against the learned one, so a forward of
+    the other model records everything from its first op; a learning step
+    without candidates teaches nothing."""
+    torch.manual_seed(0)
+    models = {"A": (_mlp(32), torch.randn(8, 32)), "B": (_mlp(48), torch.randn(8, 48))}
+
+    def run(follow: bool):
+        off = offloader("recompute")
+        tiermem.testing.follow_learned_positions(off, follow)
+        out = []
+        for kind in pattern:
+            model, x = models["A" if kind == "E" else kind]
+            with off:
+                if kind == "E":
+                    with torch.no_grad():
+                        model(x)
+                    continue
+                loss = model(x).sum()
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+            out.append((kind, _stats(off.stats)))
+        off.close()
+        return out
+
+    got, want = run(True), run(False)
+    assert got == want
+    assert all(s[0]["recompute"] > 0 for _, s in got)
+
+
+def test_a_nan_argument_does_not_stop_following():
+    torch.manual_seed(0)
+    lin, lin2 = nn.Linear(16, 16), nn.Linear(16, 16)
+    off = offloader("recompute")
+    x, mask = torch.randn(4, 16), torch.zeros(4, 16, dtype=torch.bool)
+    followed = []
+    for _ in range(4):
+        with off:
+            followed.append(tiermem.testing.following_learned_positions(off))
+            h = lin(x).relu().masked_fill(mask, float("nan"))   # a new NaN float each call
+            loss = lin2(h.sin()).sum()
+        loss.backward()
+    off.close()
+    assert followed == [False, True, True, True]
+
+
+def test_a_tier_before_recompute_never_follows():
+    """With cpu first, which tensors reach the recompute tier depends on the
+    cpu pool's state, not only on the forward: such a policy always learns."""
+    torch.manual_seed(0)
+    model, x = _mlp(32), torch.randn(8, 32)
+    off = offloader("cpu,recompute", cpu_budget=4000)
+    followed = []
+    for _ in range(3):
+        with off:
+            followed.append(tiermem.testing.following_learned_positions(off))
+            loss = model(x).sum()
+        loss.backward()
+    assert off.stats.recompute_count > 0, "nothing reached the recompute tier"
+    off.close()
+    assert followed == [False, False, False]

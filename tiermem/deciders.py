@@ -44,7 +44,7 @@ from typing import Any, Callable, Optional, Protocol, Tuple
 
 from .config import Config
 from .errors import ConfigError
-from .policy import AUTO, resolve_policy
+from .policy import AUTO, Tier, resolve_policy
 from .runtime.contract import (INDEXED, KEPT_HIT, KEPT_NEW, KICK, NO_INDEX, StepObserver,
                                Tracking)
 
@@ -110,8 +110,8 @@ class PolicyDecider:
     (no StepDecider); producers are tracked when a recipe may be needed or a
     callable policy may read ``TensorInfo.op``."""
 
-    def __init__(self, tracks: bool, named: bool = False) -> None:
-        self._tracking = Tracking(whole=tracks, op_names=True, follows=tracks and named)
+    def __init__(self, tracks: bool, follows: bool = False) -> None:
+        self._tracking = Tracking(whole=tracks, op_names=True, follows=tracks and follows)
 
     def begin_step(self) -> None:
         return None
@@ -135,7 +135,9 @@ def make_decider(cfg, placement, hints=None, order=None) -> Decider:
     if fn is AUTO:
         from .planner import Planner
         return Planner(placement, cfg, hints, order)
-    return PolicyDecider(placement.tracks_producers, named=placement.fixed is not None)
+    # Following learned positions needs every candidate to reach the recompute
+    # tier: an order with recompute first (NOTE [Records learned by position]).
+    return PolicyDecider(placement.tracks_producers, follows=placement.fixed is Tier.RECOMPUTE)
 
 
 def check_hints(hints: Any, cfg: Config) -> None:

@@ -31,8 +31,9 @@ class Tracking(NamedTuple):
     modules to track in (``None``: none), and per module of them ``ops``
     (op names recorded), ``calls`` (torch calls tracked in) and ``direct``
     (calls recorded whole), each ``None`` for all. ``follows``: a step of a
-    named policy, which may record in full only the ops its recompute tier
-    learned (NOTE [Records learned by position] in tiers/positions.py)."""
+    named policy with recompute first, which may record in full only the ops
+    its recompute tier learned (NOTE [Records learned by position] in
+    tiers/positions.py)."""
 
     whole: bool = False
     op_names: bool = False

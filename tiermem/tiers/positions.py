@@ -3,19 +3,20 @@ recipes of the last fully tracked forward used; by name, those that made its
 other candidates; no others (NOTE [Records learned by position])."""
 
 # NOTE [Records learned by position]
-# A recipe uses few records (those of its own ops), and a forward like the last
-# one builds its recipes from the ops at the same positions (the n-th op the mode
-# saw). So after a *learning* step of a named policy (every op recorded), the
-# *following* steps record in full only the positions its recipes used, by name
-# those that made its other candidates (a remembered refusal's key holds the op
-# name), and no others. Exact either way: a record is full or absent. The choice:
-# 1. each recorded position's op must match (name, argument signature); from the
-#    first that differs, the mode records every op as a learning step does;
+# A forward like the last one builds its recipes from the ops at the same
+# positions (the n-th op the mode saw). So after a *learning* step of a named
+# policy with recompute first (every op recorded; a tier before it would make
+# the candidates depend on its state), *following* steps record in full only the
+# positions its recipes used, by name those that made its other candidates (a
+# refusal's key holds the op name), no others. Exact: a record is full or absent.
+# 1. each op must be the learned one, and at a recorded position have the same
+#    argument signature; from the first that differs the mode records every op;
 # 2. while it follows, a candidate without a full record that no remembered
-#    refusal answers gets one due for planning, else NOT_RECORDED (not kept);
-# 3. after 1 or 2, a failed forward, or one of another length, the next step
-#    learns, and at most MAX_AGE - 1 steps follow in a row (so refusals are
-#    planned again, in a learning step, when due).
+#    refusal answers gets one due for planning, else NO_PRODUCER (no record:
+#    inputs are saved before their op's check) or NOT_RECORDED (not kept);
+# 3. after 1 or 2, a failed forward, one of another length or a learning step
+#    without candidates, the next step learns; at most MAX_AGE - 1 steps follow
+#    in a row (so refusals are planned again, in a learning step, when due).
 
 from __future__ import annotations
 
@@ -23,12 +24,13 @@ from typing import Optional
 
 from .refusals import MAX_AGE
 
-__all__ = ["RecordPositions", "MAX_FOLLOWING", "NOT_RECORDED"]
+__all__ = ["RecordPositions", "MAX_FOLLOWING", "NO_PRODUCER", "NOT_RECORDED"]
 
 #: Following steps in a row before a learning step (rule 3).
 MAX_FOLLOWING = MAX_AGE - 1
 
-#: The refusal of rule 2.
+#: The refusals of rule 2 (the first is the tier's own for a tensor without a record).
+NO_PRODUCER = "no recorded producer"
 NOT_RECORDED = ("its op was not recorded in full (the forward differs from the one whose "
                 "recipes chose the ops to record; the next step records them all)")
 
@@ -47,8 +49,8 @@ class RecordPositions:
                  "_following", "_missed", "enabled")
 
     def __init__(self) -> None:
-        #: Learned: position -> (op name, its arguments' signature, in full).
-        self._learned: Optional[dict] = None
+        #: Learned: (each position's op, position -> (arguments' signature, in full)).
+        self._learned: Optional[tuple] = None
         self._ops = 0                # ops the learning forward ran
         self._following_left = 0
         self._full: dict = {}        # this learning step's recipes: position -> op name
@@ -61,7 +63,7 @@ class RecordPositions:
 
     def begin(self, mode) -> None:
         """A step starts with producer mode ``mode``: set what it records
-        (``learned``, or ``shapes`` to learn: see ProducerMode)."""
+        (``learned``, or ``learning`` to learn: see ProducerMode)."""
         self._active = True
         self._full, self._named = {}, {}
         self._missed = False
@@ -71,7 +73,7 @@ class RecordPositions:
             self._following_left -= 1
             mode.learned = self._learned
         else:
-            mode.shapes = {}
+            mode.learning = []
 
     @property
     def learning(self) -> bool:
@@ -105,14 +107,14 @@ class RecordPositions:
         if not self._active:
             return
         self._active = False
-        if failed:
-            self._learned = None
+        if failed or (not self._following and not self._named):
+            self._learned = None   # failed, or nothing to learn from (no candidate)
         elif not self._following:
-            shapes = mode.shapes or {}
-            learned = {p: (name, shapes.get(p), False) for p, name in self._named.items()}
-            for p, name in self._full.items():
-                learned[p] = (name, shapes.get(p), True)
-            self._learned, self._ops = learned, mode.position
+            seen = mode.learning or []
+            marks = {p: (seen[p][1], p in self._full)
+                     for p in set(self._named) | set(self._full) if p < len(seen)}
+            self._learned = ([info for info, _ in seen], marks)
+            self._ops = mode.position
             self._following_left = MAX_FOLLOWING
         elif self._missed or mode.diverged or mode.position != self._ops:
             self._following_left = 0

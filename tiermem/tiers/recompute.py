@@ -57,7 +57,7 @@ from ..errors import TierMemError
 from ..policy import Tier
 from ..tracking.producers import Record, Ref
 from .base import Layout, RecipeServices, TierStore, exact_copy
-from .positions import NOT_RECORDED, RecordPositions
+from .positions import NO_PRODUCER, NOT_RECORDED, RecordPositions
 from .refusals import Refusals
 from .replay import _Cached, _no_autocast
 from .keep import Kept
@@ -191,13 +191,14 @@ class RecomputeStore(TierStore):
             # as in a learning step: a key changed at a position recorded by name
             # means other arguments there (an op's output shape follows from them).
             positions.missed()
-            known = refusals.known(key, due_too=True) or NOT_RECORDED
+            known = (refusals.known(key, due_too=True)
+                     or (NO_PRODUCER if rec is None else NOT_RECORDED))
         if known is not None:
             step.not_recomputable(known)
             return None
         try:
             if rec is None:
-                raise _Ineligible("no recorded producer")
+                raise _Ineligible(NO_PRODUCER)
             if rec.func is None:
                 raise _Ineligible(f"op {rec.name} is not recomputable")
             plan = _Plan()

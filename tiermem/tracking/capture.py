@@ -6,6 +6,8 @@
 tensors looked into), every other argument as it is. It runs once per
 recomputable op of a tracked forward, so it is written for that: one type
 test per plain argument, no call per argument on the common path.
+:func:`signature` is what a step following learned positions compares of an
+op's arguments.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 
 from .records import _STRIDED, Ref, _plain
 
-__all__ = ["capture_args", "UNSUPPORTED"]
+__all__ = ["capture_args", "signature", "UNSUPPORTED"]
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
@@ -96,3 +98,34 @@ def capture_args(records: dict, args: tuple, kwargs: dict) -> Optional[tuple]:
             return None
         held_kw[k] = c
     return tuple(held), held_kw
+
+
+#: Argument types a signature holds as they are (compared by value, never raising).
+_SIG_PLAIN = frozenset({int, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+                        torch.memory_format})
+
+
+def signature(args: tuple) -> tuple:
+    """What NOTE [Records learned by position] (rule 1) compares of an op's
+    arguments: each tensor's shape, ints, strings, dtypes and the like as they
+    are, floats unless NaN, lists looked into, and of any other object its type
+    (its own ``==`` may raise or compare elementwise)."""
+    out = []
+    for a in args:
+        t = type(a)
+        if t in _SIG_PLAIN:
+            out.append(a)
+        elif t is torch.Tensor or isinstance(a, torch.Tensor):
+            out.append(a.shape)
+        else:
+            out.append(_signature_item(a))
+    return tuple(out)
+
+
+def _signature_item(a: Any) -> Any:
+    t = type(a)
+    if t is float or t is complex:
+        return a if a == a else "nan"
+    if t is list or t is tuple:
+        return signature(a)
+    return t

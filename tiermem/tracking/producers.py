@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 # Record, Ref, storage_key, the op sets and untracked_pack are re-exported: imported from
 # here. The handler calls _run_as_without_mode through this module's globals
 # (benchmarks/bench_tracking_own.py times it by replacing it here).
-from .capture import capture_args
+from .capture import capture_args, signature as _signature
 from .dispatch import _run_as_without_mode, untracked_pack
 from .hidden import opaque
 from .modules import _compiling, call_name, current_module
@@ -50,14 +50,6 @@ def _alias_fits(t: torch.Tensor, base: torch.Tensor) -> bool:
             and t.storage_offset() == base.storage_offset() and t.device == base.device
             and t.untyped_storage()._cdata == base.untyped_storage()._cdata
             and not t.is_conj() and not t.is_neg() and not base.is_conj() and not base.is_neg())
-
-
-def _signature(args: tuple) -> tuple:
-    """What NOTE [Records learned by position] (rule 1) compares of an op's
-    arguments: each tensor's shape (in lists too), every other value as it is."""
-    return tuple([a.shape if isinstance(a, torch.Tensor)
-                  else tuple([x.shape if isinstance(x, torch.Tensor) else x for x in a])
-                  if type(a) is list or type(a) is tuple else a for a in args])
 
 
 class CallRecorder(TorchFunctionMode):
@@ -154,17 +146,17 @@ class ProducerMode(WriteWatch, TorchDispatchMode):
         #: Op names to record (``None``: every recomputable op).
         self.wanted: Optional[frozenset] = None
         #: Ops handled so far (the next one's position). ``learned``: ``None``,
-        #: or the positions to record, each -> (op name, its arguments'
-        #: signature, whether in full); ``diverged``: an op at one of them was
-        #: another; ``shapes``: ``None``, or where a learning step keeps each
-        #: op's signature (NOTE [Records learned by position] in
-        #: tiers/positions.py).
+        #: or (the ``_OpInfo`` of each position, the positions to record ->
+        #: (arguments' signature, whether in full)); ``diverged``: an op was
+        #: another than learned; ``learning``: ``None``, or where a learning step
+        #: keeps (``_OpInfo``, signature) of each op (NOTE [Records learned by
+        #: position] in tiers/positions.py).
         self.position = 0
         self.ops_in_full = 0   # ops recorded in full (a recipe can run them)
         self.follows = False   # its step may follow learned positions
-        self.learned: Optional[dict] = None
+        self.learned: Optional[tuple] = None
         self.diverged = False
-        self.shapes: Optional[dict] = None
+        self.learning: Optional[list] = None
         self._records: dict = {}    # id(tensor) -> (weakref to tensor, Record)
 
     # -- lookup (pack hook) -----------------------------------------------------
@@ -266,20 +258,23 @@ class ProducerMode(WriteWatch, TorchDispatchMode):
         recomputable = info.recomputable
         learned = self.learned
         if learned is not None:   # NOTE [Records learned by position]
-            sig = learned.get(position)
-            if sig is None:
-                return _run_as_without_mode(func, types, args, kwargs)
-            if sig[0] != info.name or sig[1] != _signature(args):
+            ops, marks = learned
+            mark = None
+            if position < len(ops) and ops[position] is info:
+                mark = marks.get(position)
+                if mark is None:
+                    return _run_as_without_mode(func, types, args, kwargs)
+            if mark is None or mark[0] != _signature(args):
                 self.learned, self.diverged = None, True   # rule 1: every op from here on
-            elif not sig[2]:
+            elif not mark[1]:
                 recomputable = False   # by name
         elif recomputable:
             wanted = self.wanted
             if wanted is not None and info.name not in wanted:
                 recomputable = False
-        shapes = self.shapes
-        if shapes is not None:   # a learning step
-            shapes[position] = _signature(args)
+        learning = self.learning
+        if learning is not None:   # a learning step
+            learning.append((info, _signature(args)))
         records = self._records
         if not recomputable:
             if not self.names:   # NOTE [Recording only what recipes use]
