@@ -56,6 +56,12 @@ def _cpu_model() -> str:
 
 
 def _git_commit() -> dict:
+    """The commit measured: ``TIERMEM_BENCH_COMMIT`` when set (a copied working
+    tree, as on a lent GPU machine, keeps a stale HEAD: its dirtiness is then
+    unknown, ``None``), else the checkout's HEAD and whether tiermem/ differs."""
+    given = os.environ.get("TIERMEM_BENCH_COMMIT", "").strip()
+    if given:
+        return {"commit": given, "tiermem_dirty": None}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,

@@ -38,7 +38,9 @@
 #   size-a.json size-a-pareto.png size-a-timeline.png   (and the same for size-b;
 #   or cpu-smoke.* on a CPU-only machine)
 #
-# Environment: PYTHON (default python3), TIERMEM_SUITE_SECONDS (540),
+# Environment: TIERMEM_BENCH_COMMIT (the commit the results files record: the
+# device's copy of the tree keeps the session's first HEAD; pass the real one),
+# PYTHON (default python3), TIERMEM_SUITE_SECONDS (540),
 # TIERMEM_SUITE_PARTS (default: all; e.g. "env build host-cost host-prof"),
 # TIERMEM_BENCH_NVME_DIR (default: a new dir under /var/tmp or /tmp, whichever
 # is not tmpfs), TIERMEM_BENCH_CPU_BUDGET (tiermem cpu_budget for the runs;

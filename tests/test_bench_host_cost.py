@@ -53,3 +53,16 @@ def test_cuda_without_a_device_is_refused_clearly():
                        cwd=ROOT, timeout=120, capture_output=True, text=True)
     assert r.returncode == 2
     assert "--device cuda: no CUDA device here" in r.stderr
+
+
+def test_results_record_the_commit_given(tmp_path):
+    """A copied tree (a lent GPU machine's) keeps a stale HEAD: TIERMEM_BENCH_COMMIT
+    names the commit measured, and the files say their dirtiness is unknown."""
+    out = tmp_path / "hc.json"
+    env = dict(os.environ, TIERMEM_BENCH_COMMIT="0123abc")
+    subprocess.run([sys.executable, BENCH, "--widths", "16", "--layers", "1", "--seq-len", "4",
+                    "--batch", "1", "--rounds", "1", "--warmup", "0", "--configs", "plain,keep",
+                    "--out", str(out)], check=True, cwd=ROOT, timeout=300, capture_output=True,
+                   env=env)
+    m = json.loads(out.read_text())["machine"]
+    assert m["commit"] == "0123abc" and m["tiermem_dirty"] is None
