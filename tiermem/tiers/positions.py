@@ -39,11 +39,12 @@ class RecordPositions:
     """The learned positions of one Offloader's recompute tier (its steps'
     forwards run one at a time, in one thread).
 
-    A step that may follow (a named policy tracking the whole forward:
-    ``ProducerMode.follows``) calls :meth:`begin` as it starts and :meth:`end` when its forward is over; in
-    between, the tier calls :meth:`candidate` for each tensor it is offered
-    and :meth:`used` for each recipe it builds (a learning step), and
-    :meth:`missed` for rule 2 (a following step)."""
+    A step that may follow (``ProducerMode.follows``: a named policy with
+    recompute first, tracking the whole forward) calls :meth:`begin` as it
+    starts and :meth:`end` when its forward is over; in between, the tier
+    calls :meth:`candidate` for each tensor it is offered and :meth:`used` for
+    each recipe it builds (a learning step), and :meth:`missed` for rule 2 (a
+    following step)."""
 
     __slots__ = ("_learned", "_ops", "_following_left", "_full", "_named", "_active",
                  "_following", "_missed", "enabled")
