@@ -45,9 +45,24 @@ def _stats(s) -> tuple:
             s.recompute_fallbacks, dict(s.recompute_fallback_reasons))
 
 
+class _Noting(contextlib.AbstractContextManager):
+    """``off`` as a step's context, noting in ``followed`` whether the step
+    follows learned positions."""
+
+    def __init__(self, off, followed: list) -> None:
+        self.off, self.followed = off, followed
+
+    def __enter__(self):
+        self.off.__enter__()
+        self.followed.append(tiermem.testing.following_learned_positions(self.off))
+
+    def __exit__(self, *exc):
+        return self.off.__exit__(*exc)
+
+
 def _train(name: str, policy: str, steps: int, follow: bool, counting):
     """``steps`` AdamW steps of case ``name``: the records to compare, and per
-    step (stats, whether it followed, full records made)."""
+    step (stats, whether it followed, ops recorded in full)."""
     off = offloader(policy)
     tiermem.testing.follow_learned_positions(off, follow)
     case = make_case(name)
@@ -56,16 +71,7 @@ def _train(name: str, policy: str, steps: int, follow: bool, counting):
     for i in range(steps):
         counting.full = []
         followed = []
-
-        class _Watch(contextlib.AbstractContextManager):
-            def __enter__(self):
-                off.__enter__()
-                followed.append(tiermem.testing.following_learned_positions(off))
-
-            def __exit__(self, *exc):
-                return off.__exit__(*exc)
-
-        loss, grads = run_step(case.model, case.inputs, _Watch(), seed=10 + i,
+        loss, grads = run_step(case.model, case.inputs, _Noting(off, followed), seed=10 + i,
                                loss_fn=case.loss_fn)
         opt.step()
         records.append((loss, grads, {n: p.detach().clone()
@@ -101,8 +107,8 @@ def test_following_steps_record_less_and_choose_as_learning_steps_do(name, polic
 
 
 class _Branchy(nn.Module):
-    """Recomputable work whose op sequence (``extra``) or saved tensors
-    (``x.requires_grad``) a test changes between steps."""
+    """Recomputable work whose op sequence a test changes between steps
+    (``extra``: one more op, which saves nothing)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -112,7 +118,7 @@ class _Branchy(nn.Module):
 
     def forward(self, x):
         s = x.sin()
-        c = s.cos()   # saves s only when x requires grad
+        c = s.cos()
         h = self.a(x).relu()
         if self.extra:
             h = h + 1.0   # saves nothing
