@@ -145,8 +145,7 @@ def test_another_op_sequence_records_everything_from_where_it_differs():
         fresh = offloader("recompute")
         want = _step(model, fresh, x, i)
         model.zero_grad(set_to_none=True)
-        with off:
-            followed.append(tiermem.testing.following_learned_positions(off))
+        with _Noting(off, followed):
             loss = model(x)
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -184,11 +183,11 @@ def test_a_new_candidate_while_following_is_refused_once_then_learned():
         fresh = offloader("recompute")
         _step(model, fresh, x, i)
         model.zero_grad(set_to_none=True)
-        with off:
-            following = tiermem.testing.following_learned_positions(off)
+        followed = []
+        with _Noting(off, followed):
             loss = model(x)
         loss.backward()
-        seen.append((following, _stats(off.stats), _stats(fresh.stats)))
+        seen.append((followed[0], _stats(off.stats), _stats(fresh.stats)))
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         model.zero_grad(set_to_none=True)
         assert torch.equal(loss.detach(), ref[0])
@@ -215,8 +214,7 @@ def test_a_failed_forward_sends_the_next_step_back_to_learning():
     followed = []
     for i in range(4):
         try:
-            with off:
-                followed.append(tiermem.testing.following_learned_positions(off))
+            with _Noting(off, followed):
                 loss = model(x)
                 if i == 1:
                     raise KeyError("stop")
@@ -235,8 +233,7 @@ def test_only_named_policies_follow(policy):
     off = offloader((lambda info: ["recompute", "keep"]) if policy == "callable" else policy)
     followed = []
     for i in range(4):
-        with off:
-            followed.append(tiermem.testing.following_learned_positions(off))
+        with _Noting(off, followed):
             loss = model(x)
         loss.backward()
     off.close()
@@ -287,8 +284,7 @@ def test_a_nan_argument_does_not_stop_following():
     x, mask = torch.randn(4, 16), torch.zeros(4, 16, dtype=torch.bool)
     followed = []
     for _ in range(4):
-        with off:
-            followed.append(tiermem.testing.following_learned_positions(off))
+        with _Noting(off, followed):
             h = lin(x).relu().masked_fill(mask, float("nan"))   # a new NaN float each call
             loss = lin2(h.sin()).sum()
         loss.backward()
@@ -304,8 +300,7 @@ def test_a_tier_before_recompute_never_follows():
     off = offloader("cpu,recompute", cpu_budget=4000)
     followed = []
     for _ in range(3):
-        with off:
-            followed.append(tiermem.testing.following_learned_positions(off))
+        with _Noting(off, followed):
             loss = model(x).sum()
         loss.backward()
     assert off.stats.recompute_count > 0, "nothing reached the recompute tier"

@@ -46,13 +46,12 @@ class RecordPositions:
     each recipe it builds (a learning step), and :meth:`missed` for rule 2 (a
     following step)."""
 
-    __slots__ = ("_learned", "_ops", "_following_left", "_full", "_named", "_active",
+    __slots__ = ("_learned", "_following_left", "_full", "_named", "_active",
                  "_following", "_missed", "enabled")
 
     def __init__(self) -> None:
         #: Learned: (each position's op, position -> (arguments' signature, in full)).
         self._learned: Optional[tuple] = None
-        self._ops = 0                # ops the learning forward ran
         self._following_left = 0
         self._full: dict = {}        # this learning step's recipes: position -> op name
         self._named: dict = {}       # its candidates' producers: the same
@@ -113,10 +112,9 @@ class RecordPositions:
         elif not self._following:
             seen = mode.learning or []
             marks = {p: (seen[p][1], p in self._full)
-                     for p in set(self._named) | set(self._full) if p < len(seen)}
+                     for p in set(self._named) | set(self._full)}
             self._learned = ([info for info, _ in seen], marks)
-            self._ops = mode.position
             self._following_left = MAX_FOLLOWING
-        elif self._missed or mode.diverged or mode.position != self._ops:
+        elif self._missed or mode.diverged or mode.position != len(self._learned[0]):
             self._following_left = 0
         self._full, self._named = {}, {}

@@ -251,6 +251,9 @@ class ProducerMode(WriteWatch, TorchDispatchMode):
             counts[key] = counts.get(key, 0) + 1
             self.ops_run += 1
             self.last_op = info
+        learning = self.learning
+        if learning is not None:   # a learning step: one entry per position
+            learning.append((info, _signature(args)))
         if _inference_mode():   # inference tensors: nothing to record
             return _run_as_without_mode(func, types, args, kwargs)
         if info.written and (self._watched or self._watched_inputs):
@@ -272,9 +275,6 @@ class ProducerMode(WriteWatch, TorchDispatchMode):
             wanted = self.wanted
             if wanted is not None and info.name not in wanted:
                 recomputable = False
-        learning = self.learning
-        if learning is not None:   # a learning step
-            learning.append((info, _signature(args)))
         records = self._records
         if not recomputable:
             if not self.names:   # NOTE [Recording only what recipes use]
