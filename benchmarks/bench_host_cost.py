@@ -53,6 +53,10 @@ to the forward's time whatever the rest costs).
 configuration (after ``--warmup``), and the functions with the most own
 time per forward (where tracking's host time goes).
 
+``--alternate-seq-len N``: every odd round runs all configurations on the
+first N tokens, so forwards of two shapes come in turn (NOTE [Records learned
+by position], rule 4, in tiermem/tiers/positions.py).
+
 ``--clock cpu --threads 1``: the main thread's CPU time
 (``time.thread_time``) instead of wall time, for a machine shared with other
 jobs; with one thread every op runs in it. Never collected by pytest.
@@ -229,6 +233,8 @@ def measure(width: int, a) -> dict:
     with dev:   # made on the device: a wide model's CPU init would take longer than its timing
         base = TinyGPT(cfg)
     x = torch.randint(0, cfg.vocab, (a.batch, a.seq_len), device=dev)
+    # --alternate-seq-len: odd rounds run every configuration on this length.
+    x_odd = x[:, :a.alternate_seq_len].contiguous() if a.alternate_seq_len else x
     models, contexts, notes = {}, {}, {}
     for name in a.configs:
         with dev:
@@ -276,8 +282,9 @@ def measure(width: int, a) -> dict:
             sync()
             started.clear()
             t0 = clock()
+            xr = x_odd if r % 2 else x
             with ctx:
-                loss = m(x, x)
+                loss = m(xr, xr)
             th = clock()
             sync()
             t1 = clock()
@@ -414,6 +421,9 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--alternate-seq-len", type=int, default=0, metavar="N",
+                   help="odd rounds use sequences of N tokens (two kinds of forward in "
+                        "turn; per-op and per-tensor figures count the --seq-len forward)")
     p.add_argument("--budget", default="50%")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)

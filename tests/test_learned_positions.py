@@ -47,16 +47,16 @@ def _stats(s) -> tuple:
 
 class _Noting(contextlib.AbstractContextManager):
     """``off`` as a step's context, noting in ``followed`` whether the step
-    follows learned positions."""
+    followed learned positions (known once its first op has run)."""
 
     def __init__(self, off, followed: list) -> None:
         self.off, self.followed = off, followed
 
     def __enter__(self):
         self.off.__enter__()
-        self.followed.append(tiermem.testing.following_learned_positions(self.off))
 
     def __exit__(self, *exc):
+        self.followed.append(tiermem.testing.following_learned_positions(self.off))
         return self.off.__exit__(*exc)
 
 
@@ -306,3 +306,66 @@ def test_a_tier_before_recompute_never_follows():
     assert off.stats.recompute_count > 0, "nothing reached the recompute tier"
     off.close()
     assert followed == [False, False, False]
+
+
+def _gpt_kinds(pattern: str, follow: bool, lengths: dict):
+    """A TinyGPT trained (AdamW) on sequences of the lengths ``pattern`` names,
+    in its order: per step (loss, grads, stats, followed, refusals planned)."""
+    from tiermem.models import GPTConfig, TinyGPT
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(vocab=64, layers=2, width=32, heads=4, seq_len=16, dropout=0.1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens = torch.randint(0, 64, (2, 16))
+    off = offloader("recompute") if follow is not None else None
+    if off is not None:
+        tiermem.testing.follow_learned_positions(off, follow)
+    out = []
+    for i, kind in enumerate(pattern):
+        x = tokens[:, :lengths[kind]].contiguous()
+        followed = []
+        ctx = contextlib.nullcontext() if off is None else _Noting(off, followed)
+        loss, grads = run_step(model, (x, x), ctx, seed=i, loss_fn=lambda y: y)
+        opt.step()
+        out.append((loss, grads, None if off is None else _stats(off.stats),
+                    bool(followed and followed[0]),
+                    None if off is None else tiermem.testing.refusals_planned(off)))
+    if off is not None:
+        off.close()
+    return out
+
+
+def test_forwards_of_two_shapes_in_turn_follow_the_positions_learned_for_each():
+    """Sequences of two lengths in turn (NOTE [Records learned by position],
+    rule 4): each length is a kind of forward with its own learned positions
+    and remembered refusals, so after one learning step of each, the steps
+    follow, plan no refusal again, and train, recompute and refuse exactly as
+    steps that record everything."""
+    pattern, lengths = "ABABABAB", {"A": 16, "B": 12}
+    ref = _gpt_kinds(pattern, None, lengths)
+    got = _gpt_kinds(pattern, True, lengths)
+    want = _gpt_kinds(pattern, False, lengths)
+    for i, (r, g, w) in enumerate(zip(ref, got, want)):
+        assert torch.equal(g[0], r[0]) and torch.equal(w[0], r[0]), i
+        assert all(torch.equal(g[1][n], r[1][n]) for n in r[1]), i
+        assert g[2] == w[2], f"step {i}: {g[2]} != {w[2]}"
+    assert got[0][2][0]["recompute"] > 0 and got[0][2][4], "nothing recomputed or refused"
+    assert [g[3] for g in got] == [False, False] + [True] * 6
+    assert not any(w[3] for w in want)
+    assert got[0][4] > 0 and got[1][4] > 0, "the learning steps planned no refusal"
+    assert [g[4] for g in got[2:]] == [0] * 6, "a refusal remembered per kind was planned again"
+
+
+def test_more_kinds_than_kept_in_turn_all_learn_and_stay_exact():
+    """MAX_KINDS + 1 lengths in turn: each kind is dropped before it comes
+    again (the least recently seen goes first), so every step learns; with
+    MAX_KINDS lengths, the second round follows."""
+    from tiermem.tiers.positions import MAX_KINDS
+    names = "ABCDEFGHIJ"[:MAX_KINDS + 1]
+    lengths = {k: 16 - i for i, k in enumerate(names)}
+    too_many = _gpt_kinds(names * 2, True, lengths)
+    assert not any(g[3] for g in too_many)
+    ref = _gpt_kinds(names * 2, None, lengths)
+    for i, (r, g) in enumerate(zip(ref, too_many)):
+        assert torch.equal(g[0], r[0]) and all(torch.equal(g[1][n], r[1][n]) for n in r[1]), i
+    fits = _gpt_kinds(names[:-1] * 2, True, lengths)
+    assert [g[3] for g in fits] == [False] * MAX_KINDS + [True] * MAX_KINDS

@@ -1,7 +1,7 @@
 """The recompute tier remembers its refusals from one forward to the next
 (NOTE [Refusals remembered] in tiermem/tiers/refusals.py): the next forward
-refuses the same tensors for the same reasons without planning them again,
-re-plans them after MAX_AGE forwards, and a different forward is planned."""
+of a kind refuses the same tensors for the same reasons without planning them
+again, re-plans them after MAX_AGE forwards, and a different forward is planned."""
 
 import pytest
 import torch
@@ -67,6 +67,27 @@ def test_another_forward_is_planned():
     assert _reasons(stats) == _reasons(ref)
     off.close()
     fresh.close()
+
+
+@pytest.mark.parametrize("policy", ["recompute", "recompute,cpu"])
+def test_forwards_of_two_kinds_in_turn_each_answer_their_own_refusals(policy):
+    """Sequence lengths 16 and 8 in turn: each is a kind of forward with its
+    own remembered refusals (NOTE [Records learned by position], 4), so from
+    the third step on none is planned again, and each step refuses what a
+    fresh Offloader does."""
+    model = _model()
+    off = tiermem.Offloader(policy=policy, min_offload_bytes=0)
+    planned = []
+    for i, seq in enumerate([16, 8] * 4):
+        _, _, stats = _step(model, off, seq=seq, seed=i)
+        planned.append(tiermem.testing.refusals_planned(off))
+        fresh = tiermem.Offloader(policy=policy, min_offload_bytes=0)
+        _, _, ref = _step(model, fresh, seq=seq, seed=i)
+        assert _reasons(stats) == _reasons(ref), i
+        fresh.close()
+    off.close()
+    assert planned[0] > 0 and planned[1] > 0, planned
+    assert planned[2:] == [0] * 6, planned
 
 
 def test_must_recompute_is_always_planned_and_raises():

@@ -50,7 +50,8 @@ def follow_learned_positions(off, enabled: bool) -> None:
 
 def following_learned_positions(off) -> bool:
     """Whether the step of ``off`` under way follows learned positions (records
-    in full only the ops the last learning step's recipes used)."""
+    in full only the ops the last learning step of its kind of forward used):
+    known once the step's first op has run, ``False`` before."""
     from ..policy import Tier
     return off._placement.stores[Tier.RECOMPUTE].positions.following
 

@@ -3,31 +3,32 @@ recipes of the last fully tracked forward used; by name, those that made its
 other candidates; no others (NOTE [Records learned by position])."""
 
 # NOTE [Records learned by position]
-# A forward like the last one builds its recipes from the ops at the same
-# positions (the n-th op the mode saw). So after a *learning* step of a named
-# policy with recompute first (every op recorded; a tier before it would make
-# the candidates depend on its state), *following* steps record in full only the
-# positions its recipes used, by name those that made its other candidates (a
-# refusal's key holds the op name), no others. Exact: a record is full or absent.
+# A forward like an earlier one of its kind builds its recipes from the ops at
+# the same positions (the n-th op the mode saw). So after a *learning* step of a
+# named policy with recompute first (every op recorded; a tier before it would
+# make the candidates depend on its state), the *following* steps of that kind
+# record in full only the positions its recipes used, by name those that made
+# its other candidates (a refusal's key holds the op name), no others. Exact: a
+# record is full or absent.
 # 1. each op must be the learned one, and at a recorded position have the same
 #    argument signature; from the first that differs the mode records every op;
 # 2. while it follows, a candidate without a full record that no remembered
-#    refusal answers gets one due for planning, else NO_PRODUCER (no record:
-#    inputs are saved before their op's check) or NOT_RECORDED (not kept);
+#    refusal answers gets one due for planning, else NO_PRODUCER or NOT_RECORDED;
 # 3. after 1 or 2, a failed forward, one of another length or a learning step
-#    without candidates, the next step learns; at most MAX_AGE - 1 steps follow
-#    in a row (so refusals are planned again, in a learning step, when due).
+#    without candidates, that kind learns next; at most MAX_AGE - 1 follow in a row;
+# 4. a kind is the first op with its signature; the last MAX_KINDS are kept.
 
 from __future__ import annotations
 
 from typing import Optional
 
-from .refusals import MAX_AGE
+from .refusals import MAX_AGE, MAX_KINDS
 
-__all__ = ["RecordPositions", "MAX_FOLLOWING", "NO_PRODUCER", "NOT_RECORDED"]
+__all__ = ["RecordPositions", "MAX_FOLLOWING", "MAX_KINDS", "NO_PRODUCER", "NOT_RECORDED"]
 
-#: Following steps in a row before a learning step (rule 3).
+#: Following steps of one kind in a row before a learning step (rule 3).
 MAX_FOLLOWING = MAX_AGE - 1
+
 
 #: The refusals of rule 2 (the first is the tier's own for a tensor without a record).
 NO_PRODUCER = "no recorded producer"
@@ -36,23 +37,26 @@ NOT_RECORDED = ("its op was not recorded in full (the forward differs from the o
 
 
 class RecordPositions:
-    """The learned positions of one Offloader's recompute tier (its steps'
-    forwards run one at a time, in one thread).
+    """The learned positions of one Offloader's recompute tier, per kind of
+    forward (its steps' forwards run one at a time, in one thread).
 
     A step that may follow (``ProducerMode.follows``: a named policy with
     recompute first, tracking the whole forward) calls :meth:`begin` as it
-    starts and :meth:`end` when its forward is over; in between, the tier
-    calls :meth:`candidate` for each tensor it is offered and :meth:`used` for
-    each recipe it builds (a learning step), and :meth:`missed` for rule 2 (a
-    following step)."""
+    starts and :meth:`end` when its forward is over; its mode calls
+    :meth:`choose` at its first op, whose kind says which positions it
+    follows, if any. In between, the tier calls :meth:`candidate` for each
+    tensor it is offered and :meth:`used` for each recipe it builds (a
+    learning step), and :meth:`missed` for rule 2 (a following step)."""
 
-    __slots__ = ("_learned", "_following_left", "_full", "_named", "_active",
-                 "_following", "_missed", "enabled")
+    __slots__ = ("_kinds", "_kind", "_full", "_named", "_active", "_following",
+                 "_missed", "enabled")
 
     def __init__(self) -> None:
-        #: Learned: (each position's op, position -> (arguments' signature, in full)).
-        self._learned: Optional[tuple] = None
-        self._following_left = 0
+        #: Per kind, least recently seen first: [learned, following steps left];
+        #: learned: (each position's op, position -> (arguments' signature, in
+        #: full)), or ``None``.
+        self._kinds: dict = {}
+        self._kind: Optional[list] = None   # this step's entry, once its first op ran
         self._full: dict = {}        # this learning step's recipes: position -> op name
         self._named: dict = {}       # its candidates' producers: the same
         self._active = False
@@ -62,18 +66,37 @@ class RecordPositions:
         self.enabled = True
 
     def begin(self, mode) -> None:
-        """A step starts with producer mode ``mode``: set what it records
-        (``learned``, or ``learning`` to learn: see ProducerMode)."""
+        """A step starts with producer mode ``mode``: it learns (``mode.learning``)
+        until its first op says otherwise (:meth:`choose`)."""
         self._active = True
         self._full, self._named = {}, {}
         self._missed = False
-        self._following = (self.enabled and self._learned is not None
-                           and self._following_left > 0)
-        if self._following:
-            self._following_left -= 1
-            mode.learned = self._learned
-        else:
-            mode.learning = []
+        self._following = False
+        self._kind = None
+        mode.learning = []
+        mode.chooser = self
+
+    def choose(self, mode) -> None:
+        """``mode``'s first op ran (``mode.kind`` is set): it follows the
+        positions learned for its kind (``mode.learned``), if any are due."""
+        kinds = self._kinds
+        try:
+            entry = kinds.pop(mode.kind, None)
+            key = mode.kind
+        except TypeError:   # an argument's signature that cannot be hashed
+            key = (mode.kind[0], None)
+            entry = kinds.pop(key, None)
+        if entry is None:
+            entry = [None, 0]
+            while len(kinds) >= MAX_KINDS:
+                del kinds[next(iter(kinds))]
+        kinds[key] = entry   # the most recently seen last
+        self._kind = entry
+        if self.enabled and entry[0] is not None and entry[1] > 0:
+            entry[1] -= 1
+            self._following = True
+            mode.learning = None
+            mode.learned = entry[0]
 
     @property
     def learning(self) -> bool:
@@ -82,7 +105,7 @@ class RecordPositions:
 
     @property
     def following(self) -> bool:
-        """Whether a following step is under way."""
+        """Whether a following step is under way (known from its first op)."""
         return self._active and self._following
 
     def candidate(self, rec) -> None:
@@ -99,7 +122,7 @@ class RecordPositions:
                     full[rec.position] = name
 
     def missed(self) -> None:
-        """Rule 2: the next step learns."""
+        """Rule 2: the next step of this kind learns."""
         self._missed = True
 
     def end(self, mode, failed: bool) -> None:
@@ -107,14 +130,18 @@ class RecordPositions:
         if not self._active:
             return
         self._active = False
-        if failed or (not self._following and not self._named):
-            self._learned = None   # failed, or nothing to learn from (no candidate)
+        mode.chooser = None
+        entry, self._kind = self._kind, None
+        if entry is None:
+            pass   # no op ran: nothing learned, nothing followed
+        elif failed or (not self._following and not self._named):
+            entry[0] = None   # failed, or nothing to learn from (no candidate)
         elif not self._following:
             seen = mode.learning or []
             marks = {p: (seen[p][1], p in self._full)
                      for p in set(self._named) | set(self._full)}
-            self._learned = ([info for info, _ in seen], marks)
-            self._following_left = MAX_FOLLOWING
-        elif self._missed or mode.diverged or mode.position != len(self._learned[0]):
-            self._following_left = 0
+            entry[0] = ([info for info, _ in seen], marks)
+            entry[1] = MAX_FOLLOWING
+        elif self._missed or mode.diverged or mode.position != len(entry[0][0]):
+            entry[1] = 0
         self._full, self._named = {}, {}

@@ -150,10 +150,14 @@ class ProducerMode(WriteWatch, TorchDispatchMode):
         #: (arguments' signature, whether in full)); ``diverged``: an op was
         #: another than learned; ``learning``: ``None``, or where a learning step
         #: keeps (``_OpInfo``, signature) of each op (NOTE [Records learned by
-        #: position] in tiers/positions.py).
+        #: position] in tiers/positions.py); ``kind``: ``None`` until the first
+        #: op, then its (``_OpInfo``, signature); ``chooser``: the
+        #: RecordPositions told of it (a step that may follow), else ``None``.
         self.position = 0
         self.ops_in_full = 0   # ops recorded in full (a recipe can run them)
         self.follows = False   # its step may follow learned positions
+        self.kind: Optional[tuple] = None
+        self.chooser = None
         self.learned: Optional[tuple] = None
         self.diverged = False
         self.learning: Optional[list] = None
@@ -252,7 +256,15 @@ class ProducerMode(WriteWatch, TorchDispatchMode):
             self.ops_run += 1
             self.last_op = info
         learning = self.learning
-        if learning is not None:   # a learning step: one entry per position
+        if not position:   # the forward's kind: NOTE [Records learned by position], 4
+            sig = _signature(args)
+            self.kind = (info, sig)
+            if self.chooser is not None:
+                self.chooser.choose(self)
+                learning = self.learning
+            if learning is not None:
+                learning.append((info, sig))
+        elif learning is not None:   # a learning step: one entry per position
             learning.append((info, _signature(args)))
         if _inference_mode():   # inference tensors: nothing to record
             return _run_as_without_mode(func, types, args, kwargs)
