@@ -18,7 +18,7 @@ import tiermem
 import tiermem.testing
 from helpers import compare_records, offloader, reference_steps, run_step
 from models import make_case
-from tiermem.tiers.positions import MAX_FOLLOWING, NOT_RECORDED
+from tiermem.tiers.positions import MAX_FOLLOWING, MAX_KINDS, NOT_RECORDED
 from tiermem.tracking.producers import ProducerMode
 
 
@@ -248,9 +248,9 @@ def _mlp(width: int) -> nn.Module:
 @pytest.mark.parametrize("pattern", ["ABABAB", "AEAEAE"])
 def test_alternating_forwards_choose_as_recording_everything(pattern):
     """Two models in turn (or a forward under no_grad, ``E``, between two of
-    one model): every op is checked against the learned one, so a forward of
-    the other model records everything from its first op; a learning step
-    without candidates teaches nothing."""
+    one model): each model is a kind of forward of its own (their first ops
+    take weights of other shapes), and a forward without candidates counts for
+    nothing; the choices are those of steps that record everything."""
     torch.manual_seed(0)
     models = {"A": (_mlp(32), torch.randn(8, 32)), "B": (_mlp(48), torch.randn(8, 48))}
 
@@ -308,12 +308,31 @@ def test_a_tier_before_recompute_never_follows():
     assert followed == [False, False, False]
 
 
-def _gpt_kinds(pattern: str, follow: bool, lengths: dict):
+class _CompiledFirst(nn.Module):
+    """A compiled head first (its saved tensors are packed before the
+    producer mode sees an op), then a TinyGPT."""
+
+    def __init__(self, gpt: nn.Module) -> None:
+        super().__init__()
+        self.head = torch.compile(nn.Sequential(nn.Linear(8, 8), nn.Tanh()),
+                                  backend="aot_eager", dynamic=False)
+        self.gpt = gpt
+        self.z = torch.randn(4, 8)
+
+    def forward(self, idx, targets):
+        h = self.head(self.z)
+        return self.gpt(idx, targets) + h.sum()
+
+
+def _gpt_kinds(pattern: str, follow: bool, lengths: dict, compiled_first: bool = False):
     """A TinyGPT trained (AdamW) on sequences of the lengths ``pattern`` names,
-    in its order: per step (loss, grads, stats, followed, refusals planned)."""
+    in its order: per step (loss, grads, stats, followed, refusals planned),
+    and the kinds of forward ``off`` keeps at the end."""
     from tiermem.models import GPTConfig, TinyGPT
     torch.manual_seed(0)
     model = TinyGPT(GPTConfig(vocab=64, layers=2, width=32, heads=4, seq_len=16, dropout=0.1))
+    if compiled_first:
+        model = _CompiledFirst(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     tokens = torch.randint(0, 64, (2, 16))
     off = offloader("recompute") if follow is not None else None
@@ -329,21 +348,25 @@ def _gpt_kinds(pattern: str, follow: bool, lengths: dict):
         out.append((loss, grads, None if off is None else _stats(off.stats),
                     bool(followed and followed[0]),
                     None if off is None else tiermem.testing.refusals_planned(off)))
+    kept = None
     if off is not None:
+        kept = tiermem.testing.forward_kinds_kept(off)
         off.close()
-    return out
+    return out, kept
 
 
-def test_forwards_of_two_shapes_in_turn_follow_the_positions_learned_for_each():
+@pytest.mark.parametrize("compiled_first", [False, True], ids=["gpt", "compiled_first"])
+def test_forwards_of_two_shapes_in_turn_follow_the_positions_learned_for_each(compiled_first):
     """Sequences of two lengths in turn (NOTE [Records learned by position],
     rule 4): each length is a kind of forward with its own learned positions
     and remembered refusals, so after one learning step of each, the steps
     follow, plan no refusal again, and train, recompute and refuse exactly as
-    steps that record everything."""
+    steps that record everything. ``compiled_first``: tensors are saved
+    before the first tracked op (their refusals go to the forward's kind too)."""
     pattern, lengths = "ABABABAB", {"A": 16, "B": 12}
-    ref = _gpt_kinds(pattern, None, lengths)
-    got = _gpt_kinds(pattern, True, lengths)
-    want = _gpt_kinds(pattern, False, lengths)
+    ref, _ = _gpt_kinds(pattern, None, lengths, compiled_first)
+    got, _ = _gpt_kinds(pattern, True, lengths, compiled_first)
+    want, _ = _gpt_kinds(pattern, False, lengths, compiled_first)
     for i, (r, g, w) in enumerate(zip(ref, got, want)):
         assert torch.equal(g[0], r[0]) and torch.equal(w[0], r[0]), i
         assert all(torch.equal(g[1][n], r[1][n]) for n in r[1]), i
@@ -352,20 +375,56 @@ def test_forwards_of_two_shapes_in_turn_follow_the_positions_learned_for_each():
     assert [g[3] for g in got] == [False, False] + [True] * 6
     assert not any(w[3] for w in want)
     assert got[0][4] > 0 and got[1][4] > 0, "the learning steps planned no refusal"
-    assert [g[4] for g in got[2:]] == [0] * 6, "a refusal remembered per kind was planned again"
+    planned = [g[4] for g in got[2:]]
+    assert planned == [w[4] for w in want[2:]], "refusals planned again, or answered wrongly"
+    if not compiled_first:   # the compiled head's outputs (no record) are planned: no cost
+        assert planned == [0] * 6, "a refusal remembered per kind was planned again"
 
 
 def test_more_kinds_than_kept_in_turn_all_learn_and_stay_exact():
     """MAX_KINDS + 1 lengths in turn: each kind is dropped before it comes
-    again (the least recently seen goes first), so every step learns; with
+    again, so every step learns, and no more than MAX_KINDS are kept; with
     MAX_KINDS lengths, the second round follows."""
-    from tiermem.tiers.positions import MAX_KINDS
     names = "ABCDEFGHIJ"[:MAX_KINDS + 1]
     lengths = {k: 16 - i for i, k in enumerate(names)}
-    too_many = _gpt_kinds(names * 2, True, lengths)
+    too_many, kept = _gpt_kinds(names * 2, True, lengths)
     assert not any(g[3] for g in too_many)
-    ref = _gpt_kinds(names * 2, None, lengths)
+    assert kept == MAX_KINDS
+    ref, _ = _gpt_kinds(names * 2, None, lengths)
     for i, (r, g) in enumerate(zip(ref, too_many)):
         assert torch.equal(g[0], r[0]) and all(torch.equal(g[1][n], r[1][n]) for n in r[1]), i
-    fits = _gpt_kinds(names[:-1] * 2, True, lengths)
+    fits, _ = _gpt_kinds(names[:-1] * 2, True, lengths)
     assert [g[3] for g in fits] == [False] * MAX_KINDS + [True] * MAX_KINDS
+
+
+def test_the_least_recently_seen_kind_is_dropped_first():
+    """Kinds 0..7, then 0 again, then a ninth kind: it drops kind 1 (the least
+    recently seen), not kind 0 (the first one made)."""
+    names = "ABCDEFGHI"[:MAX_KINDS + 1]
+    lengths = {k: 16 - i for i, k in enumerate(names)}
+    first, second, new = names[0], names[1], names[MAX_KINDS]
+    pattern = names[:MAX_KINDS] + first + new + first + second
+    got, _ = _gpt_kinds(pattern, True, lengths)
+    assert [g[3] for g in got] == [False] * MAX_KINDS + [True, False, True, False]
+
+
+def test_forwards_without_candidates_do_not_count_as_following_steps():
+    """Evaluation forwards under ``no_grad`` between training steps follow
+    (same kind) but have no candidate: they age no refusal and end nothing,
+    so the training steps still follow MAX_FOLLOWING times in a row before
+    one learns again (rule 3)."""
+    torch.manual_seed(0)
+    model, x = _mlp(32), torch.randn(8, 32)
+    off = offloader("recompute")
+    trained = []
+    for i in range(MAX_FOLLOWING + 3):
+        followed = []
+        with _Noting(off, followed):
+            loss = model(x).sum()
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        trained.append(followed[0])
+        with off, torch.no_grad():
+            model(x)   # one op fewer (no sum): it follows, diverges, and counts for nothing
+    off.close()
+    assert trained == [False] + [True] * MAX_FOLLOWING + [False, True]

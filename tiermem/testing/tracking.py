@@ -24,6 +24,7 @@ __all__ = [
     "ops_in_full",
     "follow_learned_positions",
     "following_learned_positions",
+    "forward_kinds_kept",
 ]
 
 
@@ -54,6 +55,13 @@ def following_learned_positions(off) -> bool:
     known once the step's first op has run, ``False`` before."""
     from ..policy import Tier
     return off._placement.stores[Tier.RECOMPUTE].positions.following
+
+
+def forward_kinds_kept(off) -> int:
+    """How many kinds of forward the recompute tier of ``off`` keeps learned
+    positions and refusals of (NOTE [Records learned by position], rule 4)."""
+    from ..policy import Tier
+    return len(off._placement.stores[Tier.RECOMPUTE].positions.kinds)
 
 
 def alias_index_size(mode) -> int:

@@ -14,15 +14,15 @@ other candidates; no others (NOTE [Records learned by position])."""
 #    argument signature; from the first that differs the mode records every op;
 # 2. while it follows, a candidate without a full record that no remembered
 #    refusal answers gets one due for planning, else NO_PRODUCER or NOT_RECORDED;
-# 3. after 1 or 2, a failed forward, one of another length or a learning step
-#    without candidates, that kind learns next; at most MAX_AGE - 1 follow in a row;
-# 4. a kind is the first op with its signature; the last MAX_KINDS are kept.
+# 3. the kind learns next after a failed forward, a learning step with nothing to
+#    learn, or (if it had candidates) 1, 2, another length or MAX_AGE - 1 following;
+# 4. a kind is the first op with its signature: the last MAX_KINDS, with refusals.
 
 from __future__ import annotations
 
 from typing import Optional
 
-from .refusals import MAX_AGE, MAX_KINDS
+from .refusals import MAX_AGE, MAX_KINDS, Kinds
 
 __all__ = ["RecordPositions", "MAX_FOLLOWING", "MAX_KINDS", "NO_PRODUCER", "NOT_RECORDED"]
 
@@ -48,20 +48,21 @@ class RecordPositions:
     tensor it is offered and :meth:`used` for each recipe it builds (a
     learning step), and :meth:`missed` for rule 2 (a following step)."""
 
-    __slots__ = ("_kinds", "_kind", "_full", "_named", "_active", "_following",
-                 "_missed", "enabled")
+    __slots__ = ("kinds", "_kind", "_full", "_named", "_active", "_following",
+                 "_missed", "_offered", "enabled")
 
-    def __init__(self) -> None:
-        #: Per kind, least recently seen first: [learned, following steps left];
-        #: learned: (each position's op, position -> (arguments' signature, in
-        #: full)), or ``None``.
-        self._kinds: dict = {}
-        self._kind: Optional[list] = None   # this step's entry, once its first op ran
+    def __init__(self, kinds: Kinds) -> None:
+        #: Per kind, shared with the tier's refusals: ``learned`` (each position's
+        #: op, position -> (arguments' signature, in full)) or ``None``, and the
+        #: steps that may still follow it.
+        self.kinds = kinds
+        self._kind = None            # this step's entry, once its first op ran
         self._full: dict = {}        # this learning step's recipes: position -> op name
         self._named: dict = {}       # its candidates' producers: the same
         self._active = False
         self._following = False
         self._missed = False
+        self._offered = False        # the tier was offered a tensor in this step
         #: Off: every step learns (tiermem.testing.follow_learned_positions).
         self.enabled = True
 
@@ -70,8 +71,7 @@ class RecordPositions:
         until its first op says otherwise (:meth:`choose`)."""
         self._active = True
         self._full, self._named = {}, {}
-        self._missed = False
-        self._following = False
+        self._missed = self._offered = self._following = False
         self._kind = None
         mode.learning = []
         mode.chooser = self
@@ -79,24 +79,17 @@ class RecordPositions:
     def choose(self, mode) -> None:
         """``mode``'s first op ran (``mode.kind`` is set): it follows the
         positions learned for its kind (``mode.learned``), if any are due."""
-        kinds = self._kinds
-        try:
-            entry = kinds.pop(mode.kind, None)
-            key = mode.kind
-        except TypeError:   # an argument's signature that cannot be hashed
-            key = (mode.kind[0], None)
-            entry = kinds.pop(key, None)
-        if entry is None:
-            entry = [None, 0]
-            while len(kinds) >= MAX_KINDS:
-                del kinds[next(iter(kinds))]
-        kinds[key] = entry   # the most recently seen last
-        self._kind = entry
-        if self.enabled and entry[0] is not None and entry[1] > 0:
-            entry[1] -= 1
+        entry = self._kind = self.kinds.seen(mode.kind)
+        if self.enabled and entry.learned is not None and entry.following_left > 0:
+            entry.following_left -= 1
             self._following = True
             mode.learning = None
-            mode.learned = entry[0]
+            mode.learned = entry.learned
+
+    @property
+    def active(self) -> bool:
+        """Whether a step that may follow is under way (begun, not ended)."""
+        return self._active
 
     @property
     def learning(self) -> bool:
@@ -110,7 +103,8 @@ class RecordPositions:
 
     def candidate(self, rec) -> None:
         """The tier is offered a tensor made by ``rec`` (``None``: unrecorded)."""
-        if rec is not None and rec.position >= 0:
+        self._offered = True
+        if rec is not None and rec.position >= 0 and not self._following:
             self._named[rec.position] = rec.name
 
     def used(self, ops) -> None:
@@ -134,14 +128,18 @@ class RecordPositions:
         entry, self._kind = self._kind, None
         if entry is None:
             pass   # no op ran: nothing learned, nothing followed
-        elif failed or (not self._following and not self._named):
-            entry[0] = None   # failed, or nothing to learn from (no candidate)
+        elif failed:
+            entry.learned = None
+        elif not self._offered:   # no candidate: nothing planned or aged (rule 3)
+            if self._following:
+                entry.following_left += 1
         elif not self._following:
             seen = mode.learning or []
             marks = {p: (seen[p][1], p in self._full)
                      for p in set(self._named) | set(self._full)}
-            entry[0] = ([info for info, _ in seen], marks)
-            entry[1] = MAX_FOLLOWING
-        elif self._missed or mode.diverged or mode.position != len(entry[0][0]):
-            entry[1] = 0
+            # Nothing to learn from (no candidate with a record): learn again.
+            entry.learned = ([info for info, _ in seen], marks) if marks else None
+            entry.following_left = MAX_FOLLOWING
+        elif self._missed or mode.diverged or mode.position != len(entry.learned[0]):
+            entry.following_left = 0
         self._full, self._named = {}, {}

@@ -58,7 +58,7 @@ from ..policy import Tier
 from ..tracking.producers import Record, Ref
 from .base import Layout, RecipeServices, TierStore, exact_copy
 from .positions import NO_PRODUCER, NOT_RECORDED, RecordPositions
-from .refusals import Refusals
+from .refusals import Kinds, Refusals
 from .replay import _Cached, _no_autocast
 from .keep import Kept
 
@@ -161,10 +161,11 @@ class RecomputeStore(TierStore):
     tier = Tier.RECOMPUTE
 
     def __init__(self) -> None:
+        kinds = Kinds()   # NOTE [Records learned by position], 4
         #: NOTE [Refusals remembered] in tiers/refusals.py.
-        self.refusals = Refusals()
+        self.refusals = Refusals(kinds)
         #: NOTE [Records learned by position] in tiers/positions.py.
-        self.positions = RecordPositions()
+        self.positions = RecordPositions(kinds)
 
     # -- forward ----------------------------------------------------------------
     def put(self, t: torch.Tensor, step: RecipeServices, module: str = "",
@@ -186,10 +187,10 @@ class RecomputeStore(TierStore):
                                module, producers.position)
         known = None if must else refusals.known(key)   # NOTE [Refusals remembered]
         positions = self.positions   # NOTE [Records learned by position]
-        if positions.learning:
+        if positions.active:
             positions.candidate(rec)
-        elif (known is None and (rec is None or rec.func is None) and producers is not None
-              and producers.learned is not None):
+        if (known is None and (rec is None or rec.func is None) and producers is not None
+                and producers.learned is not None):
             # Rule 2. Once the mode records every op (rule 1) a candidate is planned
             # as in a learning step: a key changed at a position recorded by name
             # means other arguments there (an op's output shape follows from them).

@@ -19,55 +19,91 @@ from __future__ import annotations
 import weakref
 from typing import Any, Optional
 
-__all__ = ["Refusals", "MAX_AGE", "MAX_KINDS"]
+__all__ = ["Refusals", "Kinds", "MAX_AGE", "MAX_KINDS"]
 
 #: Forwards of its kind in a row a remembered refusal is answered before it is
 #: planned again.
 MAX_AGE = 8
 
-#: Kinds of forward whose refusals are kept (the least recently seen dropped first).
+#: Kinds of forward the recompute tier keeps what it learned of (the least
+#: recently seen dropped first).
 MAX_KINDS = 8
+
+
+class _Kind:
+    """What the recompute tier keeps of one kind of forward: its learned
+    positions (``learned``: see RecordPositions), the steps that may still
+    follow them, and the refusals of its last forward (key -> (reason, age))."""
+
+    __slots__ = ("learned", "following_left", "refusals")
+
+    def __init__(self) -> None:
+        self.learned: Optional[tuple] = None
+        self.following_left = 0
+        self.refusals: dict = {}
+
+
+class Kinds:
+    """The last MAX_KINDS kinds of forward (``ProducerMode.kind``) of one
+    recompute tier, shared by its refusals and its learned positions, so that
+    both keep the same kinds."""
+
+    __slots__ = ("_kinds",)
+
+    def __init__(self) -> None:
+        self._kinds: dict = {}   # kind -> _Kind, least recently seen first
+
+    def seen(self, kind: Any) -> _Kind:
+        """The entry of ``kind``, made if new, now the most recently seen."""
+        kinds = self._kinds
+        entry = kinds.pop(kind, None)
+        if entry is None:
+            entry = _Kind()
+            while len(kinds) >= MAX_KINDS:
+                del kinds[next(iter(kinds))]
+        kinds[kind] = entry
+        return entry
+
+    def __len__(self) -> int:
+        return len(self._kinds)
 
 
 class Refusals:
     """The refusals of the last forward of each kind and of this one (one
     Offloader, one thread: its steps' forwards run one at a time)."""
 
-    __slots__ = ("_step", "_position", "_kind", "_before", "_now", "_kinds")
+    __slots__ = ("_step", "_position", "_entry", "_before", "_now", "kinds")
 
-    def __init__(self) -> None:
+    def __init__(self, kinds: Kinds) -> None:
         self._step: Optional[weakref.ref] = None   # the step whose forward counts now
         self._position = 0
-        self._kind: Any = None    # its kind
+        self._entry: Optional[_Kind] = None   # its kind's, once known
+
         self._before: dict = {}   # key -> (reason, age) from the last forward of its kind
         self._now: dict = {}      # the same, this forward
-        self._kinds: dict = {}    # kind -> its last forward's, least recently seen first
+        self.kinds = kinds
 
     def key(self, step: Any, kind: Any, op: Optional[str], nbytes: int, module: str,
             ops_before: int) -> tuple:
         """The key of the next candidate of ``step``'s forward (counted in
-        order); ``kind``: the forward's (``ProducerMode.kind``, ``None`` if
-        untracked); ``ops_before``: the ops its producer mode saw before this
-        pack (an unrecorded tensor saved at another point is another candidate)."""
+        order); ``kind``: the forward's (``ProducerMode.kind``: ``None`` until
+        its first tracked op, or if untracked); ``ops_before``: the ops its
+        producer mode saw before this pack (an unrecorded tensor saved at
+        another point is another candidate)."""
         if self._step is None or self._step() is not step:
-            self._new_forward(step, kind)
+            if self._entry is not None:
+                self._entry.refusals = self._now   # the last forward's
+            self._step, self._position, self._now = weakref.ref(step), 0, {}
+            self._entry = None
+            self._before = {}
+        if kind is not None and self._entry is None:
+            # Kind None (saved before the first tracked op: a compiled part, say;
+            # such a tensor has no record, refused at once) remembers nothing.
+            self._entry = self.kinds.seen(kind)
+            self._before = self._entry.refusals
         position = self._position
         self._position = position + 1
         return (position, ops_before, op, nbytes, module)
-
-    def _new_forward(self, step: Any, kind: Any) -> None:
-        kinds = self._kinds
-        if self._step is not None:
-            kinds.pop(self._kind, None)
-            kinds[self._kind] = self._now   # the most recently seen last
-            while len(kinds) > MAX_KINDS:
-                del kinds[next(iter(kinds))]
-        try:
-            hash(kind)
-        except TypeError:   # an argument's signature that cannot be hashed
-            kind = (kind[0], None)
-        self._step, self._kind, self._position = weakref.ref(step), kind, 0
-        self._before, self._now = kinds.get(kind, {}), {}
 
     def known(self, key: tuple, due_too: bool = False) -> Optional[str]:
         """The reason the last forward refused ``key`` for, if it is to be
