@@ -5,7 +5,7 @@ recompute the same tensors and report the same refusals as steps that record
 everything; a forward of other shapes, another op sequence, a new candidate
 or a failed forward sends the next step back to learning.
 
-Runtime: ~5 s on 2 shared cores (measured 2026-12-04, a CI run beside it).
+Runtime: ~10 s on 2 shared cores (measured 2026-12-04; ~20 s with a CI run beside it).
 """
 
 import contextlib
@@ -318,16 +318,21 @@ class _CompiledFirst(nn.Module):
                                   backend="aot_eager", dynamic=False)
         self.gpt = gpt
         self.z = torch.randn(4, 8)
+        self.head_calls = 1   # tensors saved before the first tracked op: 2 per call
 
     def forward(self, idx, targets):
-        h = self.head(self.z)
+        h = self.z
+        for _ in range(self.head_calls):
+            h = self.head(h)
         return self.gpt(idx, targets) + h.sum()
 
 
-def _gpt_kinds(pattern: str, follow: bool, lengths: dict, compiled_first: bool = False):
+def _gpt_kinds(pattern: str, follow: bool, lengths: dict, compiled_first: bool = False,
+               head_calls: dict = None):
     """A TinyGPT trained (AdamW) on sequences of the lengths ``pattern`` names,
     in its order: per step (loss, grads, stats, followed, refusals planned),
-    and the kinds of forward ``off`` keeps at the end."""
+    and the kinds of forward ``off`` keeps at the end. ``head_calls``: per
+    name, the calls of the compiled head (``compiled_first``)."""
     from tiermem.models import GPTConfig, TinyGPT
     torch.manual_seed(0)
     model = TinyGPT(GPTConfig(vocab=64, layers=2, width=32, heads=4, seq_len=16, dropout=0.1))
@@ -341,6 +346,8 @@ def _gpt_kinds(pattern: str, follow: bool, lengths: dict, compiled_first: bool =
     out = []
     for i, kind in enumerate(pattern):
         x = tokens[:, :lengths[kind]].contiguous()
+        if head_calls:
+            model.head_calls = head_calls[kind]
         followed = []
         ctx = contextlib.nullcontext() if off is None else _Noting(off, followed)
         loss, grads = run_step(model, (x, x), ctx, seed=i, loss_fn=lambda y: y)
@@ -379,6 +386,20 @@ def test_forwards_of_two_shapes_in_turn_follow_the_positions_learned_for_each(co
     assert planned == [w[4] for w in want[2:]], "refusals planned again, or answered wrongly"
     if not compiled_first:   # the compiled head's outputs (no record) are planned: no cost
         assert planned == [0] * 6, "a refusal remembered per kind was planned again"
+
+
+def test_more_tensors_saved_before_the_first_tracked_op_leave_the_refusals_in_place():
+    """One kind (the first tracked op is the same), but a compiled head before
+    it saves 2 or 4 tensors: the refusals' keys count from the kind's first op,
+    so the following steps still find them and choose as recording everything."""
+    pattern, lengths, calls = "AABBA", {"A": 16, "B": 16}, {"A": 1, "B": 2}
+    ref, _ = _gpt_kinds(pattern, None, lengths, True, calls)
+    got, _ = _gpt_kinds(pattern, True, lengths, True, calls)
+    want, _ = _gpt_kinds(pattern, False, lengths, True, calls)
+    for i, (r, g, w) in enumerate(zip(ref, got, want)):
+        assert torch.equal(g[0], r[0]) and all(torch.equal(g[1][n], r[1][n]) for n in r[1]), i
+        assert g[2] == w[2], f"step {i}: {g[2]} != {w[2]}"
+    assert [g[3] for g in got] == [False] + [True] * 4
 
 
 def test_more_kinds_than_kept_in_turn_all_learn_and_stay_exact():
@@ -428,3 +449,28 @@ def test_forwards_without_candidates_do_not_count_as_following_steps():
             model(x)   # one op fewer (no sum): it follows, diverges, and counts for nothing
     off.close()
     assert trained == [False] + [True] * MAX_FOLLOWING + [False, True]
+
+
+def test_forwards_without_candidates_take_no_kind():
+    """MAX_KINDS forwards of new lengths under ``no_grad`` (nothing offered to
+    the tier) between training steps: they keep no kind, so the training
+    kind is still there and its steps go on following."""
+    from tiermem.models import GPTConfig, TinyGPT
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(vocab=64, layers=2, width=32, heads=4, seq_len=16))
+    tokens = torch.randint(0, 64, (2, 16))
+    off = offloader("recompute")
+    trained = []
+    for i in range(4):
+        followed = []
+        with _Noting(off, followed):
+            loss = model(tokens, tokens)
+        loss.backward()
+        trained.append(followed[0])
+        if i == 1:
+            for n in range(4, 4 + MAX_KINDS):
+                with off, torch.no_grad():
+                    model(tokens[:, :n].contiguous())
+    assert tiermem.testing.forward_kinds_kept(off) == 1
+    off.close()
+    assert trained == [False, True, True, True]

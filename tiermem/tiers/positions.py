@@ -16,7 +16,7 @@ other candidates; no others (NOTE [Records learned by position])."""
 #    refusal answers gets one due for planning, else NO_PRODUCER or NOT_RECORDED;
 # 3. the kind learns next after a failed forward, a learning step with nothing to
 #    learn, or (if it had candidates) 1, 2, another length or MAX_AGE - 1 following;
-# 4. a kind is the first op with its signature: the last MAX_KINDS, with refusals.
+# 4. a kind is the first op with its signature; the last MAX_KINDS with candidates.
 
 from __future__ import annotations
 
@@ -79,8 +79,9 @@ class RecordPositions:
     def choose(self, mode) -> None:
         """``mode``'s first op ran (``mode.kind`` is set): it follows the
         positions learned for its kind (``mode.learned``), if any are due."""
-        entry = self._kind = self.kinds.seen(mode.kind)
-        if self.enabled and entry.learned is not None and entry.following_left > 0:
+        entry = self._kind = self.kinds.get(mode.kind)   # made at its first candidate
+        if (self.enabled and entry is not None and entry.learned is not None
+                and entry.following_left > 0):
             entry.following_left -= 1
             self._following = True
             mode.learning = None
@@ -126,14 +127,16 @@ class RecordPositions:
         self._active = False
         mode.chooser = None
         entry, self._kind = self._kind, None
-        if entry is None:
+        if mode.kind is None:
             pass   # no op ran: nothing learned, nothing followed
         elif failed:
-            entry.learned = None
+            if entry is not None:
+                entry.learned = None
         elif not self._offered:   # no candidate: nothing planned or aged (rule 3)
             if self._following:
                 entry.following_left += 1
         elif not self._following:
+            entry = self.kinds.seen(mode.kind)   # the refusals made it: most recent
             seen = mode.learning or []
             marks = {p: (seen[p][1], p in self._full)
                      for p in set(self._named) | set(self._full)}

@@ -44,9 +44,9 @@ class _Kind:
 
 
 class Kinds:
-    """The last MAX_KINDS kinds of forward (``ProducerMode.kind``) of one
-    recompute tier, shared by its refusals and its learned positions, so that
-    both keep the same kinds."""
+    """The last MAX_KINDS kinds of forward (``ProducerMode.kind``) whose
+    tensors one recompute tier was offered, shared by its refusals and its
+    learned positions, so that both keep the same kinds."""
 
     __slots__ = ("_kinds",)
 
@@ -63,6 +63,10 @@ class Kinds:
                 del kinds[next(iter(kinds))]
         kinds[kind] = entry
         return entry
+
+    def get(self, kind: Any) -> Optional[_Kind]:
+        """The entry of ``kind`` if kept, left where it is in the order."""
+        return self._kinds.get(kind)
 
     def __len__(self) -> int:
         return len(self._kinds)
@@ -101,6 +105,7 @@ class Refusals:
             # such a tensor has no record, refused at once) remembers nothing.
             self._entry = self.kinds.seen(kind)
             self._before = self._entry.refusals
+            self._position = 0   # its keys: ops_before >= 1, unlike those before it
         position = self._position
         self._position = position + 1
         return (position, ops_before, op, nbytes, module)
