@@ -20,8 +20,6 @@ other candidates; no others (NOTE [Records learned by position])."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 from .refusals import MAX_AGE, MAX_KINDS, Kinds
 
 __all__ = ["RecordPositions", "MAX_FOLLOWING", "MAX_KINDS", "NO_PRODUCER", "NOT_RECORDED"]
@@ -56,7 +54,7 @@ class RecordPositions:
         #: op, position -> (arguments' signature, in full)) or ``None``, and the
         #: steps that may still follow it.
         self.kinds = kinds
-        self._kind = None            # this step's entry, once its first op ran
+        self._kind = None            # this step's kind's entry, if kept, once its first op ran
         self._full: dict = {}        # this learning step's recipes: position -> op name
         self._named: dict = {}       # its candidates' producers: the same
         self._active = False
