@@ -27,7 +27,6 @@ __all__ = ["RecordPositions", "MAX_FOLLOWING", "MAX_KINDS", "NO_PRODUCER", "NOT_
 #: Following steps of one kind in a row before a learning step (rule 3).
 MAX_FOLLOWING = MAX_AGE - 1
 
-
 #: The refusals of rule 2 (the first is the tier's own for a tensor without a record).
 NO_PRODUCER = "no recorded producer"
 NOT_RECORDED = ("its op was not recorded in full (the forward differs from the one whose "
@@ -134,7 +133,7 @@ class RecordPositions:
             if self._following:
                 entry.following_left += 1
         elif not self._following:
-            entry = self.kinds.seen(mode.kind)   # the refusals made it: most recent
+            entry = self.kinds.seen(mode.kind)   # made by the refusals, or here
             seen = mode.learning or []
             marks = {p: (seen[p][1], p in self._full)
                      for p in set(self._named) | set(self._full)}

@@ -180,11 +180,10 @@ class RecomputeStore(TierStore):
         rec = None if producers is None else producers.record_of(t)
         nbytes = t.numel() * t.element_size()
         refusals = self.refusals
-        if producers is None:
-            key = refusals.key(step, None, None if rec is None else rec.name, nbytes, module, -1)
-        else:
-            key = refusals.key(step, producers.kind, None if rec is None else rec.name, nbytes,
-                               module, producers.position)
+        kind, ops_before = (None, -1) if producers is None else (producers.kind,
+                                                                 producers.position)
+        key = refusals.key(step, kind, None if rec is None else rec.name, nbytes, module,
+                           ops_before)
         known = None if must else refusals.known(key)   # NOTE [Refusals remembered]
         positions = self.positions   # NOTE [Records learned by position]
         if positions.active:

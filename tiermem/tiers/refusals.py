@@ -82,7 +82,6 @@ class Refusals:
         self._step: Optional[weakref.ref] = None   # the step whose forward counts now
         self._position = 0
         self._entry: Optional[_Kind] = None   # its kind's, once known
-
         self._before: dict = {}   # key -> (reason, age) from the last forward of its kind
         self._now: dict = {}      # the same, this forward
         self.kinds = kinds
